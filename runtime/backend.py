@@ -1,0 +1,82 @@
+"""The engine backend interface: one call runs one batch of sequence chunks.
+
+The runtime (scheduler, block manager) decides which tokens run and which KV blocks they
+use; a backend only executes. Backends own the KV pool memory and write each step's new
+K/V rows into it. The ONNX Runtime backend implements this on CPU; a TensorRT backend
+implements the same interface on GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from runtime.engine_config import EngineConfig
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """One sequence's share of a step: `token_ids` go at positions past_len, past_len+1, ...
+
+    `block_table` must cover every position up to past_len + len(token_ids).
+    """
+
+    token_ids: Sequence[int]
+    past_len: int
+    block_table: Sequence[int]
+
+
+@dataclass(frozen=True)
+class StepTensors:
+    """A step packed into the graph's padded [batch, step] layout (see builder/INTERFACE.md)."""
+
+    input_ids: np.ndarray  # [B, S] int64
+    positions: np.ndarray  # [B, S] int64
+    seq_lens: np.ndarray  # [B] int64
+    past_lens: np.ndarray  # [B] int64
+    block_tables: np.ndarray  # [B, M] int64, M = blocks holding cached rows (>= 1)
+    row_index: np.ndarray  # flat indices into B*S of the real (non-padding) rows
+    slots: np.ndarray  # pool slot (block*block_size + offset) of each real row
+
+    @classmethod
+    def pack(cls, chunks: Sequence[SequenceChunk], block_size: int) -> StepTensors:
+        batch = len(chunks)
+        step = max(len(c.token_ids) for c in chunks)
+        table_blocks = max(1, max(-(-c.past_len // block_size) for c in chunks))
+        input_ids = np.zeros((batch, step), np.int64)
+        positions = np.zeros((batch, step), np.int64)
+        block_tables = np.zeros((batch, table_blocks), np.int64)
+        rows, slots = [], []
+        for b, chunk in enumerate(chunks):
+            n, past = len(chunk.token_ids), chunk.past_len
+            pos = np.arange(past, past + n)
+            table = np.asarray(chunk.block_table, np.int64)
+            input_ids[b, :n] = chunk.token_ids
+            positions[b, :n] = pos
+            positions[b, n:] = pos[-1]  # padding rows repeat the last position (never all-masked)
+            cached = min(len(table), table_blocks)
+            block_tables[b, :cached] = table[:cached]
+            rows.append(b * step + np.arange(n))
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        return cls(
+            input_ids=input_ids,
+            positions=positions,
+            seq_lens=np.array([len(c.token_ids) for c in chunks], np.int64),
+            past_lens=np.array([c.past_len for c in chunks], np.int64),
+            block_tables=block_tables,
+            row_index=np.concatenate(rows),
+            slots=np.concatenate(slots),
+        )
+
+
+class EngineBackend(Protocol):
+    config: EngineConfig
+    num_blocks: int
+
+    def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
+        """Run the chunks; write their K/V into the pool; return float32 logits [len(chunks), vocab]
+        of each chunk's last token."""
+        ...

@@ -1,0 +1,66 @@
+"""The engine directory as the runtime sees it: manifest.json plus the files it names."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from builder.model_spec import ModelSpec
+
+MANIFEST = "manifest.json"
+FORMAT = "trtserve-engine"
+FORMAT_VERSION = 1
+
+
+class EngineLoadError(Exception):
+    """The engine directory is missing, incomplete or from an incompatible build."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    engine_dir: Path
+    backend: str
+    dtype: str
+    block_size: int
+    max_batch_size: int
+    max_seq_len: int
+    graph_file: str
+    model: ModelSpec
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.block_size)
+
+    @classmethod
+    def load(cls, engine_dir: str | Path) -> EngineConfig:
+        engine_dir = Path(engine_dir)
+        path = engine_dir / MANIFEST
+        if not path.is_file():
+            raise EngineLoadError(
+                f"{engine_dir} is not an engine directory (no {MANIFEST}); "
+                "build one with: build-engine --model ... --output DIR"
+            )
+        try:
+            manifest = json.loads(path.read_text())
+            if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+                raise EngineLoadError(
+                    f"{path}: format {manifest.get('format')!r} v{manifest.get('format_version')} "
+                    f"is not {FORMAT!r} v{FORMAT_VERSION}; rebuild the engine"
+                )
+            limits = manifest["limits"]
+            config = cls(
+                engine_dir=engine_dir,
+                backend=manifest["backend"],
+                dtype=manifest["dtype"],
+                block_size=limits["block_size"],
+                max_batch_size=limits["max_batch_size"],
+                max_seq_len=limits["max_seq_len"],
+                graph_file=manifest["graph"]["file"],
+                model=ModelSpec.from_dict(manifest["model"]),
+            )
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise EngineLoadError(f"{path} is malformed ({type(exc).__name__}: {exc}); rebuild") from None
+        if not (engine_dir / config.graph_file).is_file():
+            raise EngineLoadError(f"{engine_dir}: graph file {config.graph_file} is missing; rebuild")
+        return config

@@ -1,0 +1,32 @@
+"""Tokenizer access for an engine directory (the build copies the tokenizer into it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runtime.engine_config import EngineConfig
+
+
+def load_tokenizer(engine_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(Path(engine_dir), local_files_only=True)
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """Token ids for a user prompt; with `chat`, wrapped in the model's chat template."""
+    if chat:
+        if not tokenizer.chat_template:
+            raise ValueError("this model has no chat template: use --no-chat")
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(prompt)
+
+
+def stop_token_ids(tokenizer, config: EngineConfig) -> tuple[int, ...]:
+    ids = set(config.model.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
