@@ -1,0 +1,69 @@
+"""Shared fixtures: engines are built once per session into a temp dir.
+
+Checkpoints come from the on-disk cache (tiny seeded models, the converted SmolLM2 GGUF);
+nothing is downloaded from a model hub.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from builder.build import BuildOptions, build_engine
+from builder.sources import load_checkpoint, resolve_model
+from builder.tiny import TINY_MODELS
+
+TINY_BLOCK_SIZE = 8
+TINY_MAX_SEQ_LEN = 256
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _offline() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def engines_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("engines")
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_MODELS))
+def tiny_name(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_name: str, engines_dir: Path) -> Path:
+    out = engines_dir / tiny_name
+    if not out.exists():
+        build_engine(
+            BuildOptions(
+                model=tiny_name,
+                output=out,
+                max_batch_size=8,
+                max_seq_len=TINY_MAX_SEQ_LEN,
+                block_size=TINY_BLOCK_SIZE,
+            )
+        )
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_name: str):
+    """(model, tokenizer) of the same seeded checkpoint the tiny engine was built from."""
+    return load_checkpoint(resolve_model(tiny_name))
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(engines_dir: Path) -> Path:
+    out = engines_dir / "smollm2-135m"
+    if not out.exists():
+        build_engine(BuildOptions(model="smollm2-135m", output=out, max_batch_size=8, max_seq_len=1024))
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    return load_checkpoint(resolve_model("smollm2-135m"))
