@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.text import Text
 from transformers.utils import logging as transformers_logging
 
 from builder.build import BACKENDS, BuildOptions, build_engine
@@ -101,7 +102,7 @@ def main(model, output, max_batch_size, max_seq_len, block_size, dtype, backend,
     try:
         manifest = build_engine(options, step=_report_step)
     except BuildError as exc:
-        console.print(f"[red]build-engine: error:[/] {exc}")
+        console.print(Text.assemble(("build-engine: error: ", "bold red"), str(exc)), soft_wrap=True)
         raise SystemExit(1) from None
     verify = manifest["verification"]
     console.print(

@@ -84,7 +84,7 @@ def validate_checkpoint_dir(path: Path) -> dict:
             f"{config_path}: unsupported architecture {architectures or '(none given)'}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    if not any(path.glob(p) for p in WEIGHT_PATTERNS):
+    if not any(next(path.glob(p), None) for p in WEIGHT_PATTERNS):
         raise ModelSourceError(f"{path} holds no weight files ({' or '.join(WEIGHT_PATTERNS)})")
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise ModelSourceError(f"{path} holds no tokenizer ({' or '.join(TOKENIZER_FILES)})")

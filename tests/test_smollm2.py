@@ -1,0 +1,103 @@
+"""SmolLM2-135M (the default real model) through the exported engine vs HF eager.
+
+Greedy tokens must be identical on 20 chat-templated prompts of varied lengths. Logits:
+float32 on both sides, 30 layers; measured max |diff| ~5e-5 against logits of ~30, so the
+test allows 1e-3 (20x headroom; a real fault moves logits by > 0.1).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.backend import SequenceChunk
+from runtime.engine_config import EngineConfig
+from runtime.greedy import greedy_generate
+from runtime.ort_backend import OrtBackend
+from runtime.text import encode_prompt, stop_token_ids
+from tests.helpers import hf_greedy, hf_logits
+
+pytestmark = pytest.mark.slow
+ATOL = 1e-3
+MAX_NEW_TOKENS = 24
+
+LONG_CONTEXT = (
+    "The Transformer architecture relies on self-attention to relate every token of a sequence "
+    "to every other token. During inference, keys and values of past tokens are cached so that "
+    "each new token only needs to attend to them instead of recomputing the whole prefix. "
+)
+PROMPTS = [
+    "Hi",
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 12 times 12?",
+    "Translate 'good morning' into Spanish.",
+    "Write a haiku about the sea.",
+    "Give me a synonym for 'happy'.",
+    "Why is the sky blue? Answer in one sentence.",
+    "List the planets of the solar system in order from the sun.",
+    "Explain what a KV cache is in a language model, briefly.",
+    "What does the Python function len() do?",
+    "Write a short poem about autumn leaves falling in a quiet park at dusk.",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+    "How many days are there in a leap year, and why do leap years exist?",
+    "Suggest a name for a friendly robot that helps in the kitchen.",
+    "What is the boiling point of water at sea level in Celsius and Fahrenheit?",
+    "Describe the water cycle to a ten-year-old.",
+    "Summarize this text: " + LONG_CONTEXT * 2,
+    "Summarize this text in one sentence: " + LONG_CONTEXT * 5,
+    "Read the following notes and say what they are about. " + LONG_CONTEXT * 9,
+]
+
+
+@pytest.fixture(scope="module")
+def setup(smollm2_engine, smollm2_hf):
+    model, tokenizer = smollm2_hf
+    config = EngineConfig.load(smollm2_engine)
+    return model, tokenizer, config, OrtBackend(config)
+
+
+def test_prompts_have_varied_lengths(setup):
+    _, tokenizer, _, _ = setup
+    lengths = [len(encode_prompt(tokenizer, p, chat=True)) for p in PROMPTS]
+    assert len(PROMPTS) == 20 and min(lengths) < 40 and max(lengths) > 500
+
+
+def test_greedy_tokens_identical_to_hf_generate(setup):
+    model, tokenizer, config, backend = setup
+    prompts = [encode_prompt(tokenizer, p, chat=True) for p in PROMPTS]
+    stop = stop_token_ids(tokenizer, config)
+    got = greedy_generate(backend, prompts, MAX_NEW_TOKENS, stop, prefill_chunk=256)
+    want = [hf_greedy(model, p, MAX_NEW_TOKENS, stop) for p in prompts]
+    mismatches = [
+        (i, tokenizer.decode(g), tokenizer.decode(w)) for i, (g, w) in enumerate(zip(got, want)) if g != w
+    ]
+    assert not mismatches
+    answer = tokenizer.decode(got[1], skip_special_tokens=True)
+    assert answer.strip() == "The capital of France is Paris."
+
+
+def test_logits_chunked_and_prefix_reuse_match_hf(setup):
+    model, tokenizer, config, backend = setup
+    tokens = encode_prompt(tokenizer, PROMPTS[18], chat=True)
+    ref = hf_logits(model, tokens)
+    n, bs = len(tokens), config.block_size
+    need = -(-n // bs)
+    one_shot = backend.step([SequenceChunk(tokens, 0, list(range(need)))])[0]
+    np.testing.assert_allclose(one_shot, ref[-1], atol=ATOL)
+    table = list(range(need, 2 * need))
+    for start in range(0, n, 100):  # chunked prefill, chunks not aligned to blocks
+        chunked = backend.step([SequenceChunk(tokens[start : start + 100], start, table)])[0]
+    np.testing.assert_allclose(chunked, ref[-1], atol=ATOL)
+    # A prompt whose first full blocks already sit in the pool (from the one-shot run).
+    shared_blocks = (n - 1) // bs
+    reused = backend.step(
+        [
+            SequenceChunk(
+                tokens[shared_blocks * bs :],
+                shared_blocks * bs,
+                list(range(shared_blocks)) + list(range(2 * need, 2 * need + 2)),
+            )
+        ]
+    )[0]
+    np.testing.assert_allclose(reused, ref[-1], atol=ATOL)
