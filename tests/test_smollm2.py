@@ -70,7 +70,9 @@ def test_greedy_tokens_identical_to_hf_generate(setup):
     got = greedy_generate(backend, prompts, MAX_NEW_TOKENS, stop, prefill_chunk=256)
     want = [hf_greedy(model, p, MAX_NEW_TOKENS, stop) for p in prompts]
     mismatches = [
-        (i, tokenizer.decode(g), tokenizer.decode(w)) for i, (g, w) in enumerate(zip(got, want)) if g != w
+        (i, tokenizer.decode(g), tokenizer.decode(w))
+        for i, (g, w) in enumerate(zip(got, want, strict=True))
+        if g != w
     ]
     assert not mismatches
     answer = tokenizer.decode(got[1], skip_special_tokens=True)
