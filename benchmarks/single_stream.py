@@ -17,13 +17,12 @@ import click
 import numpy as np
 import torch
 
+from benchmarks.report import write_results
 from builder.sources import load_checkpoint, resolve_model
 from runtime.backend import SequenceChunk
 from runtime.engine_config import EngineConfig
 from runtime.ort_backend import OrtBackend
 from runtime.text import encode_prompt, load_tokenizer
-
-from benchmarks.report import write_results
 
 PROMPT = "Explain how a paged KV cache works in an LLM serving system."
 

@@ -160,19 +160,31 @@ class _DecoderGraph:
         scale = self.w(name + ".weight", self.weights[weight_key])
         return self.g.op("RMSNormalization", x, scale, axis=-1, epsilon=self.spec.rms_norm_eps, name=name)
 
+    def linear(self, x: str, name: str, keys: list[str], bias: bool = False) -> str:
+        """x @ concat(weights).T (+ bias): HF [out, in] matrices fused into one MatMul."""
+        weight = np.concatenate([self.weights[k + ".weight"] for k in keys], axis=0).T
+        y = self.g.op("MatMul", x, self.w(name, weight), name=name)
+        if bias:
+            y = self.g.op(
+                "Add", y, self.w(name + ".bias", np.concatenate([self.weights[k + ".bias"] for k in keys]))
+            )
+        return y
+
     def layer(self, i, hidden, positions, block_tables, key_cache, value_cache, mask):
-        g, spec, p = self.g, self.spec, f"model.layers.{i}."
-        q_dim, kv = spec.num_heads * spec.head_dim, spec.kv_width
+        """One decoder layer; returns (hidden, this step's K, this step's V)."""
+        p = f"model.layers.{i}."
         x = self.rms_norm(hidden, p + "input_layernorm.weight", f"layer{i}.input_norm")
-        attn = p + "self_attn."
-        w_qkv = np.concatenate([self.weights[attn + f"{n}_proj.weight"] for n in "qkv"], axis=0).T
-        qkv = g.op("MatMul", x, self.w(f"layer{i}.qkv_proj", w_qkv), name=f"layer{i}.qkv_proj")
-        if spec.qkv_bias:
-            bias = np.concatenate([self.weights[attn + f"{n}_proj.bias"] for n in "qkv"])
-            qkv = g.op("Add", qkv, self.w(f"layer{i}.qkv_bias", bias))
-        q, k, v = g.op_multi(
-            "Split", qkv, g.const([q_dim, kv, kv]), axis=-1, num_outputs=3, name=f"layer{i}.split_qkv"
-        )
+        ctx, k, v = self.attention(i, x, positions, block_tables, key_cache, value_cache, mask)
+        hidden = self.g.op("Add", hidden, self.linear(ctx, f"layer{i}.o_proj", [p + "self_attn.o_proj"]))
+        x = self.rms_norm(hidden, p + "post_attention_layernorm.weight", f"layer{i}.post_norm")
+        return self.g.op("Add", hidden, self.mlp(i, x)), k, v
+
+    def attention(self, i, x, positions, block_tables, key_cache, value_cache, mask):
+        g, spec = self.g, self.spec
+        proj = [f"model.layers.{i}.self_attn.{n}_proj" for n in "qkv"]
+        qkv = self.linear(x, f"layer{i}.qkv_proj", proj, bias=spec.qkv_bias)
+        q_dim, kv = spec.num_heads * spec.head_dim, spec.kv_width
+        q, k, v = g.op_multi("Split", qkv, g.const([q_dim, kv, kv]), axis=-1, num_outputs=3)
         cos, sin = self.rope
         q = g.op("RotaryEmbedding", q, cos, sin, positions, num_heads=spec.num_heads, name=f"layer{i}.rope_q")
         k = g.op(
@@ -181,34 +193,18 @@ class _DecoderGraph:
         keys = g.op("Concat", self.gather_cached(key_cache, block_tables, f"layer{i}.k"), k, axis=1)
         values = g.op("Concat", self.gather_cached(value_cache, block_tables, f"layer{i}.v"), v, axis=1)
         ctx = g.op(
-            "Attention",
-            q,
-            keys,
-            values,
-            mask,
-            q_num_heads=spec.num_heads,
-            kv_num_heads=spec.num_kv_heads,
-            scale=float(spec.head_dim) ** -0.5,
-            name=f"layer{i}.attention",
-        )
-        hidden = g.op(
-            "Add",
-            hidden,
-            g.op("MatMul", ctx, self.w(f"layer{i}.o_proj", self.weights[attn + "o_proj.weight"].T)),
-        )
-        x = self.rms_norm(hidden, p + "post_attention_layernorm.weight", f"layer{i}.post_norm")
-        mlp = p + "mlp."
-        w_gate_up = np.concatenate(
-            [self.weights[mlp + "gate_proj.weight"], self.weights[mlp + "up_proj.weight"]]
-        ).T
-        gate_up = g.op(
-            "MatMul", x, self.w(f"layer{i}.gate_up_proj", w_gate_up), name=f"layer{i}.gate_up_proj"
-        )
-        inter = spec.intermediate_size
+            "Attention", q, keys, values, mask,
+            q_num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads,
+            scale=float(spec.head_dim) ** -0.5, name=f"layer{i}.attention",
+        )  # fmt: skip
+        return ctx, k, v
+
+    def mlp(self, i: int, x: str) -> str:
+        g, inter, p = self.g, self.spec.intermediate_size, f"model.layers.{i}.mlp."
+        gate_up = self.linear(x, f"layer{i}.gate_up_proj", [p + "gate_proj", p + "up_proj"])
         gate, up = g.op_multi("Split", gate_up, g.const([inter, inter]), axis=-1, num_outputs=2)
         act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up, name=f"layer{i}.swiglu")
-        down = g.op("MatMul", act, self.w(f"layer{i}.down_proj", self.weights[mlp + "down_proj.weight"].T))
-        return g.op("Add", hidden, down), k, v
+        return self.linear(act, f"layer{i}.down_proj", [p + "down_proj"])
 
     def gather_cached(self, cache: str, block_tables: str, name: str) -> str:
         """[num_blocks, bs, kv] pool + [B, M] table -> [B, M*bs, kv] cached rows in order."""

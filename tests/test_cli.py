@@ -155,3 +155,11 @@ def test_console_scripts_are_installed(cli_engine):
         check=True,
     )
     assert out.stdout.strip()
+
+
+def test_float16_engine_builds_and_passes_its_verification(tmp_path):
+    result = build(tmp_path / "fp16", "--dtype", "float16", "--json")
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((tmp_path / "fp16" / "manifest.json").read_text())
+    assert manifest["dtype"] == "float16" and manifest["kv_layout"]["bytes_per_token"] == 2 * 2 * 64 * 2
+    assert max(manifest["verification"]["max_abs_error"].values()) < manifest["verification"]["tolerance"]
