@@ -1,0 +1,25 @@
+"""trtserve runtime: in-flight batching over compiled engines.
+
+from runtime import LLM, SamplingParams
+llm = LLM("engines/smollm2-135m")
+[out] = llm.generate([[{"role": "user", "content": "Hi!"}]], SamplingParams(temperature=0))
+"""
+
+from runtime.async_llm import AsyncLLM
+from runtime.errors import InvalidRequest, Overloaded
+from runtime.llm import LLM
+from runtime.llm_engine import EngineArgs, LLMEngine
+from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "CompletionOutput",
+    "EngineArgs",
+    "InvalidRequest",
+    "LLMEngine",
+    "Overloaded",
+    "RequestOutput",
+    "SamplingParams",
+]

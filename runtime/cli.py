@@ -9,7 +9,8 @@ from pathlib import Path
 
 import click
 
-from runtime.engine_config import EngineConfig, EngineLoadError
+from runtime.engine_config import EngineLoadError
+from runtime.errors import InvalidRequest
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -37,40 +38,45 @@ def main() -> None:
     "--chat/--no-chat",
     default=True,
     show_default=True,
-    help="Wrap the prompt in the model's chat template as a user message.",
+    help="Send the prompt as a user message through the model's chat template.",
 )
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-k", default=0, show_default=True, type=int, help="0 = off.")
+@click.option("--seed", default=None, type=int, help="Makes sampling reproducible.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable); not included in the output.")
 @click.option("--stats", is_flag=True, help="Print token counts and timing to stderr.")
-def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, stats: bool) -> None:
-    """Greedy-decode an answer to PROMPT and print it."""
+def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, temperature: float, top_p: float,
+             top_k: int, seed: int | None, stop: tuple[str, ...], stats: bool) -> None:  # fmt: skip
+    """Generate an answer to --prompt and stream it to stdout."""
     from transformers.utils import logging as transformers_logging
 
-    from runtime.greedy import greedy_generate
-    from runtime.ort_backend import OrtBackend
-    from runtime.text import encode_prompt, load_tokenizer, stop_token_ids
+    from runtime.llm_engine import LLMEngine
+    from runtime.sampling_params import SamplingParams
 
     logging.basicConfig(level=logging.WARNING)
     transformers_logging.set_verbosity_error()
     try:
-        config = EngineConfig.load(engine_dir)
-        backend = OrtBackend(config, num_blocks=config.max_blocks_per_seq)
-        tokenizer = load_tokenizer(engine_dir)
-        prompt_ids = encode_prompt(tokenizer, prompt, chat)
         if not prompt.strip():
-            raise ValueError("--prompt is empty")
-        if len(prompt_ids) + max_tokens > config.max_seq_len:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + --max-tokens ({max_tokens}) exceeds the "
-                f"engine's max_seq_len ({config.max_seq_len})"
-            )
-    except (EngineLoadError, ValueError) as exc:
+            raise InvalidRequest("--prompt", "must not be empty")
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                seed=seed, stop=stop)  # fmt: skip
+        engine = LLMEngine(engine_dir)
+        engine.add_request([{"role": "user", "content": prompt}] if chat else prompt, params)
+    except (EngineLoadError, InvalidRequest) as exc:
         raise click.ClickException(str(exc)) from None
-    start = time.perf_counter()
-    [output] = greedy_generate(backend, [prompt_ids], max_tokens, stop_token_ids(tokenizer, config))
-    elapsed = time.perf_counter() - start
-    click.echo(tokenizer.decode(output, skip_special_tokens=True).strip())
-    if stats:
+    start, final = time.perf_counter(), None
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            click.echo(delta.text, nl=False)
+            final = delta if delta.finished else final
+    click.echo()
+    if stats and final is not None:
+        elapsed = time.perf_counter() - start
+        s = final.stats
         print(
-            f"prompt {len(prompt_ids)} tokens, generated {len(output)} tokens in {elapsed:.2f} s "
-            f"({len(output) / elapsed:.1f} tok/s incl. prefill)",
+            f"prompt {final.num_prompt_tokens} tokens, generated {final.num_output_tokens} "
+            f"({final.finish_reason}) in {elapsed:.2f} s; TTFT {1000 * s['ttft_s']:.0f} ms, "
+            f"{(final.num_output_tokens - 1) / max(s['e2e_s'] - s['ttft_s'], 1e-9):.1f} tok/s decode",
             file=sys.stderr,
         )

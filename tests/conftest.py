@@ -34,20 +34,25 @@ def tiny_name(request) -> str:
     return request.param
 
 
+def build_tiny(name: str, engines_dir: Path) -> Path:
+    out = engines_dir / name
+    if not out.exists():
+        options = BuildOptions(
+            model=name, output=out, max_batch_size=8, max_seq_len=TINY_MAX_SEQ_LEN, block_size=TINY_BLOCK_SIZE
+        )
+        build_engine(options)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_name: str, engines_dir: Path) -> Path:
-    out = engines_dir / tiny_name
-    if not out.exists():
-        build_engine(
-            BuildOptions(
-                model=tiny_name,
-                output=out,
-                max_batch_size=8,
-                max_seq_len=TINY_MAX_SEQ_LEN,
-                block_size=TINY_BLOCK_SIZE,
-            )
-        )
-    return out
+    return build_tiny(tiny_name, engines_dir)
+
+
+@pytest.fixture(scope="session")
+def llama_engine(engines_dir: Path) -> Path:
+    """The tiny Llama engine, for runtime tests that need one model, not every architecture."""
+    return build_tiny("tiny-llama", engines_dir)
 
 
 @pytest.fixture(scope="session")

@@ -121,8 +121,8 @@ def test_generate_prints_an_answer(cli_engine):
     ("args", "message"),
     [
         (["--engine", "/nonexistent", "--prompt", "hi"], "is not an engine directory"),
-        (["--prompt", "word " * 200], "exceeds the engine's max_seq_len (128)"),
-        (["--prompt", "   "], "--prompt is empty"),
+        (["--prompt", "word " * 200], "exceeds the engine's max sequence length (128)"),
+        (["--prompt", "   "], "--prompt: must not be empty"),
         (["--prompt", "hi", "--max-tokens", "0"], "Invalid value for '--max-tokens'"),
     ],
 )

@@ -13,9 +13,9 @@ import pytest
 
 from runtime.backend import SequenceChunk
 from runtime.engine_config import EngineConfig
-from runtime.greedy import greedy_generate
 from runtime.ort_backend import OrtBackend
 from tests.conftest import TINY_BLOCK_SIZE
+from tests.greedy_reference import greedy_generate
 from tests.helpers import hf_greedy, hf_logits, random_prompts
 
 ATOL = 1e-4

@@ -12,9 +12,9 @@ import pytest
 
 from runtime.backend import SequenceChunk
 from runtime.engine_config import EngineConfig
-from runtime.greedy import greedy_generate
 from runtime.ort_backend import OrtBackend
 from runtime.text import encode_prompt, stop_token_ids
+from tests.greedy_reference import greedy_generate
 from tests.helpers import hf_greedy, hf_logits
 
 pytestmark = pytest.mark.slow

@@ -1,12 +1,11 @@
-"""A minimal greedy generate loop over an engine backend.
+"""A minimal greedy generate loop straight over an engine backend: the independent
+reference the scheduler-driven engine is compared with (itself checked against HF eager
+in test_engine_parity).
 
 Each step makes at most two backend calls: one for every decoding sequence (one token each)
 and one for the next prefill chunk of every sequence still prefilling. Two calls rather than
 one because the graph takes a padded [batch, step] layout: padding decodes to a prefill
 chunk's length would multiply their cost by the chunk length.
-
-The in-flight-batching scheduler (admission, budgets, prefix caching, preemption, sampling)
-is runtime work built on the same backend interface; this loop is its correctness baseline.
 """
 
 from __future__ import annotations

@@ -1,0 +1,67 @@
+"""Admission: turn a user prompt and parameters into token ids, or a clear error.
+
+Runs in the caller's thread (no engine state touched), so a bad request fails before it
+is queued and never disturbs requests already running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from runtime.errors import InvalidRequest
+from runtime.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int] | Sequence[dict[str, Any]]  # text, token ids, or chat messages
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class Admission:
+    def __init__(self, tokenizer, vocab_size: int, max_seq_len: int, max_tokens_in_pool: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
+        self.max_tokens_in_pool = max_tokens_in_pool
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("prompt", "must not be empty")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, Sequence) or not prompt:
+            raise InvalidRequest("prompt", "must be a non-empty string, token id list or message list")
+        if all(isinstance(m, dict) for m in prompt):
+            return self._chat(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequest("prompt", "a list prompt must hold only token ids or only messages")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest("prompt", f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        return list(prompt)
+
+    def _chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        for i, message in enumerate(messages):
+            if message.get("role") not in ROLES or not isinstance(message.get("content"), str):
+                raise InvalidRequest(
+                    f"messages[{i}]", f"needs 'role' (one of {', '.join(ROLES)}) and string 'content'"
+                )
+        if not self.tokenizer.chat_template:
+            raise InvalidRequest("messages", "this model has no chat template; send a text prompt")
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """A request that could never run is rejected now rather than queued forever."""
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_seq_len:
+            raise InvalidRequest(
+                "max_tokens",
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"the engine's max sequence length ({self.max_seq_len})",
+            )
+        if total > self.max_tokens_in_pool:
+            raise InvalidRequest(
+                "max_tokens",
+                f"prompt + max_tokens = {total} tokens exceeds the KV cache "
+                f"({self.max_tokens_in_pool} tokens)",
+            )

@@ -1,0 +1,121 @@
+"""Async engine: the engine loop runs on its own thread; callers stream deltas.
+
+    engine = AsyncLLM(engine_dir)
+    async for delta in engine.generate("Hello", SamplingParams(max_tokens=32)):
+        print(delta.text, end="")
+
+Leaving the `async for` early (break, cancellation, client disconnect) aborts the request
+and frees its KV blocks at once. Admission errors (InvalidRequest, Overloaded) are raised
+by `generate` before the first delta.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+from runtime.admission import Prompt
+from runtime.llm_engine import EngineArgs, LLMEngine
+from runtime.outputs import RequestOutput
+from runtime.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    def __init__(
+        self,
+        engine_dir: str | Path,
+        args: EngineArgs | None = None,
+        on_finished: Callable[[RequestOutput], None] | None = None,
+    ):
+        self.engine = LLMEngine(engine_dir, args)
+        self.on_finished = on_finished  # e.g. metrics: called on the engine thread
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="trtserve-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        if self._error is not None:
+            raise RuntimeError(f"engine loop died: {self._error!r}")
+        if self._stopping:
+            raise RuntimeError("engine is shutting down")
+        request_id = request_id or uuid.uuid4().hex
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        try:
+            self.engine.add_request(prompt, params, request_id)
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                delta = await queue.get()
+                if isinstance(delta, BaseException):
+                    raise delta
+                finished = delta.finished
+                yield delta
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.engine.abort(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a live request now (frees its KV blocks); its stream ends with 'abort'."""
+        out = self.engine.abort(request_id)
+        if out is not None:
+            self._deliver(out)
+        return out is not None
+
+    def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+        """Stop accepting requests, let running ones finish (up to the timeout), stop the loop."""
+        self._stopping = True
+        self._thread_join(drain_timeout_s)
+        for request_id in list(self.engine.requests):
+            self.abort(request_id)
+        self._wake.set()
+
+    def _thread_join(self, timeout: float) -> None:
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not (self._stopping and not engine.has_unfinished_requests()):
+                if not engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.1)
+                    self._wake.clear()
+                    continue
+                for out in engine.step():
+                    self._deliver(out)
+        except BaseException as exc:  # surface to every waiting caller instead of hanging them
+            log.exception("engine loop failed")
+            self._error = exc
+            for request_id in list(self._queues):
+                self._deliver_error(request_id, exc)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        if out.finished and self.on_finished is not None:
+            self.on_finished(out)
+        target = self._queues.get(out.request_id)
+        if target is not None:
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
+        target = self._queues.get(request_id)
+        if target is not None:
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, RuntimeError(f"engine loop died: {exc!r}"))

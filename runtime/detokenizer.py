@@ -1,0 +1,180 @@
+"""Streaming detokenization and stop-string matching for one request.
+
+Token ids arrive one at a time; the client must see text deltas whose concatenation equals a
+one-shot `tokenizer.decode` of all generated ids, with no broken UTF-8 in between. Stop strings
+are matched on that text (not on tokens), since a stop string rarely aligns with token edges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens kept as decoding context: enough for tokenizers whose decode of a lone token
+# differs from its decode in context (SentencePiece drops a leading space at sequence start).
+PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text deltas (the vLLM / TGI prefix/read-offset scheme).
+
+    `tokens[prefix_offset:read_offset]` is already-emitted context; each step decodes it with and
+    without the new tokens and emits the difference. The context makes leading-space handling
+    match a full decode; holding back text ending in U+FFFD waits out multi-byte characters that
+    byte-level BPE splits across tokens (emoji, CJK).
+    """
+
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        # Only the prompt tail matters as context; the prompt itself is never emitted.
+        self._tokens: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        # A prompt of raw ids may end mid-character; its completion would then be swallowed into
+        # the context, so decode without context (exactly what a full decode of the output does).
+        if self._tokens and self._decode(self._tokens).endswith(REPLACEMENT_CHAR):
+            self._tokens = []
+        self._num_context = len(self._tokens)
+        self.prefix_offset = 0
+        self.read_offset = len(self._tokens)
+        self._text: list[str] = []
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self._tokens[self._num_context :]
+
+    @property
+    def output_text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._text)
+
+    def add(self, token_id: int) -> str:
+        """Append one generated id; return the text it makes decodable (possibly "")."""
+        self._tokens.append(token_id)
+        return self._step(final=False)
+
+    def flush(self) -> str:
+        """At end of generation, release text held back for an unfinished character.
+
+        A sequence that really ends in invalid UTF-8 (or in a literal U+FFFD) decodes to U+FFFD
+        in a full decode too, so emitting it keeps the deltas equal to `tokenizer.decode`.
+        """
+        return self._step(final=True) if self.read_offset < len(self._tokens) else ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+    def _step(self, final: bool) -> str:
+        prefix_text = self._decode(self._tokens[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self._tokens[self.prefix_offset :])
+        # Not longer: the new ids decoded to nothing yet (a skipped special token, or bytes
+        # that merge into a character); keep the window so they are decoded in context later.
+        if len(new_text) <= len(prefix_text) or (new_text.endswith(REPLACEMENT_CHAR) and not final):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self._tokens)
+        self._text.append(delta)
+        return delta
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text without ever leaking part of one.
+
+    The longest suffix of the pending text that could still begin a stop string is held back.
+    Generation stops at the first character where any stop string is complete (ties: the
+    longest, i.e. earliest-starting, one), so the result does not depend on how the text was
+    split into deltas; for non-overlapping stops this is simply the earliest occurrence.
+    """
+
+    def __init__(self, stops: Sequence[str], include_stop_str_in_output: bool = False) -> None:
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        self._stops = tuple(dict.fromkeys(stops))
+        self._include = include_stop_str_in_output
+        self._held = ""
+        self.stopped = False
+        self.matched: str | None = None  # the stop string that ended generation
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Return (text safe to emit now, stopped). After a stop, nothing more is emitted."""
+        if self.stopped:
+            return "", True
+        if not self._stops:
+            return delta, False
+        text = self._held + delta
+        best: tuple[int, int, str] | None = None  # (end, -len, stop)
+        for stop in self._stops:
+            i = text.find(stop)
+            if i >= 0 and (best is None or (i + len(stop), -len(stop)) < best[:2]):
+                best = (i + len(stop), -len(stop), stop)
+        if best is not None:
+            end, neg_len, stop = best
+            self.stopped, self.matched, self._held = True, stop, ""
+            return text[: end if self._include else end + neg_len], True
+        keep = self._partial_suffix_len(text)
+        self._held = text[len(text) - keep :]
+        return text[: len(text) - keep], False
+
+    def flush(self) -> str:
+        """Generation ended for another reason (EOS, max_tokens): the held text was no stop."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
+
+    def _partial_suffix_len(self, text: str) -> int:
+        # No complete stop is in `text` here, so only proper prefixes can match.
+        longest = max(len(s) for s in self._stops) - 1
+        for k in range(min(longest, len(text)), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self._stops):
+                return k
+        return 0
+
+
+class DetokenizedStream:
+    """Per-request text stream: ids in, stop-checked text deltas out. One `add` per token."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int],
+        stops: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+        self.matcher = StopStringMatcher(stops, include_stop_str_in_output)
+        self._emitted: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """Everything emitted to the client so far."""
+        return "".join(self._emitted)
+
+    @property
+    def stopped(self) -> bool:
+        return self.matcher.stopped
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Feed one generated id; return (text to emit, stop string hit)."""
+        if self.matcher.stopped:
+            return "", True
+        out, stopped = self.matcher.feed(self.detokenizer.add(token_id))
+        self._emitted.append(out)
+        return out, stopped
+
+    def finish(self) -> str:
+        """Generation ended without a stop string: emit what was held back.
+
+        The detokenizer's leftover is fed through the matcher first, so a stop completed by it
+        still truncates (check `stopped` afterwards).
+        """
+        if self.matcher.stopped:
+            return ""
+        out, stopped = self.matcher.feed(self.detokenizer.flush())
+        if not stopped:
+            out += self.matcher.flush()
+        self._emitted.append(out)
+        return out

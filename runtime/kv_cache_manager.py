@@ -1,0 +1,118 @@
+"""Per-request KV blocks on top of the pool: allocation on demand and prefix caching.
+
+Prefix caching hashes each *full* block of a request's tokens, chained through the
+previous block's hash, so equal hashes mean equal whole prefixes. A block is indexed only
+after its K/V have been written (`cache_computed_blocks`, called after each engine step):
+the backend writes a step's K/V after the graph ran, so a block indexed earlier could be
+read by another sequence of the same step before it holds data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from runtime.block_pool import BlockPool, KVBlock
+from runtime.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    data = parent + np.asarray(tokens, np.int64).tobytes()
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of which found in the cache
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The request's chained hashes of its first `num_blocks` full blocks (memoized)."""
+        tokens, bs, hashes = request.all_token_ids, self.block_size, request.block_hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(block_hash(hashes[-1] if hashes else b"", tokens[i * bs : (i + 1) * bs]))
+        return hashes[:num_blocks]
+
+    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+        """Longest cached prefix of full blocks, capped so at least one token is computed
+        (the last token's logits are needed to sample)."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for h in self._hashes(request, max_blocks):
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's prefix lookup (not the retries of a blocked one)."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += num_hit_tokens
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()
+    ) -> bool:
+        """Give the request blocks for `num_new_tokens` more tokens (after its computed
+        prefix and any `computed_blocks` hits). Returns False, changing nothing, if the pool
+        cannot supply them."""
+        num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        held = len(request.block_ids) + len(computed_blocks)
+        need = self.blocks_for(num_tokens) - held
+        # Hits sitting in the free queue stop being allocatable once touched.
+        reusable = sum(b.ref_cnt == 0 for b in computed_blocks)
+        if need > self.pool.num_free_blocks - reusable:
+            return False
+        self.pool.touch(computed_blocks)
+        request.block_ids += [b.block_id for b in computed_blocks]
+        request.num_cached_blocks += len(computed_blocks)
+        if need > 0:
+            request.block_ids += [b.block_id for b in self.pool.get_new_blocks(need)]
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Index the request's full blocks whose K/V are now in the pool."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        if num_full <= request.num_cached_blocks:
+            return
+        hashes = self._hashes(request, num_full)
+        for i in range(request.num_cached_blocks, num_full):
+            self.pool.cache_block(self.pool.blocks[request.block_ids[i]], hashes[i])
+        request.num_cached_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first so a prefix outlives its suffix."""
+        self.pool.free_blocks(self.pool.blocks[b] for b in reversed(request.block_ids))
+        request.block_ids = []
+        request.num_cached_blocks = 0
+
+    def check_invariants(self, live_requests: Sequence[Request] | None = None) -> None:
+        """Pool invariants; with every live request given, also that the block tables
+        account for every reference."""
+        self.pool.check_invariants()
+        if live_requests is not None:
+            refs = np.zeros(self.pool.num_blocks, np.int64)
+            for request in live_requests:
+                np.add.at(refs, request.block_ids, 1)
+            assert refs.tolist() == [b.ref_cnt for b in self.pool.blocks], "ref counts != block tables"

@@ -1,0 +1,58 @@
+"""Offline batch API: `LLM(engine_dir).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from runtime.admission import Prompt
+from runtime.llm_engine import EngineArgs, LLMEngine
+from runtime.outputs import CompletionOutput
+from runtime.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, engine_dir: str | Path, **engine_args):
+        self.engine = LLMEngine(engine_dir, EngineArgs(**engine_args))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        """Run every prompt to completion with in-flight batching; results in input order.
+
+        A prompt is text, a list of token ids, or a list of chat messages
+        ({"role": ..., "content": ...}); a bare string is one prompt.
+        """
+        if isinstance(prompts, str) or _is_single_list_prompt(prompts):
+            prompts = [prompts]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        engine, results = self.engine, {}
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                request_id = engine.add_request(prompt, p)
+                results[request_id] = CompletionOutput(
+                    request_id, engine.requests[request_id].prompt_token_ids
+                )
+            while any(c.finish_reason is None for c in results.values()):
+                for delta in engine.step():
+                    if delta.request_id in results:
+                        results[delta.request_id].add(delta)
+        except BaseException:
+            for request_id in results:
+                engine.abort(request_id)
+            raise
+        return list(results.values())
+
+
+def _is_single_list_prompt(prompts) -> bool:
+    """A flat token-id list or a flat message list is one prompt, not a batch."""
+    return bool(prompts) and all(isinstance(x, int | dict) for x in prompts)

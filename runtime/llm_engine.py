@@ -1,0 +1,246 @@
+"""The engine loop: schedule -> run the backend -> sample -> detokenize and finish.
+
+`LLMEngine` is synchronous and driven by `step()`; `add_request` and `abort` may be called
+from other threads (the async engine does), so engine state is guarded by one lock that
+is released while the backend runs. The scheduler never touches tensors and the backend
+never makes scheduling decisions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from runtime.admission import Admission, Prompt
+from runtime.backend import EngineBackend, SequenceChunk
+from runtime.detokenizer import DetokenizedStream
+from runtime.engine_config import EngineConfig
+from runtime.errors import InvalidRequest, Overloaded
+from runtime.kv_cache_manager import KVCacheManager
+from runtime.outputs import RequestOutput
+from runtime.request import Request, RequestStatus
+from runtime.sampler import Sampler, SamplingState
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.stats import EngineCounters, EngineStats
+from runtime.text import load_tokenizer, stop_token_ids
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    num_kv_blocks: int | None = None  # default: max_batch_size sequences of max_seq_len
+    max_num_seqs: int | None = None  # default (and cap): the engine's max_batch_size
+    max_num_batched_tokens: int = 512  # per-step token budget (decodes + prefill chunks)
+    enable_prefix_caching: bool = True
+    max_waiting: int = 1024  # waiting-queue bound; beyond it requests get Overloaded
+    threads: int | None = None  # backend compute threads (default: all cores)
+
+
+class LLMEngine:
+    def __init__(
+        self, engine_dir: str | Path, args: EngineArgs | None = None, backend: EngineBackend | None = None
+    ):
+        from runtime.ort_backend import OrtBackend
+
+        args = args or EngineArgs()
+        self.config = config = EngineConfig.load(engine_dir)
+        self.tokenizer = load_tokenizer(engine_dir)
+        self.backend = backend or OrtBackend(config, num_blocks=args.num_kv_blocks, threads=args.threads)
+        self.kv = KVCacheManager(self.backend.num_blocks, config.block_size, args.enable_prefix_caching)
+        max_num_seqs = min(args.max_num_seqs or config.max_batch_size, config.max_batch_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs, args.max_num_batched_tokens, args.max_waiting), self.kv
+        )
+        self.sampler = Sampler()
+        self.admission = Admission(
+            self.tokenizer, config.model.vocab_size, config.max_seq_len, self.kv.capacity_tokens
+        )
+        self.eos_token_ids = frozenset(stop_token_ids(self.tokenizer, config))
+        self.requests: dict[str, Request] = {}
+        self.streams: dict[str, DetokenizedStream] = {}
+        self.counters = EngineCounters()
+        self._lock = threading.RLock()
+        self._arrivals = itertools.count()
+        log.info(
+            "KV cache: %d blocks x %d = %d tokens; max concurrency at max_seq_len %d: %.1f sequences "
+            "(max_num_seqs %d)",
+            self.kv.pool.num_blocks, config.block_size, self.kv.capacity_tokens, config.max_seq_len,
+            self.kv.capacity_tokens / config.max_seq_len, max_num_seqs,
+        )  # fmt: skip
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Validate and queue a request; raises InvalidRequest or Overloaded at once."""
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        try:
+            prompt_ids = self.admission.tokenize(prompt)
+            self.admission.check_fits(prompt_ids, params)
+        except InvalidRequest:
+            self.counters.rejected_invalid += 1
+            raise
+        with self._lock:
+            if request_id in self.requests:
+                raise InvalidRequest("request_id", f"{request_id!r} is already in use")
+            if self.scheduler.num_waiting >= self.scheduler.config.max_waiting:
+                self.counters.rejected_overloaded += 1
+                raise Overloaded(
+                    f"overloaded: {self.scheduler.num_waiting} requests already waiting; retry later"
+                )
+            request = Request(
+                request_id=request_id,
+                prompt_token_ids=prompt_ids,
+                params=params,
+                sampling=SamplingState(params, prompt_ids, self.config.model.vocab_size),
+                arrival_order=next(self._arrivals),
+            )
+            self.requests[request_id] = request
+            self.streams[request_id] = DetokenizedStream(
+                self.tokenizer,
+                prompt_ids,
+                stops=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                skip_special_tokens=params.skip_special_tokens,
+            )
+            self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish a request now and free its KV blocks; None if it is not live."""
+        with self._lock:
+            request = self.requests.get(request_id)
+            return None if request is None else self._finish(request, "abort", "", [], None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        with self._lock:
+            outputs = self._expire_deadlines()
+            batch = self.scheduler.schedule()
+            if batch.is_empty:
+                return outputs
+            now = time.monotonic()
+            scheduled = list(batch.num_tokens.items())
+            chunks = []
+            for request, n in scheduled:
+                request.timing.first_scheduled = request.timing.first_scheduled or now
+                start = request.num_computed_tokens
+                chunks.append(
+                    SequenceChunk(request.all_token_ids[start : start + n], start, list(request.block_ids))
+                )
+        logits = self._execute(chunks)  # lock released: add/abort proceed meanwhile
+        with self._lock:
+            self.counters.steps += 1
+            return outputs + self._postprocess(scheduled, logits)
+
+    def _execute(self, chunks: list[SequenceChunk]) -> np.ndarray:
+        """Decodes in one call, prefill chunks in another (see builder/INTERFACE.md)."""
+        logits = np.empty((len(chunks), self.config.model.vocab_size), np.float32)
+        for is_decode in (True, False):
+            rows = [i for i, c in enumerate(chunks) if (len(c.token_ids) == 1) == is_decode]
+            if rows:
+                logits[rows] = self.backend.step([chunks[i] for i in rows])
+        return logits
+
+    def _postprocess(self, scheduled: list[tuple[Request, int]], logits: np.ndarray) -> list[RequestOutput]:
+        to_sample: list[tuple[Request, int]] = []
+        for row, (request, n) in enumerate(scheduled):
+            if request.is_finished:  # aborted while the backend ran
+                continue
+            if request.num_computed_tokens < len(request.prompt_token_ids):
+                self.counters.prompt_tokens += n
+            request.num_computed_tokens += n
+            self.kv.cache_computed_blocks(request)
+            if request.num_computed_tokens == request.num_tokens:
+                to_sample.append((request, row))
+        if not to_sample:
+            return []
+        requests = [r for r, _ in to_sample]
+        result = self.sampler.sample(logits[[row for _, row in to_sample]], [r.sampling for r in requests])
+        now = time.monotonic()
+        return [
+            self._append_token(request, int(token), logprobs, now)
+            for request, token, logprobs in zip(requests, result.token_ids, result.logprobs, strict=True)
+        ]
+
+    def _append_token(self, request: Request, token: int, logprobs, now: float) -> RequestOutput:
+        request.output_token_ids.append(token)
+        request.sampling.append(token)
+        request.timing.on_token(now)
+        self.counters.generation_tokens += 1
+        params, lp = request.params, None if logprobs is None else [logprobs]
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return self._finish(request, "stop", "", [token], lp)  # the stop token's text is not output
+        text, stopped = self.streams[request.request_id].add(token)
+        if stopped:
+            return self._finish(request, "stop", text, [token], lp)
+        if len(request.output_token_ids) >= params.max_tokens:
+            return self._finish(request, "length", text, [token], lp)
+        return self._output(request, text, [token], lp)
+
+    def _finish(self, request: Request, reason: str, text: str, token_ids: list[int], lp) -> RequestOutput:
+        stream = self.streams.pop(request.request_id)
+        text += stream.finish()
+        self.scheduler.remove(request)
+        del self.requests[request.request_id]
+        request.status, request.finish_reason = RequestStatus.FINISHED, reason
+        request.timing.finished = time.monotonic()
+        self.counters.finished[reason] += 1
+        out = self._output(request, text, token_ids, lp)
+        out.finished, out.finish_reason = True, reason
+        out.stats = {**request.timing.summary(), "num_preemptions": request.num_preemptions}
+        return out
+
+    def _output(self, request: Request, text: str, token_ids: list[int], lp) -> RequestOutput:
+        return RequestOutput(
+            request.request_id, text, token_ids, logprobs=lp,
+            num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=len(request.output_token_ids),
+        )  # fmt: skip
+
+    def _expire_deadlines(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        expired = [
+            r for r in self.requests.values()
+            if r.params.deadline_s is not None and now - r.timing.arrival > r.params.deadline_s
+        ]  # fmt: skip
+        return [self._finish(r, "deadline", "", [], None) for r in expired]
+
+    # ---- observability ---------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            c = self.counters
+            return EngineStats(
+                running=len(self.scheduler.running),
+                waiting=self.scheduler.num_waiting,
+                kv_usage=self.kv.pool.usage,
+                kv_blocks=self.kv.pool.counts(),
+                prefix_cache_queries=self.kv.prefix_queries,
+                prefix_cache_hits=self.kv.prefix_hits,
+                preemptions=self.scheduler.num_preemptions,
+                prompt_tokens=c.prompt_tokens,
+                generation_tokens=c.generation_tokens,
+                steps=c.steps,
+                finished=dict(c.finished),
+                rejected_overloaded=c.rejected_overloaded,
+                rejected_invalid=c.rejected_invalid,
+            )
+
+    def check_invariants(self) -> None:
+        with self._lock:
+            self.kv.check_invariants(list(self.requests.values()))

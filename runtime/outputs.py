@@ -1,0 +1,45 @@
+"""What the engine hands back: per-step deltas and finished completions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.sampler import TokenLogprobs
+
+FINISH_REASONS = ("stop", "length", "abort", "deadline")
+
+
+@dataclass
+class RequestOutput:
+    """One step's news for one request; `text` and `token_ids` are deltas."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # one of FINISH_REASONS once finished
+    logprobs: list[TokenLogprobs] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    stats: dict | None = None  # per-request timing, on the final output
+
+
+@dataclass
+class CompletionOutput:
+    """A whole completion, assembled from a request's deltas (LLM.generate's result)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    stats: dict | None = None
+
+    def add(self, delta: RequestOutput) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.finished:
+            self.finish_reason, self.stats = delta.finish_reason, delta.stats
