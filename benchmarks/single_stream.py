@@ -19,15 +19,15 @@ import torch
 
 from benchmarks.report import write_results
 from builder.sources import load_checkpoint, resolve_model
-from runtime.backend import SequenceChunk
+from runtime.backend import EngineBackend, SequenceChunk
+from runtime.backends import create_backend
 from runtime.engine_config import EngineConfig
-from runtime.ort_backend import OrtBackend
 from runtime.text import encode_prompt, load_tokenizer
 
 PROMPT = "Explain how a paged KV cache works in an LLM serving system."
 
 
-def time_engine(backend: OrtBackend, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+def time_engine(backend: EngineBackend, prompt: list[int], new_tokens: int) -> tuple[float, float]:
     """(ttft_s, decode_s) for one greedy run straight on the backend."""
     table = list(range(-(-(len(prompt) + new_tokens) // backend.config.block_size)))
     start = time.perf_counter()
@@ -71,10 +71,15 @@ def main(engine_dir: Path, model: str, new_tokens: int, repeats: int, threads: i
     torch.set_num_threads(threads)
     config = EngineConfig.load(engine_dir)
     prompt = encode_prompt(load_tokenizer(engine_dir), PROMPT, chat=True)
-    backend = OrtBackend(config, num_blocks=config.max_blocks_per_seq, threads=threads)
+    backends = {kind: create_backend(config, config.max_blocks_per_seq, threads, kind) for kind in ("cpu", "graph")}
     hf_model, _ = load_checkpoint(resolve_model(model))
     rows = {
-        "trtserve ORT engine (fp32)": measure(lambda: time_engine(backend, prompt, new_tokens), repeats),
+        "trtserve CPU backend: ORT segments + paged-attention kernel (fp32)": measure(
+            lambda: time_engine(backends["cpu"], prompt, new_tokens), repeats
+        ),
+        "trtserve graph backend: whole ONNX graph on ORT (fp32)": measure(
+            lambda: time_engine(backends["graph"], prompt, new_tokens), repeats
+        ),
         "HF transformers eager (fp32)": measure(lambda: time_hf(hf_model, prompt, new_tokens), repeats),
     }
     lines = [

@@ -43,9 +43,7 @@ class BuildOptions:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise BuildError(f"--block-size must be a power of two (got {self.block_size})")
         if self.max_seq_len < self.block_size:
-            raise BuildError(
-                f"--max-seq-len ({self.max_seq_len}) must be >= --block-size ({self.block_size})"
-            )
+            raise BuildError(f"--max-seq-len ({self.max_seq_len}) must be >= --block-size ({self.block_size})")
         if self.dtype not in DTYPES:
             raise BuildError(f"--dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
         if self.backend not in BACKENDS:
@@ -72,17 +70,17 @@ def build_engine(options: BuildOptions, step: StepReporter = _no_report) -> dict
     export_options = ExportOptions(options.block_size, options.max_seq_len, options.dtype)
     with atomic_directory(options.output) as staging:
         with step("export ONNX graph with paged KV interface"):
-            export_onnx(model, spec, export_options, staging)
+            graph_files = export_onnx(model, spec, export_options, staging)
             tokenizer.save_pretrained(staging)
             (staging / "source_config.json").write_text(model.config.to_json_string())
         with step("verify engine against HF eager (prefill, chunked prefill, decode)"):
-            verification = verify_engine(staging, model, options, spec)
-        manifest = _manifest(options, source, spec, verification)
+            verification = verify_engine(staging, model, options, spec, len(graph_files) - 1)
+        manifest = _manifest(options, source, spec, verification, graph_files[1:])
         write_manifest(staging, manifest)
     return manifest
 
 
-def _manifest(options: BuildOptions, source, spec: ModelSpec, verification: dict) -> dict:
+def _manifest(options: BuildOptions, source, spec: ModelSpec, verification: dict, segments: list[str]) -> dict:
     from runtime.engine_config import FORMAT, FORMAT_VERSION
 
     return {
@@ -102,10 +100,7 @@ def _manifest(options: BuildOptions, source, spec: ModelSpec, verification: dict
             "pool_dtype": options.dtype,
             "per_layer_inputs": ["key_cache.{layer}", "value_cache.{layer}"],
             "row_layout": "[kv_heads, head_dim] flattened; RoPE applied to keys before caching",
-            "bytes_per_token": 2
-            * spec.num_layers
-            * spec.kv_width
-            * np.dtype(DTYPES[options.dtype][0]).itemsize,
+            "bytes_per_token": 2 * spec.num_layers * spec.kv_width * np.dtype(DTYPES[options.dtype][0]).itemsize,
         },
         "graph": {
             "file": "model.onnx",
@@ -113,60 +108,55 @@ def _manifest(options: BuildOptions, source, spec: ModelSpec, verification: dict
             "opset": OPSET,
             "ir_version": IR_VERSION,
             "interface": "builder/INTERFACE.md (paged-KV step interface v1)",
+            "cpu_segments": segments,
         },
         "verification": verification,
         "build_options": {k: str(v) for k, v in asdict(options).items()},
     }
 
 
-def verify_engine(engine_dir: Path, model, options: BuildOptions, spec: ModelSpec) -> dict:
-    """Run the new engine on ONNX Runtime and compare logits with the HF model (float32).
-
-    Covers one-shot prefill, the same prompt in two chunks over the paged pool, and a decode
-    step; fails the build when any differs by more than VERIFY_TOLERANCE.
-    """
+def verify_engine(engine_dir: Path, model, options: BuildOptions, spec: ModelSpec, cpu_segments: int) -> dict:
+    """Run the new engine on every CPU backend it supports and compare logits with the HF
+    model (float32): one-shot prefill, the same prompt in two chunks over the paged pool,
+    and a decode step. Fails the build when any differs by more than VERIFY_TOLERANCE."""
     import torch
 
     from runtime.backend import SequenceChunk
+    from runtime.backends import create_backend
     from runtime.engine_config import EngineConfig
-    from runtime.ort_backend import OrtBackend
 
-    # The manifest is written after verification: give the backend its config directly.
+    # The manifest is written after verification: give the backends their config directly.
     config = EngineConfig(
-        engine_dir=engine_dir,
-        backend=options.backend,
-        dtype=options.dtype,
-        block_size=options.block_size,
-        max_batch_size=options.max_batch_size,
-        max_seq_len=options.max_seq_len,
-        graph_file="model.onnx",
-        model=spec,
-    )
+        engine_dir=engine_dir, backend=options.backend, dtype=options.dtype,
+        block_size=options.block_size, max_batch_size=options.max_batch_size,
+        max_seq_len=options.max_seq_len, graph_file="model.onnx", model=spec, cpu_segments=cpu_segments,
+    )  # fmt: skip
     prompt_len = min(options.max_seq_len - 1, options.block_size + 7)
     tokens = np.random.default_rng(0).integers(3, spec.vocab_size, prompt_len + 1).tolist()
     prompt, next_token = tokens[:-1], tokens[-1]
-    blocks_needed = -(-(prompt_len + 1) // options.block_size)
-    backend = OrtBackend(config, num_blocks=2 * blocks_needed)
-    table_a, table_b = list(range(blocks_needed)), list(range(blocks_needed, 2 * blocks_needed))
-    split = prompt_len // 2
-    got = {
-        "prefill": backend.step([SequenceChunk(prompt, 0, table_a)])[0],
-        "decode": backend.step([SequenceChunk([next_token], prompt_len, table_a)])[0],
-    }
-    backend.step([SequenceChunk(prompt[:split], 0, table_b)])
-    got["chunked_prefill"] = backend.step([SequenceChunk(prompt[split:], split, table_b)])[0]
     with torch.no_grad():
         ref_logits = model(torch.tensor([tokens])).logits[0].float().numpy()
     want = {"prefill": ref_logits[-2], "chunked_prefill": ref_logits[-2], "decode": ref_logits[-1]}
     scale = float(np.abs(ref_logits).max())
-    errors = {k: float(np.abs(got[k] - want[k]).max()) for k in got}
-    result = {
-        "prompt_tokens": prompt_len,
-        "max_abs_logit": scale,
-        "max_abs_error": errors,
-        "tolerance": VERIFY_TOLERANCE[options.dtype] * scale,
-        "argmax_equal": all(int(got[k].argmax()) == int(want[k].argmax()) for k in got),
-    }
-    if max(errors.values()) > result["tolerance"]:
-        raise BuildError(f"engine verification failed, logits differ from HF eager: {json.dumps(result)}")
+    tolerance = VERIFY_TOLERANCE[options.dtype] * scale
+    blocks = -(-(prompt_len + 1) // options.block_size)
+    table_a, table_b = list(range(blocks)), list(range(blocks, 2 * blocks))
+    split = prompt_len // 2
+    result = {"prompt_tokens": prompt_len, "max_abs_logit": scale, "tolerance": tolerance, "backends": {}}
+    for kind in ("graph", "cpu") if cpu_segments else ("graph",):
+        backend = create_backend(config, num_blocks=2 * blocks, kind=kind)
+        got = {
+            "prefill": backend.step([SequenceChunk(prompt, 0, table_a)])[0],
+            "decode": backend.step([SequenceChunk([next_token], prompt_len, table_a)])[0],
+        }
+        backend.step([SequenceChunk(prompt[:split], 0, table_b)])
+        got["chunked_prefill"] = backend.step([SequenceChunk(prompt[split:], split, table_b)])[0]
+        errors = {k: float(np.abs(got[k] - want[k]).max()) for k in got}
+        result["backends"][kind] = {
+            "max_abs_error": errors,
+            "argmax_equal": all(int(got[k].argmax()) == int(want[k].argmax()) for k in got),
+        }
+        if max(errors.values()) > tolerance:
+            raise BuildError(f"engine verification failed ({kind} backend), logits differ from HF eager: "
+                             f"{json.dumps(result)}")  # fmt: skip
     return result

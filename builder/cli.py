@@ -107,7 +107,7 @@ def main(model, output, max_batch_size, max_seq_len, block_size, dtype, backend,
     verify = manifest["verification"]
     console.print(
         f"[green]engine written to {output}[/] ({manifest['source']['name']}, {dtype}, "
-        f"max logit error {max(verify['max_abs_error'].values()):.2e})"
+        f"max logit error {max(e for b in verify['backends'].values() for e in b['max_abs_error'].values()):.2e})"
     )
     if as_json:
         click.echo(json.dumps(manifest, indent=2))

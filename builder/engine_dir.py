@@ -53,9 +53,7 @@ def package_versions() -> dict[str, str | None]:
 
 
 def files_sha256(directory: Path, exclude: tuple[str, ...] = ("manifest.json",)) -> dict[str, str]:
-    return {
-        p.name: sha256_file(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name not in exclude
-    }
+    return {p.name: sha256_file(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name not in exclude}
 
 
 def write_manifest(directory: Path, manifest: dict) -> None:

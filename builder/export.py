@@ -1,12 +1,17 @@
-"""Export a Llama-family decoder to an ONNX graph with a paged-KV interface.
+"""Export a Llama-family decoder to ONNX graphs with a paged-KV interface.
 
-The graph is written node by node from the checkpoint's weights (see INTERFACE.md for the
-contract). Ops are ONNX opset-23 natives that both ONNX Runtime and TensorRT (10.15+)
-accept: RMSNormalization, RotaryEmbedding, Attention, MatMul, Gather.
+Two artifacts, written node by node from the checkpoint's weights (see INTERFACE.md):
+- `model.onnx`: the whole decoder as one graph over a padded [batch, step] batch, attention
+  through Gather(pool, block_tables) + native `Attention`. Portable (ONNX Runtime, the
+  TensorRT parser) and the reference the plugin rewrite starts from.
+- `segment.NN.onnx` (float32 engines): the same decoder cut at attention, over a flat
+  ragged token batch, for the CPU backend, which runs its own paged-attention kernel
+  between segments. Segments reference the weights in `model.onnx.data` (no second copy).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,20 +33,27 @@ class ExportOptions:
     dtype: str = "float32"
 
 
-def export_onnx(model, spec: ModelSpec, options: ExportOptions, out_dir: Path) -> Path:
-    """Write out_dir/model.onnx (+ external weights file); returns the model path."""
-    graph = _DecoderGraph(model, spec, options).build()
+def segment_file(index: int) -> str:
+    return f"segment.{index:02d}.onnx"
+
+
+def export_onnx(model, spec: ModelSpec, options: ExportOptions, out_dir: Path) -> list[str]:
+    """Write model.onnx + weights, and the CPU segments for float32; returns the graph files."""
+    parts = _DecoderParts(model, spec, options)
     path = out_dir / "model.onnx"
     onnx.save_model(
-        graph,
-        path,
-        save_as_external_data=True,
-        all_tensors_to_one_file=True,
-        location=WEIGHTS_FILE,
-        size_threshold=1024,
-    )
+        parts.paged_graph(), path, save_as_external_data=True, all_tensors_to_one_file=True,
+        location=WEIGHTS_FILE, size_threshold=1024,
+    )  # fmt: skip
     onnx.checker.check_model(str(path))  # path form: checks the external-data graph too
-    return path
+    files = [path.name]
+    if options.dtype == "float32":
+        saved = {t.name: t for t in onnx.load(path, load_external_data=False).graph.initializer}
+        for index in range(spec.num_layers + 1):
+            segment = parts.segment(index, saved)
+            onnx.save_model(segment, out_dir / segment_file(index))
+            files.append(segment_file(index))
+    return files
 
 
 def rope_tables(model, max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -55,18 +67,89 @@ def rope_tables(model, max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     return (freqs.cos() * scale).numpy(), (freqs.sin() * scale).numpy()
 
 
-class _DecoderGraph:
+class _DecoderParts:
+    """The decoder's building blocks, emitted into whichever graph is being built."""
+
     def __init__(self, model, spec: ModelSpec, options: ExportOptions):
         self.spec, self.options = spec, options
         self.np_dtype, self.onnx_dtype = DTYPES[options.dtype]
         self.weights = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
         self.cos, self.sin = rope_tables(model, options.max_seq_len)
-        self.g = GraphBuilder(name=f"trtserve_{spec.model_type}_paged")
+        self.g = GraphBuilder()
+        self._saved: dict[str, TensorProto] = {}
 
-    def w(self, name: str, array: np.ndarray) -> str:
-        return self.g.weight(name, array.astype(self.np_dtype))
+    def w(self, name: str, make: Callable[[], np.ndarray]) -> str:
+        """Register a weight once per graph: from `make()`, or as a reference to the tensor
+        already saved in model.onnx.data when building segments."""
+        if name in self.g.weight_names:
+            return name
+        if name in self._saved:
+            self.g.initializers.append(self._saved[name])
+            self.g.weight_names.add(name)
+            return name
+        return self.g.weight(name, make().astype(self.np_dtype))
 
-    def build(self) -> onnx.ModelProto:
+    # ---- shared pieces -----------------------------------------------------------------------
+
+    def embed(self, input_ids: str) -> str:
+        table = self.w("embed_tokens", lambda: self.weights["model.embed_tokens.weight"])
+        return self.g.op("Gather", table, input_ids, name="embed")
+
+    def rms_norm(self, x: str, weight_key: str, name: str) -> str:
+        scale = self.w(name + ".weight", lambda: self.weights[weight_key])
+        return self.g.op("RMSNormalization", x, scale, axis=-1, epsilon=self.spec.rms_norm_eps, name=name)
+
+    def linear(self, x: str, name: str, keys: list[str], bias: bool = False) -> str:
+        """x @ concat(weights).T (+ bias): HF [out, in] matrices fused into one MatMul."""
+        weight = self.w(name, lambda: np.concatenate([self.weights[k + ".weight"] for k in keys], axis=0).T)
+        y = self.g.op("MatMul", x, weight, name=name)
+        if bias:
+            b = self.w(name + ".bias", lambda: np.concatenate([self.weights[k + ".bias"] for k in keys]))
+            y = self.g.op("Add", y, b)
+        return y
+
+    def pre_attention(self, i: int, hidden: str, positions: str) -> tuple[str, str, str]:
+        """RMSNorm -> fused QKV -> RoPE on Q and K. Tensors are [batch, seq, ...]."""
+        g, spec = self.g, self.spec
+        x = self.rms_norm(hidden, f"model.layers.{i}.input_layernorm.weight", f"layer{i}.input_norm")
+        proj = [f"model.layers.{i}.self_attn.{n}_proj" for n in "qkv"]
+        qkv = self.linear(x, f"layer{i}.qkv_proj", proj, bias=spec.qkv_bias)
+        q_dim, kv = spec.num_heads * spec.head_dim, spec.kv_width
+        q, k, v = g.op_multi("Split", qkv, g.const([q_dim, kv, kv]), axis=-1, num_outputs=3)
+        cos = self.w("rope_cos", lambda: self.cos)
+        sin = self.w("rope_sin", lambda: self.sin)
+        q = g.op("RotaryEmbedding", q, cos, sin, positions, num_heads=spec.num_heads, name=f"layer{i}.rope_q")
+        k = g.op("RotaryEmbedding", k, cos, sin, positions, num_heads=spec.num_kv_heads, name=f"layer{i}.rope_k")
+        return q, k, v
+
+    def post_attention(self, i: int, hidden: str, ctx: str) -> str:
+        """o_proj + residual, then RMSNorm -> SwiGLU MLP + residual."""
+        g, p = self.g, f"model.layers.{i}."
+        hidden = g.op("Add", hidden, self.linear(ctx, f"layer{i}.o_proj", [p + "self_attn.o_proj"]))
+        x = self.rms_norm(hidden, p + "post_attention_layernorm.weight", f"layer{i}.post_norm")
+        inter = self.spec.intermediate_size
+        gate_up = self.linear(x, f"layer{i}.gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"])
+        gate, up = g.op_multi("Split", gate_up, g.const([inter, inter]), axis=-1, num_outputs=2)
+        act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up, name=f"layer{i}.swiglu")
+        return g.op("Add", hidden, self.linear(act, f"layer{i}.down_proj", [p + "mlp.down_proj"]))
+
+    def logits(self, rows: str) -> str:
+        """Final norm + lm_head (sharing the embedding when tied) on [rows, hidden]."""
+        g = self.g
+        final = self.rms_norm(rows, "model.norm.weight", "final_norm")
+        if self.spec.tie_word_embeddings:
+            head = self.w("embed_tokens", lambda: self.weights["model.embed_tokens.weight"])
+        else:
+            head = self.w("lm_head", lambda: self.weights["lm_head.weight"])
+        logits = g.op("Gemm", final, head, transB=1, name="lm_head")
+        if self.options.dtype != "float32":
+            logits = g.op("Cast", logits, to=TensorProto.FLOAT)
+        return g.op("Identity", logits, name="logits", out="logits")
+
+    # ---- the whole decoder, padded batch -------------------------------------------------
+
+    def paged_graph(self) -> onnx.ModelProto:
+        self.g, self._saved = GraphBuilder(f"trtserve_{self.spec.model_type}_paged"), {}
         g, spec = self.g, self.spec
         kv = spec.kv_width
         input_ids = g.input("input_ids", TensorProto.INT64, ["batch", "step"])
@@ -76,42 +159,30 @@ class _DecoderGraph:
         block_tables = g.input("block_tables", TensorProto.INT64, ["batch", "table_blocks"])
         pool_shape = ["num_blocks", self.options.block_size, kv]
         caches = [
-            (
-                g.input(f"key_cache.{i}", self.onnx_dtype, pool_shape),
-                g.input(f"value_cache.{i}", self.onnx_dtype, pool_shape),
-            )
+            (g.input(f"key_cache.{i}", self.onnx_dtype, pool_shape),
+             g.input(f"value_cache.{i}", self.onnx_dtype, pool_shape))
             for i in range(spec.num_layers)
-        ]
-
+        ]  # fmt: skip
         masks = {
             window: self.attention_mask(positions, seq_lens, past_lens, block_tables, window)
             for window in set(spec.sliding_windows)
         }
-        self.rope = (self.w("rope_cos", self.cos), self.w("rope_sin", self.sin))
-        embed = self.w("embed_tokens", self.weights["model.embed_tokens.weight"])
-        hidden = g.op("Gather", embed, input_ids, name="embed")
+        hidden = self.embed(input_ids)
         new_kv: list[str] = []
         for i, (key_cache, value_cache) in enumerate(caches):
-            hidden, k, v = self.layer(
-                i,
-                hidden,
-                positions,
-                block_tables,
-                key_cache,
-                value_cache,
-                masks[spec.sliding_windows[i]],
-            )
+            q, k, v = self.pre_attention(i, hidden, positions)
+            keys = g.op("Concat", self.gather_cached(key_cache, block_tables, f"layer{i}.k"), k, axis=1)
+            values = g.op("Concat", self.gather_cached(value_cache, block_tables, f"layer{i}.v"), v, axis=1)
+            ctx = g.op(
+                "Attention", q, keys, values, masks[spec.sliding_windows[i]],
+                q_num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads,
+                scale=float(spec.head_dim) ** -0.5, name=f"layer{i}.attention",
+            )  # fmt: skip
+            hidden = self.post_attention(i, hidden, ctx)
             new_kv += [g.op("Unsqueeze", k, g.const([0])), g.op("Unsqueeze", v, g.const([0]))]
         g.op("Concat", *new_kv, axis=0, name="new_kv", out="new_kv")
         g.output("new_kv", self.onnx_dtype, [2 * spec.num_layers, "batch", "step", kv])
-
-        last = self.last_token_rows(hidden, seq_lens)
-        final = self.rms_norm(last, "model.norm.weight", "final_norm")
-        lm_head = embed if spec.tie_word_embeddings else self.w("lm_head", self.weights["lm_head.weight"])
-        logits = g.op("Gemm", final, lm_head, transB=1, name="lm_head")
-        if self.options.dtype != "float32":
-            logits = g.op("Cast", logits, to=TensorProto.FLOAT)
-        g.op("Identity", logits, name="logits", out="logits")
+        self.logits(self.last_token_rows(hidden, seq_lens))
         g.output("logits", TensorProto.FLOAT, ["batch", spec.vocab_size])
         return g.to_model(producer="trtserve.builder")
 
@@ -128,89 +199,22 @@ class _DecoderGraph:
         cached_len = g.op("Mul", g.op("Gather", shape, g.const(1)), g.const(bs))
         step = g.op("Gather", g.op("Shape", positions), g.const(1))
         cached_pos = g.op("Range", g.const(0), cached_len, g.const(1))  # [C]
-        cached_valid = g.op(
-            "Less", g.op("Unsqueeze", cached_pos, g.const([0])), g.op("Unsqueeze", past_lens, g.const([1]))
-        )
-        step_idx = g.op("Range", g.const(0), step, g.const(1))
-        new_valid = g.op(
-            "Less", g.op("Unsqueeze", step_idx, g.const([0])), g.op("Unsqueeze", seq_lens, g.const([1]))
-        )
-        batch_cached = g.op(
-            "Expand",
-            g.op("Unsqueeze", cached_pos, g.const([0])),
-            g.op(
-                "Concat",
-                g.op("Unsqueeze", batch, g.const([0])),
-                g.op("Unsqueeze", cached_len, g.const([0])),
-                axis=0,
-            ),
-        )
-        key_pos = g.op("Concat", batch_cached, positions, axis=1)  # [B, L]
+        unsq = lambda x, axis: g.op("Unsqueeze", x, g.const([axis]))  # noqa: E731
+        cached_valid = g.op("Less", unsq(cached_pos, 0), unsq(past_lens, 1))
+        new_valid = g.op("Less", unsq(g.op("Range", g.const(0), step, g.const(1)), 0), unsq(seq_lens, 1))
+        expand_to = g.op("Concat", unsq(batch, 0), unsq(cached_len, 0), axis=0)
+        key_pos = g.op("Concat", g.op("Expand", unsq(cached_pos, 0), expand_to), positions, axis=1)  # [B, L]
         key_valid = g.op("Concat", cached_valid, new_valid, axis=1)  # [B, L]
-        query_pos = g.op("Unsqueeze", positions, g.const([2]))  # [B, S, 1]
-        key_pos_b = g.op("Unsqueeze", key_pos, g.const([1]))  # [B, 1, L]
-        mask = g.op(
-            "And", g.op("LessOrEqual", key_pos_b, query_pos), g.op("Unsqueeze", key_valid, g.const([1]))
-        )
+        query_pos, key_pos_b = unsq(positions, 2), unsq(key_pos, 1)  # [B, S, 1], [B, 1, L]
+        mask = g.op("And", g.op("LessOrEqual", key_pos_b, query_pos), unsq(key_valid, 1))
         if window is not None:
             mask = g.op("And", mask, g.op("Greater", key_pos_b, g.op("Sub", query_pos, g.const(window))))
         return g.op("Unsqueeze", mask, g.const([1]), name=f"attn_mask_w{window or 0}")
 
-    def rms_norm(self, x: str, weight_key: str, name: str) -> str:
-        scale = self.w(name + ".weight", self.weights[weight_key])
-        return self.g.op("RMSNormalization", x, scale, axis=-1, epsilon=self.spec.rms_norm_eps, name=name)
-
-    def linear(self, x: str, name: str, keys: list[str], bias: bool = False) -> str:
-        """x @ concat(weights).T (+ bias): HF [out, in] matrices fused into one MatMul."""
-        weight = np.concatenate([self.weights[k + ".weight"] for k in keys], axis=0).T
-        y = self.g.op("MatMul", x, self.w(name, weight), name=name)
-        if bias:
-            y = self.g.op(
-                "Add", y, self.w(name + ".bias", np.concatenate([self.weights[k + ".bias"] for k in keys]))
-            )
-        return y
-
-    def layer(self, i, hidden, positions, block_tables, key_cache, value_cache, mask):
-        """One decoder layer; returns (hidden, this step's K, this step's V)."""
-        p = f"model.layers.{i}."
-        x = self.rms_norm(hidden, p + "input_layernorm.weight", f"layer{i}.input_norm")
-        ctx, k, v = self.attention(i, x, positions, block_tables, key_cache, value_cache, mask)
-        hidden = self.g.op("Add", hidden, self.linear(ctx, f"layer{i}.o_proj", [p + "self_attn.o_proj"]))
-        x = self.rms_norm(hidden, p + "post_attention_layernorm.weight", f"layer{i}.post_norm")
-        return self.g.op("Add", hidden, self.mlp(i, x)), k, v
-
-    def attention(self, i, x, positions, block_tables, key_cache, value_cache, mask):
-        g, spec = self.g, self.spec
-        proj = [f"model.layers.{i}.self_attn.{n}_proj" for n in "qkv"]
-        qkv = self.linear(x, f"layer{i}.qkv_proj", proj, bias=spec.qkv_bias)
-        q_dim, kv = spec.num_heads * spec.head_dim, spec.kv_width
-        q, k, v = g.op_multi("Split", qkv, g.const([q_dim, kv, kv]), axis=-1, num_outputs=3)
-        cos, sin = self.rope
-        q = g.op("RotaryEmbedding", q, cos, sin, positions, num_heads=spec.num_heads, name=f"layer{i}.rope_q")
-        k = g.op(
-            "RotaryEmbedding", k, cos, sin, positions, num_heads=spec.num_kv_heads, name=f"layer{i}.rope_k"
-        )
-        keys = g.op("Concat", self.gather_cached(key_cache, block_tables, f"layer{i}.k"), k, axis=1)
-        values = g.op("Concat", self.gather_cached(value_cache, block_tables, f"layer{i}.v"), v, axis=1)
-        ctx = g.op(
-            "Attention", q, keys, values, mask,
-            q_num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads,
-            scale=float(spec.head_dim) ** -0.5, name=f"layer{i}.attention",
-        )  # fmt: skip
-        return ctx, k, v
-
-    def mlp(self, i: int, x: str) -> str:
-        g, inter, p = self.g, self.spec.intermediate_size, f"model.layers.{i}.mlp."
-        gate_up = self.linear(x, f"layer{i}.gate_up_proj", [p + "gate_proj", p + "up_proj"])
-        gate, up = g.op_multi("Split", gate_up, g.const([inter, inter]), axis=-1, num_outputs=2)
-        act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up, name=f"layer{i}.swiglu")
-        return self.linear(act, f"layer{i}.down_proj", [p + "down_proj"])
-
     def gather_cached(self, cache: str, block_tables: str, name: str) -> str:
         """[num_blocks, bs, kv] pool + [B, M] table -> [B, M*bs, kv] cached rows in order."""
-        g = self.g
-        rows = g.op("Gather", cache, block_tables, axis=0, name=name + "_gather_blocks")
-        return g.op("Reshape", rows, g.const([0, -1, self.spec.kv_width]), name=name + "_cached")
+        rows = self.g.op("Gather", cache, block_tables, axis=0, name=name + "_gather_blocks")
+        return self.g.op("Reshape", rows, self.g.const([0, -1, self.spec.kv_width]), name=name + "_cached")
 
     def last_token_rows(self, hidden: str, seq_lens: str) -> str:
         """hidden [B, S, H] -> [B, H] at row seq_len-1 of each sequence (the sampled one)."""
@@ -221,3 +225,35 @@ class _DecoderGraph:
         starts = g.op("Mul", g.op("Range", g.const(0), batch, g.const(1)), step)
         rows = g.op("Add", starts, g.op("Sub", seq_lens, g.const(1)))
         return g.op("Gather", flat, rows, axis=0, name="last_token_rows")
+
+    # ---- CPU segments, flat token batch ----------------------------------------------------
+
+    def segment(self, index: int, saved: dict[str, TensorProto]) -> onnx.ModelProto:
+        """Segment `index` of num_layers+1, over tokens laid out as [1, tokens, ...]:
+        0: embed + pre-attention(0); i: post-attention(i-1) + pre-attention(i);
+        last: post-attention(L-1) on the sampled rows only, final norm, lm_head."""
+        self.g, self._saved = GraphBuilder(f"trtserve_segment_{index:02d}"), saved
+        g, spec, f32 = self.g, self.spec, TensorProto.FLOAT
+        hidden_shape, q_shape = [1, "tokens", spec.hidden_size], [1, "tokens", spec.num_heads * spec.head_dim]
+        if index == 0:
+            hidden = self.embed(g.input("input_ids", TensorProto.INT64, [1, "tokens"]))
+        else:
+            hidden = g.input("hidden", f32, hidden_shape)
+            attn = g.input("attn", f32, q_shape)
+        if index == spec.num_layers:  # only the sampled rows need the last MLP and lm_head
+            rows = g.input("logit_rows", TensorProto.INT64, ["rows"])
+            pick = lambda x: g.op("Gather", g.op("Squeeze", x, g.const([0])), rows, axis=0)  # noqa: E731
+            self.logits(self.post_attention(index - 1, pick(hidden), pick(attn)))
+            g.output("logits", f32, ["rows", spec.vocab_size])
+            return g.to_model(producer="trtserve.builder")
+        if index > 0:
+            hidden = self.post_attention(index - 1, hidden, attn)
+        positions = g.input("positions", TensorProto.INT64, [1, "tokens"])
+        q, k, v = self.pre_attention(index, hidden, positions)
+        for name, value, shape in (
+            ("hidden_out", hidden, hidden_shape), ("q", q, q_shape),
+            ("k", k, [1, "tokens", spec.kv_width]), ("v", v, [1, "tokens", spec.kv_width]),
+        ):  # fmt: skip
+            g.op("Identity", value, out=name)
+            g.output(name, f32, shape)
+        return g.to_model(producer="trtserve.builder")

@@ -60,8 +60,7 @@ class ModelSpec:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in STATIC_ROPE_TYPES:
             raise ModelSourceError(
-                f"{where}: rope_type={rope_type!r} is not supported "
-                f"(supported: {', '.join(STATIC_ROPE_TYPES)})"
+                f"{where}: rope_type={rope_type!r} is not supported (supported: {', '.join(STATIC_ROPE_TYPES)})"
             )
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         eos = config.eos_token_id

@@ -22,11 +22,12 @@ IR_VERSION = 10
 class GraphBuilder:
     """Accumulates nodes, initializers and graph I/O; `op()` returns the output name."""
 
-    name: str
+    name: str = "graph"
     nodes: list[onnx.NodeProto] = field(default_factory=list)
     initializers: list[TensorProto] = field(default_factory=list)
     inputs: list[onnx.ValueInfoProto] = field(default_factory=list)
     outputs: list[onnx.ValueInfoProto] = field(default_factory=list)
+    weight_names: set[str] = field(default_factory=set)
     _counter: int = 0
 
     def _fresh(self, hint: str) -> str:
@@ -41,6 +42,7 @@ class GraphBuilder:
         self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
 
     def weight(self, name: str, array: np.ndarray) -> str:
+        self.weight_names.add(name)
         self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
 
@@ -63,11 +65,7 @@ class GraphBuilder:
         return outputs
 
     def to_model(self, producer: str) -> onnx.ModelProto:
-        graph = helper.make_graph(
-            self.nodes, self.name, self.inputs, self.outputs, initializer=self.initializers
-        )
-        model = helper.make_model(
-            graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name=producer
-        )
+        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, initializer=self.initializers)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name=producer)
         model.ir_version = IR_VERSION
         return model

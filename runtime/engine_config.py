@@ -27,6 +27,11 @@ class EngineConfig:
     max_seq_len: int
     graph_file: str
     model: ModelSpec
+    cpu_segments: int = 0  # segment.NN.onnx files for the CPU kernel backend (float32 engines)
+
+    @property
+    def has_cpu_segments(self) -> bool:
+        return self.cpu_segments > 0
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -58,6 +63,7 @@ class EngineConfig:
                 max_seq_len=limits["max_seq_len"],
                 graph_file=manifest["graph"]["file"],
                 model=ModelSpec.from_dict(manifest["model"]),
+                cpu_segments=len(manifest["graph"].get("cpu_segments", [])),
             )
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise EngineLoadError(f"{path} is malformed ({type(exc).__name__}: {exc}); rebuild") from None

@@ -69,9 +69,7 @@ class KVCacheManager:
             self.prefix_queries += num_tokens
             self.prefix_hits += num_hit_tokens
 
-    def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()
-    ) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens (after its computed
         prefix and any `computed_blocks` hits). Returns False, changing nothing, if the pool
         cannot supply them."""

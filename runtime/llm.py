@@ -39,9 +39,7 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params, strict=True):
                 request_id = engine.add_request(prompt, p)
-                results[request_id] = CompletionOutput(
-                    request_id, engine.requests[request_id].prompt_token_ids
-                )
+                results[request_id] = CompletionOutput(request_id, engine.requests[request_id].prompt_token_ids)
             while any(c.finish_reason is None for c in results.values()):
                 for delta in engine.step():
                     if delta.request_id in results:

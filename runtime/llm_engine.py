@@ -20,6 +20,7 @@ import numpy as np
 
 from runtime.admission import Admission, Prompt
 from runtime.backend import EngineBackend, SequenceChunk
+from runtime.backends import create_backend
 from runtime.detokenizer import DetokenizedStream
 from runtime.engine_config import EngineConfig
 from runtime.errors import InvalidRequest, Overloaded
@@ -43,27 +44,22 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     max_waiting: int = 1024  # waiting-queue bound; beyond it requests get Overloaded
     threads: int | None = None  # backend compute threads (default: all cores)
+    backend: str | None = None  # "cpu" (kernel) or "graph" (portable graph); default: see backends.py
 
 
 class LLMEngine:
-    def __init__(
-        self, engine_dir: str | Path, args: EngineArgs | None = None, backend: EngineBackend | None = None
-    ):
-        from runtime.ort_backend import OrtBackend
-
+    def __init__(self, engine_dir: str | Path, args: EngineArgs | None = None, backend: EngineBackend | None = None):
         args = args or EngineArgs()
         self.config = config = EngineConfig.load(engine_dir)
         self.tokenizer = load_tokenizer(engine_dir)
-        self.backend = backend or OrtBackend(config, num_blocks=args.num_kv_blocks, threads=args.threads)
+        self.backend = backend or create_backend(config, args.num_kv_blocks, args.threads, args.backend)
         self.kv = KVCacheManager(self.backend.num_blocks, config.block_size, args.enable_prefix_caching)
         max_num_seqs = min(args.max_num_seqs or config.max_batch_size, config.max_batch_size)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs, args.max_num_batched_tokens, args.max_waiting), self.kv
         )
         self.sampler = Sampler()
-        self.admission = Admission(
-            self.tokenizer, config.model.vocab_size, config.max_seq_len, self.kv.capacity_tokens
-        )
+        self.admission = Admission(self.tokenizer, config.model.vocab_size, config.max_seq_len, self.kv.capacity_tokens)
         self.eos_token_ids = frozenset(stop_token_ids(self.tokenizer, config))
         self.requests: dict[str, Request] = {}
         self.streams: dict[str, DetokenizedStream] = {}
@@ -79,9 +75,7 @@ class LLMEngine:
 
     # ---- requests in and out -------------------------------------------------------------
 
-    def add_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
-    ) -> str:
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Validate and queue a request; raises InvalidRequest or Overloaded at once."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
@@ -96,9 +90,7 @@ class LLMEngine:
                 raise InvalidRequest("request_id", f"{request_id!r} is already in use")
             if self.scheduler.num_waiting >= self.scheduler.config.max_waiting:
                 self.counters.rejected_overloaded += 1
-                raise Overloaded(
-                    f"overloaded: {self.scheduler.num_waiting} requests already waiting; retry later"
-                )
+                raise Overloaded(f"overloaded: {self.scheduler.num_waiting} requests already waiting; retry later")
             request = Request(
                 request_id=request_id,
                 prompt_token_ids=prompt_ids,
@@ -140,22 +132,11 @@ class LLMEngine:
             for request, n in scheduled:
                 request.timing.first_scheduled = request.timing.first_scheduled or now
                 start = request.num_computed_tokens
-                chunks.append(
-                    SequenceChunk(request.all_token_ids[start : start + n], start, list(request.block_ids))
-                )
-        logits = self._execute(chunks)  # lock released: add/abort proceed meanwhile
+                chunks.append(SequenceChunk(request.all_token_ids[start : start + n], start, list(request.block_ids)))
+        logits = self.backend.step(chunks)  # lock released: add/abort proceed meanwhile
         with self._lock:
             self.counters.steps += 1
             return outputs + self._postprocess(scheduled, logits)
-
-    def _execute(self, chunks: list[SequenceChunk]) -> np.ndarray:
-        """Decodes in one call, prefill chunks in another (see builder/INTERFACE.md)."""
-        logits = np.empty((len(chunks), self.config.model.vocab_size), np.float32)
-        for is_decode in (True, False):
-            rows = [i for i, c in enumerate(chunks) if (len(c.token_ids) == 1) == is_decode]
-            if rows:
-                logits[rows] = self.backend.step([chunks[i] for i in rows])
-        return logits
 
     def _postprocess(self, scheduled: list[tuple[Request, int]], logits: np.ndarray) -> list[RequestOutput]:
         to_sample: list[tuple[Request, int]] = []

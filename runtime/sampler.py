@@ -179,9 +179,7 @@ def _filter_sorted(
     return order, p, cdf, n_keep
 
 
-def _logprobs(
-    x: np.ndarray, token_ids: np.ndarray, states: Sequence[SamplingState]
-) -> list[TokenLogprobs | None]:
+def _logprobs(x: np.ndarray, token_ids: np.ndarray, states: Sequence[SamplingState]) -> list[TokenLogprobs | None]:
     out: list[TokenLogprobs | None] = [None] * len(states)
     rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
     if not rows:

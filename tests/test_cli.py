@@ -47,10 +47,13 @@ def test_manifest_describes_the_engine(cli_engine):
     assert manifest["graph"]["opset"] == 23 and manifest["graph"]["ir_version"] <= 10
     assert manifest["versions"]["onnxruntime"] and manifest["versions"]["torch"].startswith("2.13")
     verification = manifest["verification"]
-    assert max(verification["max_abs_error"].values()) < verification["tolerance"]
+    assert set(verification["backends"]) == {"graph", "cpu"}
+    for result in verification["backends"].values():
+        assert max(result["max_abs_error"].values()) < verification["tolerance"]
     for name, digest in manifest["files_sha256"].items():
         assert sha256_file(cli_engine / name) == digest
     assert {"model.onnx", "model.onnx.data", "tokenizer.json"} <= set(manifest["files_sha256"])
+    assert manifest["graph"]["cpu_segments"] == [f"segment.{i:02d}.onnx" for i in range(3)]
 
 
 def test_failed_build_leaves_previous_engine_intact(cli_engine, tmp_path, monkeypatch):
@@ -162,4 +165,6 @@ def test_float16_engine_builds_and_passes_its_verification(tmp_path):
     assert result.exit_code == 0, result.output
     manifest = json.loads((tmp_path / "fp16" / "manifest.json").read_text())
     assert manifest["dtype"] == "float16" and manifest["kv_layout"]["bytes_per_token"] == 2 * 2 * 64 * 2
-    assert max(manifest["verification"]["max_abs_error"].values()) < manifest["verification"]["tolerance"]
+    verification = manifest["verification"]
+    assert set(verification["backends"]) == {"graph"}  # the CPU kernel backend is float32-only
+    assert max(verification["backends"]["graph"]["max_abs_error"].values()) < verification["tolerance"]

@@ -60,9 +60,7 @@ def make_sentencepiece_style_tokenizer():
     tok.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
-    )
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
     tok.train_from_iterator(_CORPUS[:4] * 4, trainer)
     # Byte tokens must be ordinary vocab (as in Llama), not special tokens that decode skips.
     spec = json.loads(tok.to_str())
@@ -165,9 +163,7 @@ def test_prompt_ending_mid_character(tiny_tok) -> None:
 def test_random_ids_equal_full_decode(tiny_tok, ids: list[int], prompt: list[int]) -> None:
     """Arbitrary ids, invalid UTF-8 included: still exactly decode(ids), by the end."""
     for skip in (True, False):
-        assert "".join(stream_deltas(tiny_tok, prompt, ids, skip)) == tiny_tok.decode(
-            ids, skip_special_tokens=skip
-        )
+        assert "".join(stream_deltas(tiny_tok, prompt, ids, skip)) == tiny_tok.decode(ids, skip_special_tokens=skip)
 
 
 # ---------------------------------------------------------------- stop strings
@@ -303,9 +299,7 @@ def test_stream_stop_inside_split_characters(smollm2_tok, include: bool) -> None
     tok = smollm2_tok
     text = "前言：你好，世界。東京は日本の首都です"
     ids = tok.encode(text, add_special_tokens=False)
-    stream = DetokenizedStream(
-        tok, chat_prompt(tok), stops=["世界", "首都"], include_stop_str_in_output=include
-    )
+    stream = DetokenizedStream(tok, chat_prompt(tok), stops=["世界", "首都"], include_stop_str_in_output=include)
     expected = "前言：你好，世界" if include else "前言：你好，"
     emitted = ""
     for i in ids:

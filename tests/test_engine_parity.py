@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from runtime.backend import SequenceChunk
+from runtime.backends import create_backend
 from runtime.engine_config import EngineConfig
-from runtime.ort_backend import OrtBackend
 from tests.conftest import TINY_BLOCK_SIZE
 from tests.greedy_reference import greedy_generate
 from tests.helpers import hf_greedy, hf_logits, random_prompts
@@ -22,9 +22,15 @@ ATOL = 1e-4
 BS = TINY_BLOCK_SIZE
 
 
+@pytest.fixture(scope="module", params=["graph", "cpu"])
+def kind(request) -> str:
+    """Every check runs on both CPU backends: the portable graph and segments + kernel."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def backend(tiny_engine):
-    return OrtBackend(EngineConfig.load(tiny_engine), num_blocks=64)
+def backend(tiny_engine, kind):
+    return create_backend(EngineConfig.load(tiny_engine), num_blocks=64, kind=kind)
 
 
 def blocks(start: int, count: int) -> list[int]:
@@ -97,11 +103,11 @@ def test_wrong_block_table_is_detected(backend, tiny_hf):
     assert np.abs(wrong - hf_logits(model, tokens)[-1]).max() > 100 * ATOL
 
 
-def test_greedy_generate_matches_hf_generate(tiny_engine, tiny_hf):
+def test_greedy_generate_matches_hf_generate(tiny_engine, tiny_hf, kind):
     """20 prompts of varied lengths, batched (max_batch_size 8) with chunked prefill."""
     model, tokenizer = tiny_hf
     config = EngineConfig.load(tiny_engine)
-    backend = OrtBackend(config)
+    backend = create_backend(config, kind=kind)
     lengths = [1, 2, 3, 5, 7, 8, 9, 12, 16, 17, 24, 31, 33, 40, 47, 64, 65, 80, 99, 120]
     prompts = random_prompts(config.model.vocab_size, lengths, seed=5)
     stop = (tokenizer.eos_token_id,)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from runtime import LLM, EngineArgs, InvalidRequest, LLMEngine, Overloaded, SamplingParams
+from runtime.backends import create_backend
 from runtime.engine_config import EngineConfig
-from runtime.ort_backend import OrtBackend
 from runtime.text import load_tokenizer, stop_token_ids
 from tests.greedy_reference import greedy_generate
 from tests.helpers import random_prompts
@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12)
 def reference(llama_engine):
     """Sequential greedy generation, one prompt at a time, with the issue-2 loop."""
     config = EngineConfig.load(llama_engine)
-    backend = OrtBackend(config)
+    backend = create_backend(config, kind="graph")
     stops = stop_token_ids(load_tokenizer(llama_engine), config)
 
     def run(prompt: list[int], max_tokens: int = GREEDY.max_tokens) -> list[int]:
@@ -182,10 +182,7 @@ def test_overload_rejects_at_once(llama_engine):
 def test_priority_classes_run_first_then_fcfs(llama_engine):
     engine = LLMEngine(llama_engine, EngineArgs(max_num_seqs=1))
     order = []
-    low = [
-        engine.add_request([7, 8, 9], SamplingParams(temperature=0, max_tokens=2, priority=5))
-        for _ in range(2)
-    ]
+    low = [engine.add_request([7, 8, 9], SamplingParams(temperature=0, max_tokens=2, priority=5)) for _ in range(2)]
     high = engine.add_request([7, 8, 9], SamplingParams(temperature=0, max_tokens=2, priority=-1))
     while engine.has_unfinished_requests():
         order += [d.request_id for d in engine.step() if d.finished]
@@ -238,8 +235,6 @@ def test_stop_string_ends_generation_and_is_excluded(llama_engine):
     full = llm.generate([[40, 41, 42]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
     assert len(full.text) > 6
     stop = full.text[3:6]
-    out = llm.generate(
-        [[40, 41, 42]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop])
-    )[0]
+    out = llm.generate([[40, 41, 42]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]))[0]
     assert out.finish_reason == "stop"
     assert out.text == full.text[: full.text.index(stop)]

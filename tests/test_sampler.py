@@ -189,9 +189,7 @@ def test_broken_top_p_is_detected() -> None:
     assert np.abs(ref_distribution(logits, p) - unfiltered).max() > 0.05
 
     def ignores_top_p(logits: np.ndarray, states: list[SamplingState]) -> np.ndarray:
-        unfiltered = [
-            SamplingState(SamplingParams(**{**vars(s.params), "top_p": 1.0}), [], V) for s in states
-        ]
+        unfiltered = [SamplingState(SamplingParams(**{**vars(s.params), "top_p": 1.0}), [], V) for s in states]
         return Sampler().distribution(logits, unfiltered)
 
     with pytest.raises(AssertionError):
@@ -235,9 +233,7 @@ def test_temperature_empirical_distribution(temperature: float) -> None:
     assert np.abs(freq - expected).max() < 0.02, (freq, expected)
 
 
-@pytest.mark.parametrize(
-    "kw", [{"top_p": 0.7}, {"top_k": 3, "temperature": 1.5}, {"min_p": 0.2, "top_p": 0.9}]
-)
+@pytest.mark.parametrize("kw", [{"top_p": 0.7}, {"top_k": 3, "temperature": 1.5}, {"min_p": 0.2, "top_p": 0.9}])
 def test_filtered_sampling_empirical_distribution(kw: dict) -> None:
     """sample() itself (not just distribution()) draws from the renormalized kept set."""
     logits = np.array([1.0, 0.2, -0.5, 2.0, 0.0, 1.5, -1.0, 0.7], dtype=np.float32)

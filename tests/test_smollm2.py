@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from runtime.backend import SequenceChunk
+from runtime.backends import create_backend
 from runtime.engine_config import EngineConfig
-from runtime.ort_backend import OrtBackend
 from runtime.text import encode_prompt, stop_token_ids
 from tests.greedy_reference import greedy_generate
 from tests.helpers import hf_greedy, hf_logits
@@ -54,7 +54,7 @@ PROMPTS = [
 def setup(smollm2_engine, smollm2_hf):
     model, tokenizer = smollm2_hf
     config = EngineConfig.load(smollm2_engine)
-    return model, tokenizer, config, OrtBackend(config)
+    return model, tokenizer, config, create_backend(config, kind="graph")
 
 
 def test_prompts_have_varied_lengths(setup):
@@ -70,9 +70,7 @@ def test_greedy_tokens_identical_to_hf_generate(setup):
     got = greedy_generate(backend, prompts, MAX_NEW_TOKENS, stop, prefill_chunk=256)
     want = [hf_greedy(model, p, MAX_NEW_TOKENS, stop) for p in prompts]
     mismatches = [
-        (i, tokenizer.decode(g), tokenizer.decode(w))
-        for i, (g, w) in enumerate(zip(got, want, strict=True))
-        if g != w
+        (i, tokenizer.decode(g), tokenizer.decode(w)) for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w
     ]
     assert not mismatches
     answer = tokenizer.decode(got[1], skip_special_tokens=True)

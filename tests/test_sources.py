@@ -88,18 +88,14 @@ def test_unsupported_rope_type(checkpoint, tmp_path):
     config = json.loads((checkpoint / "config.json").read_text())
     config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     (checkpoint / "config.json").write_text(json.dumps(config))
-    result = CliRunner().invoke(
-        build_engine_cli, ["--model", str(checkpoint), "--output", str(tmp_path / "e")]
-    )
+    result = CliRunner().invoke(build_engine_cli, ["--model", str(checkpoint), "--output", str(tmp_path / "e")])
     assert result.exit_code == 1
     assert "rope_type='dynamic' is not supported" in result.output
 
 
 def test_cli_reports_source_error_without_traceback(checkpoint, tmp_path):
     (checkpoint / "model.safetensors").unlink()
-    result = CliRunner().invoke(
-        build_engine_cli, ["--model", str(checkpoint), "--output", str(tmp_path / "e")]
-    )
+    result = CliRunner().invoke(build_engine_cli, ["--model", str(checkpoint), "--output", str(tmp_path / "e")])
     assert result.exit_code == 1
     assert "build-engine: error:" in result.output and "holds no weight files" in result.output
     assert "Traceback" not in result.output

@@ -1,15 +1,14 @@
-"""ONNX Runtime (CPU) engine backend over a zero-copy paged KV pool.
+"""ONNX Runtime backend running the whole portable graph (`model.onnx`).
 
-The pool is one numpy allocation [layers, 2, num_blocks, block_size, kv_width]; each
-layer's K and V are contiguous views bound once as OrtValues, so ONNX Runtime reads them in
-place every step (no copy of the pool). The graph returns only this step's K/V rows, which
-are scattered into the pool with one numpy assignment.
+The reference backend: it runs exactly the graph the TensorRT path starts from, for any
+engine dtype. The pool (see `kv_pool`) is bound once as OrtValues, so ONNX Runtime reads it
+in place every step; the graph returns only this step's K/V rows, which are scattered into
+the pool with one numpy assignment. Its attention gathers each sequence's blocks (a copy),
+so at high batch x context the CPU backend (`ort_cpu_backend`) is much faster.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,33 +16,22 @@ import onnxruntime as ort
 
 from runtime.backend import SequenceChunk, StepTensors
 from runtime.engine_config import EngineConfig, EngineLoadError
+from runtime.kv_pool import allocate_pool, pool_rows
+from runtime.ort_session import create_session
 
-log = logging.getLogger(__name__)
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 STEP_INPUTS = ("input_ids", "positions", "seq_lens", "past_lens", "block_tables")
 
 
-class OrtBackend:
+class OrtGraphBackend:
     def __init__(self, config: EngineConfig, num_blocks: int | None = None, threads: int | None = None):
         if config.dtype not in NP_DTYPES:
             raise EngineLoadError(f"engine dtype {config.dtype!r} has no ONNX Runtime CPU backend")
         self.config = config
         spec = config.model
         self.num_blocks = num_blocks or config.max_batch_size * config.max_blocks_per_seq
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads or os.cpu_count() or 1
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.log_severity_level = 3
-        try:
-            self.session = ort.InferenceSession(
-                str(config.engine_dir / config.graph_file), options, providers=["CPUExecutionProvider"]
-            )
-        except Exception as exc:  # ORT raises its own exception types for bad graphs
-            raise EngineLoadError(f"ONNX Runtime could not load {config.graph_file}: {exc}") from None
-        self.pool = np.zeros(
-            (spec.num_layers, 2, self.num_blocks, config.block_size, spec.kv_width),
-            NP_DTYPES[config.dtype],
-        )
+        self.session = create_session(config.engine_dir / config.graph_file, threads)
+        self.pool = allocate_pool(config, self.num_blocks, NP_DTYPES[config.dtype])
         # Bound once: ORT reads these views in place on every run.
         self._pool_values = []
         self.binding = self.session.io_binding()
@@ -52,15 +40,18 @@ class OrtBackend:
                 value = ort.OrtValue.ortvalue_from_numpy(self.pool[layer, kind])
                 self._pool_values.append(value)
                 self.binding.bind_ortvalue_input(f"{name}.{layer}", value)
-        log.info(
-            "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB",
-            self.num_blocks,
-            config.block_size,
-            self.num_blocks * config.block_size,
-            self.pool.nbytes / 2**20,
-        )
 
     def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
+        """Decodes in one call, prefill chunks in another: the graph's batch is padded to
+        the longest chunk, and padding decodes to a chunk's length would multiply their cost."""
+        logits = np.empty((len(chunks), self.config.model.vocab_size), np.float32)
+        for is_decode in (True, False):
+            rows = [i for i, c in enumerate(chunks) if (len(c.token_ids) == 1) == is_decode]
+            if rows:
+                logits[rows] = self._run([chunks[i] for i in rows])
+        return logits
+
+    def _run(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
         tensors = StepTensors.pack(chunks, self.config.block_size)
         for name in STEP_INPUTS:
             self.binding.bind_cpu_input(name, getattr(tensors, name))
@@ -72,7 +63,6 @@ class OrtBackend:
         return logits
 
     def _write_kv(self, new_kv: np.ndarray, tensors: StepTensors) -> None:
-        spec, bs = self.config.model, self.config.block_size
+        spec = self.config.model
         rows = new_kv.reshape(2 * spec.num_layers, -1, spec.kv_width)[:, tensors.row_index]
-        flat_pool = self.pool.reshape(2 * spec.num_layers, self.num_blocks * bs, spec.kv_width)
-        flat_pool[:, tensors.slots] = rows
+        pool_rows(self.pool)[:, tensors.slots] = rows

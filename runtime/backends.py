@@ -1,0 +1,25 @@
+"""Choose the engine backend for an engine directory."""
+
+from __future__ import annotations
+
+from runtime.backend import EngineBackend
+from runtime.engine_config import EngineConfig, EngineLoadError
+
+
+def create_backend(
+    config: EngineConfig, num_blocks: int | None = None, threads: int | None = None, kind: str | None = None
+) -> EngineBackend:
+    """kind: "cpu" (segments + paged-attention kernel; float32 engines), "graph" (the whole
+    portable graph on ONNX Runtime; any dtype). Default: cpu when the engine has segments."""
+    if config.backend != "onnxruntime-cpu":
+        raise EngineLoadError(f"engine built for backend {config.backend!r}; this runtime has onnxruntime-cpu")
+    kind = kind or ("cpu" if config.has_cpu_segments else "graph")
+    if kind == "cpu":
+        from runtime.ort_cpu_backend import OrtCpuBackend
+
+        return OrtCpuBackend(config, num_blocks, threads)
+    if kind == "graph":
+        from runtime.ort_graph_backend import OrtGraphBackend
+
+        return OrtGraphBackend(config, num_blocks, threads)
+    raise ValueError(f"backend kind must be 'cpu' or 'graph' (got {kind!r})")

@@ -1,0 +1,91 @@
+"""The CPU backend: ONNX Runtime for the dense layers, our kernel for paged attention.
+
+Per step, tokens of all sequences (decodes and prefill chunks alike) are laid out flat,
+with no padding, and run through the engine's segments (`segment.NN.onnx`, see
+builder/INTERFACE.md): segment i does layer i-1's o_proj + MLP and layer i's norm + QKV +
+RoPE; between segments the runtime writes the new K/V rows into the pool and the C kernel
+(runtime/kernels/paged_attention.c) attends over each sequence's blocks in place.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from builder.export import segment_file
+from runtime.backend import SequenceChunk
+from runtime.engine_config import EngineConfig, EngineLoadError
+from runtime.kv_pool import allocate_pool, pool_rows
+from runtime.ort_session import create_session
+from runtime.paged_attention import AttentionShape, paged_attention
+
+
+@dataclass(frozen=True)
+class FlatStep:
+    """A step's chunks as one flat token list."""
+
+    input_ids: np.ndarray  # [1, T] int64
+    positions: np.ndarray  # [1, T] int64
+    seq_of_token: np.ndarray  # [T] int64: index of the token's chunk
+    block_tables: np.ndarray  # [B, M] int64
+    slots: np.ndarray  # [T] pool slot of each token's K/V
+    logit_rows: np.ndarray  # [B] position in T of each chunk's last token
+
+    @classmethod
+    def pack(cls, chunks: Sequence[SequenceChunk], block_size: int) -> FlatStep:
+        lengths = np.array([len(c.token_ids) for c in chunks])
+        width = max(len(c.block_table) for c in chunks)
+        tables = np.zeros((len(chunks), width), np.int64)
+        for b, chunk in enumerate(chunks):
+            tables[b, : len(chunk.block_table)] = chunk.block_table
+        seq_of_token = np.repeat(np.arange(len(chunks)), lengths)
+        starts = np.repeat([c.past_len for c in chunks], lengths)
+        positions = starts + np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        return cls(
+            input_ids=np.concatenate([np.asarray(c.token_ids, np.int64) for c in chunks])[None],
+            positions=positions[None],
+            seq_of_token=seq_of_token,
+            block_tables=tables,
+            slots=slots,
+            logit_rows=np.cumsum(lengths) - 1,
+        )
+
+
+class OrtCpuBackend:
+    def __init__(self, config: EngineConfig, num_blocks: int | None = None, threads: int | None = None):
+        if config.dtype != "float32":
+            raise EngineLoadError(f"the CPU kernel backend needs a float32 engine (got {config.dtype})")
+        spec = config.model
+        self.config = config
+        self.threads = threads or os.cpu_count() or 1
+        self.num_blocks = num_blocks or config.max_batch_size * config.max_blocks_per_seq
+        self.shape = AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, config.block_size)
+        self.segments = []
+        for index in range(spec.num_layers + 1):
+            path = config.engine_dir / segment_file(index)
+            if not path.is_file():
+                raise EngineLoadError(f"{path.name} is missing: rebuild the engine with build-engine")
+            self.segments.append(create_session(path, self.threads))
+        self.pool = allocate_pool(config, self.num_blocks, np.float32)
+        self._rows = pool_rows(self.pool)
+
+    def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
+        spec, flat = self.config.model, FlatStep.pack(chunks, self.config.block_size)
+        hidden, q, k, v = self.segments[0].run(None, {"input_ids": flat.input_ids, "positions": flat.positions})
+        for layer in range(spec.num_layers):
+            self._rows[2 * layer, flat.slots] = k[0]
+            self._rows[2 * layer + 1, flat.slots] = v[0]
+            attn = paged_attention(
+                q[0], self.pool[layer, 0], self.pool[layer, 1], flat.block_tables, flat.seq_of_token,
+                flat.positions[0], self.shape, window=spec.sliding_windows[layer], threads=self.threads,
+            )[None]  # fmt: skip
+            feeds = {"hidden": hidden, "attn": attn}
+            if layer + 1 < spec.num_layers:
+                hidden, q, k, v = self.segments[layer + 1].run(None, {**feeds, "positions": flat.positions})
+            else:
+                (logits,) = self.segments[-1].run(None, {**feeds, "logit_rows": flat.logit_rows})
+        return logits

@@ -1,0 +1,52 @@
+"""Python entry to the CPU paged-attention kernel (runtime/kernels/paged_attention.c)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime import _paged_attention
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+
+def paged_attention(
+    q: np.ndarray,  # [T, Hq*D] float32
+    k_cache: np.ndarray,  # [num_blocks, block_size, Hkv*D] float32, C-contiguous
+    v_cache: np.ndarray,
+    block_tables: np.ndarray,  # [B, M] int64
+    seq_of_token: np.ndarray,  # [T] int64: row of block_tables for each query token
+    positions: np.ndarray,  # [T] int64: the query's position; keys 0..position are attended
+    shape: AttentionShape,
+    window: int | None = None,
+    out: np.ndarray | None = None,
+    threads: int | None = None,
+) -> np.ndarray:
+    """Attention of each query token over its sequence's cached keys, read in place."""
+    tokens = q.shape[0]
+    width = shape.num_heads * shape.head_dim
+    if q.dtype != np.float32 or q.shape != (tokens, width) or not q.flags.c_contiguous:
+        raise ValueError(f"q must be C-contiguous float32 [tokens, {width}], got {q.dtype} {q.shape}")
+    for cache in (k_cache, v_cache):
+        if cache.dtype != np.float32 or not cache.flags.c_contiguous or cache.shape[1] != shape.block_size:
+            raise ValueError("k/v cache must be C-contiguous float32 [num_blocks, block_size, kv_width]")
+    tables = np.ascontiguousarray(block_tables, np.int64)
+    seqs = np.ascontiguousarray(seq_of_token, np.int64)
+    pos = np.ascontiguousarray(positions, np.int64)
+    if out is None:
+        out = np.empty_like(q)
+    _paged_attention.paged_attention(
+        q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data, out.ctypes.data,
+        tables.ctypes.data, seqs.ctypes.data, pos.ctypes.data,
+        tokens, tables.shape[1], shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.block_size,
+        window or 0, shape.head_dim**-0.5, threads or os.cpu_count() or 1,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,96 @@
+"""The async engine: streaming deltas, cancellation that frees blocks, errors up front."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from runtime import AsyncLLM, EngineArgs, InvalidRequest, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(llama_engine):
+    finished = []
+    llm = AsyncLLM(llama_engine, EngineArgs(), on_finished=finished.append)
+    llm.finished_outputs = finished
+    yield llm
+    llm.shutdown()
+
+
+async def collect(engine: AsyncLLM, prompt, params=GREEDY, request_id=None):
+    return [d async for d in engine.generate(prompt, params, request_id)]
+
+
+def test_stream_concatenates_to_the_full_completion(engine):
+    deltas = asyncio.run(collect(engine, [11, 12, 13]))
+    assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+    assert all(not d.finished for d in deltas[:-1])
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert len(tokens) == 24
+    text = "".join(d.text for d in deltas)
+    assert text == engine.engine.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_many_concurrent_streams_match_their_solo_runs(engine):
+    prompts = [[20 + i, 30 + i, 40 + i] for i in range(12)]
+
+    async def main():
+        solo = [await collect(engine, p) for p in prompts[:3]]
+        together = await asyncio.gather(*(collect(engine, p) for p in prompts))
+        return solo, together
+
+    solo, together = asyncio.run(main())
+    flat = [[t for d in run for t in d.token_ids] for run in together]
+    assert flat[:3] == [[t for d in run for t in d.token_ids] for run in solo]
+    assert engine.engine.kv.pool.counts()["used"] == 0
+
+
+def test_leaving_the_stream_early_aborts_and_frees_blocks(engine):
+    async def main():
+        stream = engine.generate(list(range(5, 80)), SamplingParams(max_tokens=150, ignore_eos=True), "quitter")
+        async for delta in stream:
+            if delta.num_output_tokens >= 3:
+                break
+        await stream.aclose()
+
+    asyncio.run(main())
+    assert "quitter" not in engine.engine.requests
+    assert engine.engine.kv.pool.counts()["used"] == 0
+    assert [o.finish_reason for o in engine.finished_outputs if o.request_id == "quitter"] == ["abort"]
+    engine.engine.check_invariants()
+
+
+def test_abort_by_id_ends_the_stream(engine):
+    async def main():
+        deltas = []
+        async for delta in engine.generate([9, 9, 9], SamplingParams(max_tokens=200, ignore_eos=True), "by-id"):
+            deltas.append(delta)
+            if len(deltas) == 2:
+                assert engine.abort("by-id")
+        return deltas
+
+    deltas = asyncio.run(main())
+    assert deltas[-1].finish_reason == "abort"
+    assert engine.engine.kv.pool.counts()["used"] == 0
+
+
+def test_admission_errors_raise_before_streaming(engine):
+    with pytest.raises(InvalidRequest, match="prompt"):
+        asyncio.run(collect(engine, ""))
+    # The engine keeps serving.
+    assert asyncio.run(collect(engine, [1, 2, 3]))[-1].finished
+
+
+def test_random_sampling_streams_valid_utf8(engine):
+    """Sampled byte-level tokens split multi-byte characters; the stream never shows U+FFFD
+    beyond what decoding the whole output gives."""
+    params = SamplingParams(temperature=1.5, max_tokens=120, ignore_eos=True, seed=3)
+    deltas = asyncio.run(collect(engine, [3, 4, 5], params))
+    tokens = [t for d in deltas for t in d.token_ids]
+    text = "".join(d.text for d in deltas)
+    full = engine.engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    assert text == full
+    assert sum(d.text.count("\ufffd") for d in deltas) == full.count("\ufffd")
