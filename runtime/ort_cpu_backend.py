@@ -69,7 +69,7 @@ class OrtCpuBackend:
             path = config.engine_dir / segment_file(index)
             if not path.is_file():
                 raise EngineLoadError(f"{path.name} is missing: rebuild the engine with build-engine")
-            self.segments.append(create_session(path, self.threads))
+            self.segments.append(create_session(path, self.threads, spinning=False))
         self.pool = allocate_pool(config, self.num_blocks, np.float32)
         self._rows = pool_rows(self.pool)
 

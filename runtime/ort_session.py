@@ -1,8 +1,8 @@
-"""ONNX Runtime sessions for the backends, all sharing one process-wide thread pool.
+"""ONNX Runtime sessions for the backends.
 
-The CPU backend runs one session per segment; with per-session pools each would own its
-own worker threads, fighting over the same cores. The global pool must be set before the
-first session of the process exists, so every session trtserve makes goes through here.
+The CPU backend alternates ONNX Runtime runs with its own OpenMP kernel on the same cores,
+so ORT's worker threads must not spin-wait between runs (they would steal the cores the
+kernel needs); the kernel's OpenMP threads sleep likewise (see paged_attention.py).
 """
 
 from __future__ import annotations
@@ -14,19 +14,14 @@ import onnxruntime as ort
 
 from runtime.engine_config import EngineLoadError
 
-_pool_threads: int | None = None
 
-
-def create_session(path: Path, threads: int | None = None) -> ort.InferenceSession:
-    """A CPU session on the shared pool (sized by the first caller: `threads` or all cores)."""
-    global _pool_threads
-    if _pool_threads is None:
-        _pool_threads = threads or os.cpu_count() or 1
-        ort.capi._pybind_state.set_global_thread_pool_sizes(_pool_threads, 1)
+def create_session(path: Path, threads: int | None = None, spinning: bool = True) -> ort.InferenceSession:
     options = ort.SessionOptions()
-    options.use_per_session_threads = False
+    options.intra_op_num_threads = threads or os.cpu_count() or 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # ORT raises its own exception types for bad graphs

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# Sleep, don't spin, between kernel calls: ONNX Runtime needs the same cores in between.
+# Read by libgomp when the extension loads, so it must be set before the import.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from runtime import _paged_attention
 
 
