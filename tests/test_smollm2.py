@@ -1,8 +1,9 @@
 """SmolLM2-135M (the default real model) through the exported engine vs HF eager.
 
-Greedy tokens must be identical on 20 chat-templated prompts of varied lengths. Logits:
-float32 on both sides, 30 layers; measured max |diff| ~5e-5 against logits of ~30, so the
-test allows 1e-3 (20x headroom; a real fault moves logits by > 0.1).
+Greedy tokens must be identical on 20 chat-templated prompts of varied lengths, on both CPU
+backends and through the full engine (scheduler, batching, prefix cache). Logits: float32
+on both sides, 30 layers; measured max |diff| ~5e-5 against logits of ~30, so the tests
+allow 1e-3 (20x headroom; a real fault moves logits by > 0.1).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from runtime import LLM, SamplingParams
 from runtime.backend import SequenceChunk
 from runtime.backends import create_backend
 from runtime.engine_config import EngineConfig
@@ -54,32 +56,47 @@ PROMPTS = [
 def setup(smollm2_engine, smollm2_hf):
     model, tokenizer = smollm2_hf
     config = EngineConfig.load(smollm2_engine)
-    return model, tokenizer, config, create_backend(config, kind="graph")
+    prompts = [encode_prompt(tokenizer, p, chat=True) for p in PROMPTS]
+    stop = stop_token_ids(tokenizer, config)
+    answers = [hf_greedy(model, p, MAX_NEW_TOKENS, stop) for p in prompts]
+    return model, tokenizer, config, prompts, stop, answers
 
 
 def test_prompts_have_varied_lengths(setup):
-    _, tokenizer, _, _ = setup
-    lengths = [len(encode_prompt(tokenizer, p, chat=True)) for p in PROMPTS]
-    assert len(PROMPTS) == 20 and min(lengths) < 40 and max(lengths) > 500
+    prompts = setup[3]
+    lengths = [len(p) for p in prompts]
+    assert len(prompts) == 20 and min(lengths) < 40 and max(lengths) > 500
 
 
-def test_greedy_tokens_identical_to_hf_generate(setup):
-    model, tokenizer, config, backend = setup
-    prompts = [encode_prompt(tokenizer, p, chat=True) for p in PROMPTS]
-    stop = stop_token_ids(tokenizer, config)
+def describe_mismatches(tokenizer, got, want) -> list:
+    return [(i, tokenizer.decode(g), tokenizer.decode(w)) for i, (g, w) in enumerate(zip(got, want, strict=True))
+            if g != w]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["graph", "cpu"])
+def test_backend_greedy_tokens_identical_to_hf_generate(setup, kind):
+    _, tokenizer, config, prompts, stop, answers = setup
+    backend = create_backend(config, kind=kind)
     got = greedy_generate(backend, prompts, MAX_NEW_TOKENS, stop, prefill_chunk=256)
-    want = [hf_greedy(model, p, MAX_NEW_TOKENS, stop) for p in prompts]
-    mismatches = [
-        (i, tokenizer.decode(g), tokenizer.decode(w)) for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w
-    ]
-    assert not mismatches
-    answer = tokenizer.decode(got[1], skip_special_tokens=True)
-    assert answer.strip() == "The capital of France is Paris."
+    assert not describe_mismatches(tokenizer, got, answers)
+    assert tokenizer.decode(got[1], skip_special_tokens=True).strip() == "The capital of France is Paris."
 
 
-def test_logits_chunked_and_prefix_reuse_match_hf(setup):
-    model, tokenizer, config, backend = setup
-    tokens = encode_prompt(tokenizer, PROMPTS[18], chat=True)
+def test_engine_greedy_tokens_identical_to_hf_generate(setup, smollm2_engine):
+    """The whole engine: chat messages in, in-flight batching with chunked prefill."""
+    _, tokenizer, _, _, _, answers = setup
+    llm = LLM(smollm2_engine, max_num_batched_tokens=256)
+    messages = [[{"role": "user", "content": p}] for p in PROMPTS]
+    outs = llm.generate(messages, SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS))
+    assert not describe_mismatches(tokenizer, [o.token_ids for o in outs], answers)
+    assert outs[1].text == "The capital of France is Paris."
+
+
+@pytest.mark.parametrize("kind", ["graph", "cpu"])
+def test_logits_chunked_and_prefix_reuse_match_hf(setup, kind):
+    model, _, config, prompts, _, _ = setup
+    backend = create_backend(config, kind=kind)
+    tokens = prompts[18]
     ref = hf_logits(model, tokens)
     n, bs = len(tokens), config.block_size
     need = -(-n // bs)
@@ -90,14 +107,7 @@ def test_logits_chunked_and_prefix_reuse_match_hf(setup):
         chunked = backend.step([SequenceChunk(tokens[start : start + 100], start, table)])[0]
     np.testing.assert_allclose(chunked, ref[-1], atol=ATOL)
     # A prompt whose first full blocks already sit in the pool (from the one-shot run).
-    shared_blocks = (n - 1) // bs
-    reused = backend.step(
-        [
-            SequenceChunk(
-                tokens[shared_blocks * bs :],
-                shared_blocks * bs,
-                list(range(shared_blocks)) + list(range(2 * need, 2 * need + 2)),
-            )
-        ]
-    )[0]
+    shared = (n - 1) // bs
+    table = list(range(shared)) + list(range(2 * need, 2 * need + 2))
+    reused = backend.step([SequenceChunk(tokens[shared * bs :], shared * bs, table)])[0]
     np.testing.assert_allclose(reused, ref[-1], atol=ATOL)
