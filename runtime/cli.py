@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from runtime.engine_config import EngineLoadError
+from runtime.engine_config import EngineConfig, EngineLoadError
 from runtime.errors import InvalidRequest
 
 
@@ -80,3 +80,65 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
             f"{(final.num_output_tokens - 1) / max(s['e2e_s'] - s['ttft_s'], 1e-9):.1f} tok/s decode",
             file=sys.stderr,
         )
+
+
+@main.command()
+@click.option(
+    "--engine",
+    "engine_dir",
+    required=True,
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    help="Engine directory written by build-engine.",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (all three endpoints).")
+@click.option("--http-port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--grpc-port", default=8001, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--metrics-port", default=8002, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--max-num-seqs", type=click.IntRange(min=1), help="Most requests batched at once (default: engine's).")
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), help="Per-step token budget (default 512).")
+@click.option("--num-kv-blocks", type=click.IntRange(min=1), help="KV cache size in blocks (default: engine's).")
+@click.option("--max-waiting", type=click.IntRange(min=1), help="Waiting-queue bound before 'overloaded' errors.")
+@click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
+def serve(engine_dir: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, max_num_seqs,
+          max_num_batched_tokens, num_kv_blocks, max_waiting, no_prefix_caching: bool) -> None:  # fmt: skip
+    """Serve an engine with NVIDIA Triton Inference Server (HTTP, gRPC, Prometheus metrics).
+
+    Starts the real tritonserver with the trtserve `llm` model, waits until it is ready,
+    prints the endpoints, and shuts down cleanly on Ctrl-C or SIGTERM.
+    """
+    import signal
+
+    from runtime.serve.launcher import MODEL_NAME, ServerConfig, ServerError, TritonServer
+
+    try:
+        EngineConfig.load(engine_dir)
+    except EngineLoadError as exc:
+        raise click.ClickException(str(exc)) from None
+    params = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+              "num_kv_blocks": num_kv_blocks, "max_waiting": max_waiting}  # fmt: skip
+    engine_params = {k: str(v) for k, v in params.items() if v is not None}
+    engine_params["enable_prefix_caching"] = "false" if no_prefix_caching else "true"
+    config = ServerConfig(engine_dir, host, http_port, grpc_port, metrics_port, engine_params)
+    stop = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.append(True))
+    try:
+        server = TritonServer(config)
+    except ServerError as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        click.echo(f"starting tritonserver (log: {server.log_path}) ...", err=True)
+        server.wait_ready()
+        click.echo(f"ready: model '{MODEL_NAME}'\n"
+                   f"  HTTP     http://{host}:{http_port}/v2/models/{MODEL_NAME}/generate (and generate_stream)\n"
+                   f"  gRPC     {host}:{grpc_port}\n"
+                   f"  metrics  http://{host}:{metrics_port}/metrics")  # fmt: skip
+        while not stop and server.process.poll() is None:
+            time.sleep(0.2)
+        if server.process.poll() is not None and not stop:
+            raise ServerError(f"tritonserver exited unexpectedly:\n{server.log_tail()}")
+    except ServerError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        click.echo("stopping tritonserver ...", err=True)
+        server.stop()

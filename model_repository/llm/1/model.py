@@ -1,0 +1,167 @@
+"""Triton Python-backend model `llm`: the trtserve async engine behind Triton.
+
+Decoupled: each request gets its responses through its response sender, streamed (one
+response per delta) or whole, the last one flagged FINAL. An asyncio loop runs on its own
+thread; the engine loop runs on another (inside AsyncLLM). A request whose client cancels
+(`is_cancelled()`) is aborted and its KV blocks freed at once. On unload, in-flight
+requests are drained (up to a timeout) before the engine stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from runtime import AsyncLLM, EngineArgs, InvalidRequest, Overloaded
+from runtime.serve.metrics import TritonMetrics
+from runtime.serve.request_inputs import parse_request
+
+CANCEL_POLL_S = 0.05
+METRICS_INTERVAL_S = 0.5
+INT_ARGS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_waiting")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        if not params.get("engine_dir"):
+            raise pb_utils.TritonModelException("config parameter 'engine_dir' is empty: point it at an engine")
+        engine_args = {k: int(params[k]) for k in INT_ARGS if params.get(k)}
+        engine_args["enable_prefix_caching"] = params.get("enable_prefix_caching", "true").lower() == "true"
+        labels = {"model": args["model_name"], "version": args["model_version"]}
+        self.metrics = TritonMetrics(pb_utils, labels)
+        try:
+            self.engine = AsyncLLM(
+                params["engine_dir"], EngineArgs(**engine_args), on_finished=self.metrics.observe_finished
+            )
+        except Exception as exc:  # reported by Triton as the model's load failure
+            raise pb_utils.TritonModelException(f"trtserve engine failed to start: {exc}") from None
+        self.loop = asyncio.new_event_loop()
+        self.loop_thread = threading.Thread(target=self.loop.run_forever, name="trtserve-asyncio", daemon=True)
+        self.loop_thread.start()
+        self.stopping = threading.Event()
+        self.metrics_thread = threading.Thread(target=self._publish_metrics, name="trtserve-metrics", daemon=True)
+        self.metrics_thread.start()
+
+    def execute(self, requests):
+        for request in requests:
+            asyncio.run_coroutine_threadsafe(self._serve(request), self.loop)
+        return None
+
+    async def _serve(self, request) -> None:
+        sender = request.get_response_sender()
+        try:
+            names = ("text_input", "messages", "stop", *_optional_scalars())
+            inputs = {}
+            for name in names:
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                if tensor is not None:
+                    inputs[name] = tensor.as_numpy()
+            parsed = parse_request(inputs)
+            stream = self.engine.generate(parsed.prompt, parsed.params, request.request_id() or None)
+            whole = _Accumulator()
+            finished = False
+            async for delta in _until_cancelled(stream, request):
+                finished = delta.finished
+                if parsed.stream:
+                    flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if delta.finished else 0
+                    sender.send(_response(delta.text, delta), flags=flags)
+                else:
+                    whole.add(delta)
+                    if delta.finished:
+                        sender.send(
+                            _response(whole.text, delta, whole.logprobs),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                        )
+            if not finished:  # cancelled by the client: close the stream without data
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except InvalidRequest as exc:
+            _send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+        except Overloaded as exc:
+            _send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
+        except Exception as exc:  # never leave a client hanging
+            _send_error(sender, f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+
+    def _publish_metrics(self) -> None:
+        while not self.stopping.wait(METRICS_INTERVAL_S):
+            self.metrics.update(self.engine.engine.stats())
+
+    def finalize(self):
+        self.engine.shutdown(drain_timeout_s=30.0)
+        self.stopping.set()
+        self.metrics.update(self.engine.engine.stats())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.loop_thread.join(timeout=5)
+
+
+def _optional_scalars() -> tuple[str, ...]:
+    from runtime.serve.request_inputs import SCALAR_PARAMS
+
+    return (*SCALAR_PARAMS, "stream")
+
+
+async def _until_cancelled(stream, request):
+    """Yield the stream's deltas; stop (aborting the request) once the client cancels.
+
+    Cancellation is checked before each delta and, while none arrives, every CANCEL_POLL_S.
+    `is_cancelled()` must not be called once the final response is sent (Triton frees the
+    response factory then), so this returns right after yielding the finished delta."""
+    while True:
+        next_delta = asyncio.ensure_future(stream.__anext__())
+        while not next_delta.done():
+            await asyncio.wait({next_delta}, timeout=CANCEL_POLL_S)
+            if not next_delta.done() and request.is_cancelled():
+                break
+        if request.is_cancelled():
+            next_delta.cancel()
+            await stream.aclose()  # aborts the request: its KV blocks are freed now
+            return
+        try:
+            delta = next_delta.result()
+        except StopAsyncIteration:
+            return
+        yield delta
+        if delta.finished:
+            return
+
+
+class _Accumulator:
+    def __init__(self):
+        self.text, self.logprobs = "", []
+
+    def add(self, delta) -> None:
+        self.text += delta.text
+        self.logprobs += delta.logprobs or []
+
+
+def _logprobs_json(logprobs) -> str:
+    return json.dumps([{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in logprobs or []])
+
+
+def _response(text: str, delta, logprobs=None):
+    return pb_utils.InferenceResponse(
+        output_tensors=[
+            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+            pb_utils.Tensor("finish_reason", np.array([(delta.finish_reason or "").encode()], dtype=np.object_)),
+            pb_utils.Tensor("prompt_tokens", np.array([delta.num_prompt_tokens], dtype=np.int32)),
+            pb_utils.Tensor("completion_tokens", np.array([delta.num_output_tokens], dtype=np.int32)),
+            pb_utils.Tensor(
+                "logprobs",
+                np.array(
+                    [_logprobs_json(logprobs if logprobs is not None else delta.logprobs).encode()], dtype=np.object_
+                ),
+            ),
+        ]
+    )
+
+
+def _send_error(sender, message: str, code) -> None:
+    sender.send(
+        pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)),
+        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+    )

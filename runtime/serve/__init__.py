@@ -1,0 +1,1 @@
+"""Serving trtserve engines behind NVIDIA Triton Inference Server (Python backend)."""

@@ -1,0 +1,159 @@
+"""Start the real `tritonserver` (from the nvidia-pytriton wheel) with the trtserve model.
+
+Builds, in a temp dir, a backend directory (the Python backend library, its utils module
+and the stub for the running Python) and a model repository whose `llm/config.pbtxt` is
+the project's template with the engine settings filled in and whose `model.py` is the
+project's. The stub runs the first `python` on PATH, so the running interpreter's bin/ goes
+first. Shutdown sends SIGTERM (Triton unloads models, draining in-flight requests).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MODEL_NAME = "llm"
+TEMPLATE_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine_dir: Path
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    engine_params: dict[str, str] = field(default_factory=dict)  # config.pbtxt parameters
+    log_verbose: int = 0
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+
+def pytriton_paths() -> tuple[Path, Path]:
+    """(tritonserver dir inside the pytriton package, its bundled shared libraries)."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServerError("the Triton server comes from nvidia-pytriton: pip install 'trtserve[serve]'")
+    package = Path(spec.submodule_search_locations[0])
+    return package / "tritonserver", package.parent / "nvidia_pytriton.libs"
+
+
+def prepare(config: ServerConfig, workdir: Path) -> tuple[list[str], dict[str, str]]:
+    """Write backend dir + model repository into workdir; return (command, environment)."""
+    server_dir, libs = pytriton_paths()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = server_dir / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise ServerError(f"nvidia-pytriton has no Python backend stub for Python {version}")
+    backend = workdir / "backends" / "python"
+    backend.mkdir(parents=True)
+    for source in (
+        server_dir / "backends" / "python" / "libtriton_python.so",
+        server_dir / "backends" / "python" / "triton_python_backend_utils.py",
+        stub,
+    ):
+        (backend / source.name).symlink_to(source)
+    model_dir = workdir / "models" / MODEL_NAME
+    (model_dir / "1").mkdir(parents=True)
+    (model_dir / "1" / "model.py").symlink_to(TEMPLATE_REPOSITORY / MODEL_NAME / "1" / "model.py")
+    params = {"engine_dir": str(Path(config.engine_dir).resolve()), **config.engine_params}
+    (model_dir / "config.pbtxt").write_text(fill_parameters(
+        (TEMPLATE_REPOSITORY / MODEL_NAME / "config.pbtxt").read_text(), params))  # fmt: skip
+    command = [
+        str(server_dir / "bin" / "tritonserver"),
+        f"--model-repository={workdir / 'models'}",
+        f"--backend-directory={workdir / 'backends'}",
+        f"--http-address={config.host}", f"--http-port={config.http_port}",
+        f"--grpc-address={config.host}", f"--grpc-port={config.grpc_port}",
+        f"--metrics-address={config.host}", f"--metrics-port={config.metrics_port}",
+        "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
+        "--exit-on-error=true", "--exit-timeout-secs=40", f"--log-verbose={config.log_verbose}",
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    # The stub embeds libpython: make it load the running interpreter's own (whose extension
+    # modules it will import) rather than another 3.x.y build found on the system.
+    libpython_dir = sysconfig.get_config_var("LIBDIR") if sysconfig.get_config_var("Py_ENABLE_SHARED") else None
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libpython_dir, str(libs), env.get("LD_LIBRARY_PATH")) if p)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return command, env
+
+
+def fill_parameters(template: str, params: dict[str, str]) -> str:
+    """Set `string_value` of each named parameter in the config.pbtxt text."""
+    for key, value in params.items():
+        pattern = re.compile(r'(key: "%s", value: \{ string_value: )"[^"]*"' % re.escape(key))
+        if not pattern.search(template):
+            raise ServerError(f"config.pbtxt template has no parameter {key!r}")
+        template = pattern.sub(lambda m: f'{m.group(1)}"{value}"', template)
+    return template
+
+
+class TritonServer:
+    """A running tritonserver; use as a context manager or call stop()."""
+
+    def __init__(self, config: ServerConfig, log_path: Path | None = None):
+        self.config = config
+        self.workdir = Path(tempfile.mkdtemp(prefix="trtserve-triton-"))
+        command, env = prepare(config, self.workdir)
+        self.log_path = log_path or self.workdir / "tritonserver.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)  # fmt: skip
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Until the model is ready; raises ServerError with the log's tail if the server dies."""
+        url = f"{self.config.http_url}/v2/models/{MODEL_NAME}/ready"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"tritonserver exited (code {self.process.returncode}):\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.25)
+        raise ServerError(f"tritonserver not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)  # the server and its stubs
+                self.process.wait()
+        self._log.close()
+        shutil.rmtree(self.workdir / "backends", ignore_errors=True)
+        shutil.rmtree(self.workdir / "models", ignore_errors=True)
+        return self.process.returncode
+
+    def __enter__(self) -> TritonServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,90 @@
+"""Prometheus metric families exported through Triton's /metrics by the Python backend.
+
+Histograms are observed when a request finishes (TTFT, inter-token latency, queue time,
+end-to-end); gauges and counters are refreshed from the engine's stats by a small thread.
+`pb_utils` is passed in because it only exists inside Triton's Python backend stub.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from runtime.outputs import RequestOutput
+from runtime.stats import EngineStats
+
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5]
+
+GAUGES = {
+    "trtserve_num_requests_running": ("Requests in the running batch.", lambda s: s.running),
+    "trtserve_num_requests_waiting": ("Requests waiting to be scheduled.", lambda s: s.waiting),
+    "trtserve_kv_cache_usage_ratio": ("Fraction of KV blocks held by requests.", lambda s: s.kv_usage),
+    "trtserve_kv_cache_used_blocks": ("KV blocks held by requests.", lambda s: s.kv_blocks["used"]),
+    "trtserve_kv_cache_cached_blocks": (
+        "Free KV blocks still holding a cached prefix.",
+        lambda s: s.kv_blocks["cached"],
+    ),
+}
+COUNTERS = {
+    "trtserve_prefix_cache_queries_total": ("Prompt tokens looked up in the prefix cache.", lambda s: s.prefix_cache_queries),
+    "trtserve_prefix_cache_hits_total": ("Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache_hits),
+    "trtserve_preemptions_total": ("Requests preempted (recomputed later) for lack of KV blocks.", lambda s: s.preemptions),
+    "trtserve_prompt_tokens_total": ("Prompt tokens computed.", lambda s: s.prompt_tokens),
+    "trtserve_generation_tokens_total": ("Tokens generated.", lambda s: s.generation_tokens),
+    "trtserve_requests_rejected_overloaded_total": ("Requests rejected: waiting queue full.", lambda s: s.rejected_overloaded),
+    "trtserve_requests_rejected_invalid_total": ("Requests rejected: invalid input.", lambda s: s.rejected_invalid),
+}  # fmt: skip
+HISTOGRAMS = {
+    "trtserve_time_to_first_token_seconds": ("Time to first token.", LATENCY_BUCKETS),
+    "trtserve_inter_token_latency_seconds": ("Time between consecutive output tokens.", ITL_BUCKETS),
+    "trtserve_queue_time_seconds": ("Time from arrival to first scheduling.", LATENCY_BUCKETS),
+    "trtserve_e2e_request_latency_seconds": ("Time from arrival to the last token.", LATENCY_BUCKETS),
+}
+
+
+class TritonMetrics:
+    def __init__(self, pb_utils, labels: dict[str, str]):
+        kinds = pb_utils.MetricFamily
+        self._families = []  # must outlive their metrics
+
+        def family(name: str, description: str, kind):
+            self._families.append(kinds(name=name, description=description, kind=kind))
+            return self._families[-1]
+
+        self.gauges = {n: family(n, d, kinds.GAUGE).Metric(labels=labels) for n, (d, _) in GAUGES.items()}
+        self.counters = {n: family(n, d, kinds.COUNTER).Metric(labels=labels) for n, (d, _) in COUNTERS.items()}
+        self.histograms = {
+            n: family(n, d, kinds.HISTOGRAM).Metric(labels=labels, buckets=b) for n, (d, b) in HISTOGRAMS.items()
+        }
+        finished = family("trtserve_request_success_total", "Finished requests by finish reason.", kinds.COUNTER)
+        self.finished = {
+            reason: finished.Metric(labels={**labels, "finish_reason": reason})
+            for reason in ("stop", "length", "abort", "deadline")
+        }
+        self._last: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        stats = out.stats or {}
+        with self._lock:
+            for name, key in (
+                ("trtserve_time_to_first_token_seconds", "ttft_s"),
+                ("trtserve_queue_time_seconds", "queue_time_s"),
+                ("trtserve_e2e_request_latency_seconds", "e2e_s"),
+            ):
+                if stats.get(key) is not None:
+                    self.histograms[name].observe(stats[key])
+            for itl in stats.get("inter_token_latencies_s", []):
+                self.histograms["trtserve_inter_token_latency_seconds"].observe(itl)
+            if out.finish_reason in self.finished:
+                self.finished[out.finish_reason].increment(1)
+
+    def update(self, stats: EngineStats) -> None:
+        with self._lock:
+            for name, (_, read) in GAUGES.items():
+                self.gauges[name].set(float(read(stats)))
+            for name, (_, read) in COUNTERS.items():
+                value = float(read(stats))
+                if value > self._last.get(name, 0.0):
+                    self.counters[name].increment(value - self._last.get(name, 0.0))
+                self._last[name] = value
