@@ -267,6 +267,13 @@ def test_metrics_are_present_and_moving(server):
                  "trtserve_queue_time_seconds_count", "trtserve_e2e_request_latency_seconds_count",
                  "trtserve_prompt_tokens_total"):  # fmt: skip
         assert metric(after, name) > metric(before, name), name
-    for name in ("trtserve_kv_cache_usage_ratio", "trtserve_num_requests_running", "trtserve_num_requests_waiting",
-                 "trtserve_prefix_cache_hits_total", "trtserve_prefix_cache_queries_total", "trtserve_preemptions_total"):  # fmt: skip
+    present = (
+        "trtserve_kv_cache_usage_ratio",
+        "trtserve_num_requests_running",
+        "trtserve_num_requests_waiting",
+        "trtserve_prefix_cache_hits_total",
+        "trtserve_prefix_cache_queries_total",
+        "trtserve_preemptions_total",
+    )
+    for name in present:
         assert any(k.split("{")[0] == name for k in after), name

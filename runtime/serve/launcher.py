@@ -100,10 +100,10 @@ def prepare(config: ServerConfig, workdir: Path) -> tuple[list[str], dict[str, s
 def fill_parameters(template: str, params: dict[str, str]) -> str:
     """Set `string_value` of each named parameter in the config.pbtxt text."""
     for key, value in params.items():
-        pattern = re.compile(r'(key: "%s", value: \{ string_value: )"[^"]*"' % re.escape(key))
+        pattern = re.compile(r'(key: "' + re.escape(key) + r'", value: \{ string_value: )"[^"]*"')
         if not pattern.search(template):
             raise ServerError(f"config.pbtxt template has no parameter {key!r}")
-        template = pattern.sub(lambda m: f'{m.group(1)}"{value}"', template)
+        template = pattern.sub(lambda m, v=value: f'{m.group(1)}"{v}"', template)
     return template
 
 

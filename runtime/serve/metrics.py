@@ -15,24 +15,22 @@ from runtime.stats import EngineStats
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5]
 
+# name -> (description, how to read it from EngineStats)
 GAUGES = {
     "trtserve_num_requests_running": ("Requests in the running batch.", lambda s: s.running),
     "trtserve_num_requests_waiting": ("Requests waiting to be scheduled.", lambda s: s.waiting),
     "trtserve_kv_cache_usage_ratio": ("Fraction of KV blocks held by requests.", lambda s: s.kv_usage),
     "trtserve_kv_cache_used_blocks": ("KV blocks held by requests.", lambda s: s.kv_blocks["used"]),
-    "trtserve_kv_cache_cached_blocks": (
-        "Free KV blocks still holding a cached prefix.",
-        lambda s: s.kv_blocks["cached"],
-    ),
+    "trtserve_kv_cache_cached_blocks": ("Free KV blocks holding a cached prefix.", lambda s: s.kv_blocks["cached"]),
 }
 COUNTERS = {
-    "trtserve_prefix_cache_queries_total": ("Prompt tokens looked up in the prefix cache.", lambda s: s.prefix_cache_queries),
+    "trtserve_prefix_cache_queries_total": ("Prompt tokens looked up in the cache.", lambda s: s.prefix_cache_queries),
     "trtserve_prefix_cache_hits_total": ("Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache_hits),
-    "trtserve_preemptions_total": ("Requests preempted (recomputed later) for lack of KV blocks.", lambda s: s.preemptions),
+    "trtserve_preemptions_total": ("Requests preempted for lack of KV blocks.", lambda s: s.preemptions),
     "trtserve_prompt_tokens_total": ("Prompt tokens computed.", lambda s: s.prompt_tokens),
     "trtserve_generation_tokens_total": ("Tokens generated.", lambda s: s.generation_tokens),
-    "trtserve_requests_rejected_overloaded_total": ("Requests rejected: waiting queue full.", lambda s: s.rejected_overloaded),
-    "trtserve_requests_rejected_invalid_total": ("Requests rejected: invalid input.", lambda s: s.rejected_invalid),
+    "trtserve_requests_rejected_overloaded_total": ("Rejected: waiting queue full.", lambda s: s.rejected_overloaded),
+    "trtserve_requests_rejected_invalid_total": ("Rejected: invalid input.", lambda s: s.rejected_invalid),
 }  # fmt: skip
 HISTOGRAMS = {
     "trtserve_time_to_first_token_seconds": ("Time to first token.", LATENCY_BUCKETS),
