@@ -9,6 +9,7 @@ first. Shutdown sends SIGTERM (Triton unloads models, draining in-flight request
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -145,8 +146,10 @@ class TritonServer:
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)  # the server and its stubs
+                self.process.kill()
                 self.process.wait()
+        with contextlib.suppress(ProcessLookupError):  # Python-backend stubs left by a crash
+            os.killpg(self.process.pid, signal.SIGKILL)
         self._log.close()
         shutil.rmtree(self.workdir / "backends", ignore_errors=True)
         shutil.rmtree(self.workdir / "models", ignore_errors=True)
