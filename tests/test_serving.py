@@ -160,7 +160,7 @@ def test_client_cancellation_aborts_and_frees_kv_blocks(server):
     result, error = results.get(timeout=30)  # streaming has started: the request holds KV blocks
     assert error is None and result.as_numpy("finish_reason")[0] == b""
     client.stop_stream(cancel_requests=True)
-    assert wait_for(lambda: metrics(server)[aborted] == before[aborted] + 1)
+    assert wait_for(lambda: metrics(server)[aborted] >= before[aborted] + 1), metrics(server)
     after = metrics(server)
     assert metric(after, "trtserve_kv_cache_used_blocks") == 0
     # Aborted, not run to the end: far fewer than 240 tokens were generated.
@@ -277,3 +277,28 @@ def test_metrics_are_present_and_moving(server):
     )
     for name in present:
         assert any(k.split("{")[0] == name for k in after), name
+
+
+def test_tritonclient_http_infer_through_the_adapter_model(server, reference):
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.config.http_port}")
+
+    def infer(text: str, max_tokens: int):
+        inputs = []
+        for name, value, dtype in (("text_input", np.array([text.encode()], dtype=object), "BYTES"),
+                                   ("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32")):  # fmt: skip
+            tensor = httpclient.InferInput(name, [1], dtype)
+            tensor.set_data_from_numpy(value)
+            inputs.append(tensor)
+        return client.infer("llm_infer", inputs)
+
+    try:
+        result = infer("Request and response", 9)
+        assert result.as_numpy("text_output")[0].decode() == reference("Request and response", 9)
+        assert result.as_numpy("finish_reason")[0] in (b"length", b"stop")
+        with pytest.raises(InferenceServerException, match="max_tokens: must be in"):
+            infer("bad", -2)
+    finally:
+        client.close()  # Triton's graceful shutdown waits for open HTTP connections

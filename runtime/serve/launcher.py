@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MODEL_NAME = "llm"
+ADAPTER_MODELS = ("llm_infer",)  # forward to MODEL_NAME; copied as they are
 TEMPLATE_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 
 
@@ -75,6 +76,10 @@ def prepare(config: ServerConfig, workdir: Path) -> tuple[list[str], dict[str, s
     model_dir = workdir / "models" / MODEL_NAME
     (model_dir / "1").mkdir(parents=True)
     (model_dir / "1" / "model.py").symlink_to(TEMPLATE_REPOSITORY / MODEL_NAME / "1" / "model.py")
+    for adapter in ADAPTER_MODELS:
+        (workdir / "models" / adapter / "1").mkdir(parents=True)
+        for name in ("config.pbtxt", "1/model.py"):
+            (workdir / "models" / adapter / name).symlink_to(TEMPLATE_REPOSITORY / adapter / name)
     params = {"engine_dir": str(Path(config.engine_dir).resolve()), **config.engine_params}
     (model_dir / "config.pbtxt").write_text(fill_parameters(
         (TEMPLATE_REPOSITORY / MODEL_NAME / "config.pbtxt").read_text(), params))  # fmt: skip
@@ -121,8 +126,8 @@ class TritonServer:
                                         start_new_session=True)  # fmt: skip
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
-        """Until the model is ready; raises ServerError with the log's tail if the server dies."""
-        url = f"{self.config.http_url}/v2/models/{MODEL_NAME}/ready"
+        """Until all models are ready; raises ServerError with the log's tail if the server dies."""
+        url = f"{self.config.http_url}/v2/health/ready"  # every model loaded
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
