@@ -229,30 +229,32 @@ class _DecoderParts:
     # ---- CPU segments, flat token batch ----------------------------------------------------
 
     def segment(self, index: int, saved: dict[str, TensorProto]) -> onnx.ModelProto:
-        """Segment `index` of num_layers+1, over tokens laid out as [1, tokens, ...]:
+        """Segment `index` of num_layers+1, over tokens laid out as [tokens, 1, ...] (each token
+        its own batch row, so no op sees a sequence longer than one; ORT's RotaryEmbedding
+        refuses sequences longer than its cos/sin tables, and a step may hold more tokens):
         0: embed + pre-attention(0); i: post-attention(i-1) + pre-attention(i);
         last: post-attention(L-1) on the sampled rows only, final norm, lm_head."""
         self.g, self._saved = GraphBuilder(f"trtserve_segment_{index:02d}"), saved
         g, spec, f32 = self.g, self.spec, TensorProto.FLOAT
-        hidden_shape, q_shape = [1, "tokens", spec.hidden_size], [1, "tokens", spec.num_heads * spec.head_dim]
+        hidden_shape, q_shape = ["tokens", 1, spec.hidden_size], ["tokens", 1, spec.num_heads * spec.head_dim]
         if index == 0:
-            hidden = self.embed(g.input("input_ids", TensorProto.INT64, [1, "tokens"]))
+            hidden = self.embed(g.input("input_ids", TensorProto.INT64, ["tokens", 1]))
         else:
             hidden = g.input("hidden", f32, hidden_shape)
             attn = g.input("attn", f32, q_shape)
         if index == spec.num_layers:  # only the sampled rows need the last MLP and lm_head
             rows = g.input("logit_rows", TensorProto.INT64, ["rows"])
-            pick = lambda x: g.op("Gather", g.op("Squeeze", x, g.const([0])), rows, axis=0)  # noqa: E731
+            pick = lambda x: g.op("Gather", g.op("Squeeze", x, g.const([1])), rows, axis=0)  # noqa: E731
             self.logits(self.post_attention(index - 1, pick(hidden), pick(attn)))
             g.output("logits", f32, ["rows", spec.vocab_size])
             return g.to_model(producer="trtserve.builder")
         if index > 0:
             hidden = self.post_attention(index - 1, hidden, attn)
-        positions = g.input("positions", TensorProto.INT64, [1, "tokens"])
+        positions = g.input("positions", TensorProto.INT64, ["tokens", 1])
         q, k, v = self.pre_attention(index, hidden, positions)
         for name, value, shape in (
             ("hidden_out", hidden, hidden_shape), ("q", q, q_shape),
-            ("k", k, [1, "tokens", spec.kv_width]), ("v", v, [1, "tokens", spec.kv_width]),
+            ("k", k, ["tokens", 1, spec.kv_width]), ("v", v, ["tokens", 1, spec.kv_width]),
         ):  # fmt: skip
             g.op("Identity", value, out=name)
             g.output(name, f32, shape)

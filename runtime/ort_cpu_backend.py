@@ -27,8 +27,8 @@ from runtime.paged_attention import AttentionShape, paged_attention
 class FlatStep:
     """A step's chunks as one flat token list."""
 
-    input_ids: np.ndarray  # [1, T] int64
-    positions: np.ndarray  # [1, T] int64
+    input_ids: np.ndarray  # [T, 1] int64
+    positions: np.ndarray  # [T, 1] int64
     seq_of_token: np.ndarray  # [T] int64: index of the token's chunk
     block_tables: np.ndarray  # [B, M] int64
     slots: np.ndarray  # [T] pool slot of each token's K/V
@@ -46,8 +46,8 @@ class FlatStep:
         positions = starts + np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
         return cls(
-            input_ids=np.concatenate([np.asarray(c.token_ids, np.int64) for c in chunks])[None],
-            positions=positions[None],
+            input_ids=np.concatenate([np.asarray(c.token_ids, np.int64) for c in chunks])[:, None],
+            positions=positions[:, None],
             seq_of_token=seq_of_token,
             block_tables=tables,
             slots=slots,
@@ -77,12 +77,12 @@ class OrtCpuBackend:
         spec, flat = self.config.model, FlatStep.pack(chunks, self.config.block_size)
         hidden, q, k, v = self.segments[0].run(None, {"input_ids": flat.input_ids, "positions": flat.positions})
         for layer in range(spec.num_layers):
-            self._rows[2 * layer, flat.slots] = k[0]
-            self._rows[2 * layer + 1, flat.slots] = v[0]
+            self._rows[2 * layer, flat.slots] = k[:, 0]
+            self._rows[2 * layer + 1, flat.slots] = v[:, 0]
             attn = paged_attention(
-                q[0], self.pool[layer, 0], self.pool[layer, 1], flat.block_tables, flat.seq_of_token,
-                flat.positions[0], self.shape, window=spec.sliding_windows[layer], threads=self.threads,
-            )[None]  # fmt: skip
+                q[:, 0], self.pool[layer, 0], self.pool[layer, 1], flat.block_tables, flat.seq_of_token,
+                flat.positions[:, 0], self.shape, window=spec.sliding_windows[layer], threads=self.threads,
+            )[:, None]  # fmt: skip
             feeds = {"hidden": hidden, "attn": attn}
             if layer + 1 < spec.num_layers:
                 hidden, q, k, v = self.segments[layer + 1].run(None, {**feeds, "positions": flat.positions})

@@ -115,3 +115,13 @@ def test_greedy_generate_matches_hf_generate(tiny_engine, tiny_hf, kind):
     want = [hf_greedy(model, p, 16, stop) for p in prompts]
     assert got == want
     assert all(len(g) > 0 for g in got)
+
+
+def test_step_with_more_tokens_than_max_seq_len(backend, tiny_hf):
+    """A step may batch more tokens than one sequence can hold (3 x 100 > 256)."""
+    model, _ = tiny_hf
+    prompts = random_prompts(backend.config.model.vocab_size, [100, 100, 100], seed=13)
+    tables = [blocks(0, 13), blocks(13, 13), blocks(26, 13)]
+    got = backend.step([SequenceChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+    for row, prompt in zip(got, prompts, strict=True):
+        np.testing.assert_allclose(row, hf_logits(model, prompt)[-1], atol=ATOL)
