@@ -133,7 +133,13 @@ class LLMEngine:
                 request.timing.first_scheduled = request.timing.first_scheduled or now
                 start = request.num_computed_tokens
                 chunks.append(SequenceChunk(request.all_token_ids[start : start + n], start, list(request.block_ids)))
-        logits = self.backend.step(chunks)  # lock released: add/abort proceed meanwhile
+        try:
+            logits = self.backend.step(chunks)  # lock released: add/abort proceed meanwhile
+        except Exception as exc:  # fail this step's requests, keep serving the others
+            log.exception("backend step failed; finishing its %d requests with an error", len(chunks))
+            with self._lock:
+                failed = [r for r, _ in scheduled if not r.is_finished]
+                return outputs + [self._finish(r, "error", "", [], None, error=str(exc)) for r in failed]
         with self._lock:
             self.counters.steps += 1
             return outputs + self._postprocess(scheduled, logits)
@@ -174,7 +180,9 @@ class LLMEngine:
             return self._finish(request, "length", text, [token], lp)
         return self._output(request, text, [token], lp)
 
-    def _finish(self, request: Request, reason: str, text: str, token_ids: list[int], lp) -> RequestOutput:
+    def _finish(
+        self, request: Request, reason: str, text: str, token_ids: list[int], lp, error: str | None = None
+    ) -> RequestOutput:
         stream = self.streams.pop(request.request_id)
         text += stream.finish()
         self.scheduler.remove(request)
@@ -183,7 +191,7 @@ class LLMEngine:
         request.timing.finished = time.monotonic()
         self.counters.finished[reason] += 1
         out = self._output(request, text, token_ids, lp)
-        out.finished, out.finish_reason = True, reason
+        out.finished, out.finish_reason, out.error = True, reason, error
         out.stats = {**request.timing.summary(), "num_preemptions": request.num_preemptions}
         return out
 

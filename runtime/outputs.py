@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from runtime.sampler import TokenLogprobs
 
-FINISH_REASONS = ("stop", "length", "abort", "deadline")
+FINISH_REASONS = ("stop", "length", "abort", "deadline", "error")
 
 
 @dataclass
@@ -22,6 +22,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     stats: dict | None = None  # per-request timing, on the final output
+    error: str | None = None  # why, when finish_reason is "error" (the engine failed the step)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None
     stats: dict | None = None
+    error: str | None = None
 
     def add(self, delta: RequestOutput) -> None:
         self.text += delta.text
@@ -42,4 +44,4 @@ class CompletionOutput:
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
         if delta.finished:
-            self.finish_reason, self.stats = delta.finish_reason, delta.stats
+            self.finish_reason, self.stats, self.error = delta.finish_reason, delta.stats, delta.error

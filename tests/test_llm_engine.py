@@ -238,3 +238,21 @@ def test_stop_string_ends_generation_and_is_excluded(llama_engine):
     out = llm.generate([[40, 41, 42]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]))[0]
     assert out.finish_reason == "stop"
     assert out.text == full.text[: full.text.index(stop)]
+
+
+def test_a_failing_backend_step_fails_only_its_requests(llama_engine, reference):
+    """A backend error finishes the step's requests with finish_reason "error" and frees their
+    blocks; requests added afterwards are served normally."""
+    engine = LLMEngine(llama_engine)
+    doomed = engine.add_request([5, 6, 7], GREEDY)
+    real_step = engine.backend.step
+    engine.backend.step = lambda chunks: (_ for _ in ()).throw(RuntimeError("injected backend failure"))
+    [out] = engine.step()
+    assert out.request_id == doomed and out.finish_reason == "error" and "injected" in out.error
+    assert engine.kv.pool.counts()["used"] == 0 and not engine.has_unfinished_requests()
+    engine.backend.step = real_step
+    engine.add_request([8, 9, 10], GREEDY)
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [t for d in engine.step() for t in d.token_ids]
+    assert tokens == reference([8, 9, 10])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from runtime.outputs import RequestOutput
+from runtime.outputs import FINISH_REASONS, RequestOutput
 from runtime.stats import EngineStats
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
@@ -56,8 +56,7 @@ class TritonMetrics:
         }
         finished = family("trtserve_request_success_total", "Finished requests by finish reason.", kinds.COUNTER)
         self.finished = {
-            reason: finished.Metric(labels={**labels, "finish_reason": reason})
-            for reason in ("stop", "length", "abort", "deadline")
+            reason: finished.Metric(labels={**labels, "finish_reason": reason}) for reason in FINISH_REASONS
         }
         self._last: dict[str, float] = {}
         self._lock = threading.Lock()

@@ -68,6 +68,9 @@ class TritonPythonModel:
             finished = False
             async for delta in _until_cancelled(stream, request):
                 finished = delta.finished
+                if delta.error is not None:
+                    _send_error(sender, f"engine error: {delta.error}", pb_utils.TritonError.INTERNAL)
+                    return
                 if parsed.stream:
                     flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if delta.finished else 0
                     sender.send(_response(delta.text, delta), flags=flags)
