@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from runtime.admission import Prompt
+from runtime.errors import InvalidRequest
 from runtime.llm_engine import EngineArgs, LLMEngine
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
@@ -50,10 +51,15 @@ class AsyncLLM:
         if self._stopping:
             raise RuntimeError("engine is shutting down")
         request_id = request_id or uuid.uuid4().hex
+        if request_id in self._queues:  # checked before touching the live request's queue
+            raise InvalidRequest("request_id", f"{request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (asyncio.get_running_loop(), queue)
         try:
             self.engine.add_request(prompt, params, request_id)
+            if not self._thread.is_alive():  # the loop ended (shutdown or error) meanwhile
+                self.engine.abort(request_id)
+                raise RuntimeError(f"engine is not running: {self._error!r}")
         except BaseException:
             self._queues.pop(request_id, None)
             raise
@@ -105,7 +111,10 @@ class AsyncLLM:
 
     def _deliver(self, out: RequestOutput) -> None:
         if out.finished and self.on_finished is not None:
-            self.on_finished(out)
+            try:
+                self.on_finished(out)
+            except Exception:  # an observer must not take the engine loop down
+                log.exception("on_finished callback failed")
         target = self._queues.get(out.request_id)
         if target is not None:
             loop, queue = target

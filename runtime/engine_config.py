@@ -10,7 +10,7 @@ from builder.model_spec import ModelSpec
 
 MANIFEST = "manifest.json"
 FORMAT = "trtserve-engine"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: CPU segments take tokens as [tokens, 1]
 
 
 class EngineLoadError(Exception):

@@ -46,6 +46,12 @@ class EngineArgs:
     threads: int | None = None  # backend compute threads (default: all cores)
     backend: str | None = None  # "cpu" (kernel) or "graph" (portable graph); default: see backends.py
 
+    def __post_init__(self) -> None:
+        for name in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"EngineArgs.{name} must be a positive integer (got {value!r})")
+
 
 class LLMEngine:
     def __init__(self, engine_dir: str | Path, args: EngineArgs | None = None, backend: EngineBackend | None = None):

@@ -94,3 +94,15 @@ def test_random_sampling_streams_valid_utf8(engine):
     full = engine.engine.tokenizer.decode(tokens, skip_special_tokens=True)
     assert text == full
     assert sum(d.text.count("\ufffd") for d in deltas) == full.count("\ufffd")
+
+
+def test_duplicate_request_id_is_rejected_and_the_first_stream_completes(engine):
+    async def main():
+        first = engine.generate([7, 7, 7], GREEDY, "dup")
+        head = await first.__anext__()
+        with pytest.raises(InvalidRequest, match="request_id"):
+            await collect(engine, [8, 8, 8], GREEDY, "dup")
+        return [head] + [d async for d in first]
+
+    deltas = asyncio.run(main())
+    assert deltas[-1].finished and sum(len(d.token_ids) for d in deltas) == GREEDY.max_tokens

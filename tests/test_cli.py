@@ -168,3 +168,13 @@ def test_float16_engine_builds_and_passes_its_verification(tmp_path):
     verification = manifest["verification"]
     assert set(verification["backends"]) == {"graph"}  # the CPU kernel backend is float32-only
     assert max(verification["backends"]["graph"]["max_abs_error"].values()) < verification["tolerance"]
+
+
+def test_engine_of_an_older_format_asks_for_a_rebuild(cli_engine, tmp_path):
+    engine = tmp_path / "old"
+    shutil.copytree(cli_engine, engine)
+    manifest = json.loads((engine / "manifest.json").read_text())
+    manifest["format_version"] = 1
+    (engine / "manifest.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(trtserve_cli, ["generate", "--engine", str(engine), "--prompt", "hi"])
+    assert result.exit_code != 0 and "rebuild the engine" in result.output

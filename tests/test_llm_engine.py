@@ -256,3 +256,9 @@ def test_a_failing_backend_step_fails_only_its_requests(llama_engine, reference)
     while engine.has_unfinished_requests():
         tokens += [t for d in engine.step() for t in d.token_ids]
     assert tokens == reference([8, 9, 10])
+
+
+@pytest.mark.parametrize("field", ["max_num_batched_tokens", "max_num_seqs", "num_kv_blocks", "max_waiting"])
+def test_engine_args_must_be_positive(field):
+    with pytest.raises(ValueError, match=f"EngineArgs.{field} must be a positive integer"):
+        EngineArgs(**{field: 0})

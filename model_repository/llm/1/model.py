@@ -10,6 +10,8 @@ requests are drained (up to a timeout) before the engine stops.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import json
 import threading
 
@@ -41,6 +43,7 @@ class TritonPythonModel:
             )
         except Exception as exc:  # reported by Triton as the model's load failure
             raise pb_utils.TritonModelException(f"trtserve engine failed to start: {exc}") from None
+        self.in_flight: set[concurrent.futures.Future] = set()
         self.loop = asyncio.new_event_loop()
         self.loop_thread = threading.Thread(target=self.loop.run_forever, name="trtserve-asyncio", daemon=True)
         self.loop_thread.start()
@@ -50,7 +53,9 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            asyncio.run_coroutine_threadsafe(self._serve(request), self.loop)
+            future = asyncio.run_coroutine_threadsafe(self._serve(request), self.loop)
+            self.in_flight.add(future)
+            future.add_done_callback(self.in_flight.discard)
         return None
 
     async def _serve(self, request) -> None:
@@ -96,6 +101,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.engine.shutdown(drain_timeout_s=30.0)
+        concurrent.futures.wait(list(self.in_flight), timeout=5)  # let final responses go out
         self.stopping.set()
         self.metrics.update(self.engine.engine.stats())
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -122,6 +128,8 @@ async def _until_cancelled(stream, request):
                 break
         if request.is_cancelled():
             next_delta.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await next_delta  # the generator must stop running before it can be closed
             await stream.aclose()  # aborts the request: its KV blocks are freed now
             return
         try:
