@@ -59,7 +59,48 @@ def pytriton_paths() -> tuple[Path, Path]:
 
 
 def prepare(config: ServerConfig, workdir: Path) -> tuple[list[str], dict[str, str]]:
-    """Write backend dir + model repository into workdir; return (command, environment)."""
+    """Write backend dir + model repository into workdir; return (command, environment).
+
+    With TRTSERVE_TRITONSERVER_DIR set (e.g. /opt/tritonserver in NVIDIA's container), that
+    installation's binary and backends are used; otherwise the ones in nvidia-pytriton."""
+    installed = os.environ.get("TRTSERVE_TRITONSERVER_DIR")
+    if installed:
+        binary, backends, libs = Path(installed) / "bin" / "tritonserver", Path(installed) / "backends", None
+    else:
+        binary, backends, libs = _pytriton_backends(workdir)
+    model_dir = workdir / "models" / MODEL_NAME
+    (model_dir / "1").mkdir(parents=True)
+    (model_dir / "1" / "model.py").symlink_to(TEMPLATE_REPOSITORY / MODEL_NAME / "1" / "model.py")
+    for adapter in ADAPTER_MODELS:
+        (workdir / "models" / adapter / "1").mkdir(parents=True)
+        for name in ("config.pbtxt", "1/model.py"):
+            (workdir / "models" / adapter / name).symlink_to(TEMPLATE_REPOSITORY / adapter / name)
+    params = {"engine_dir": str(Path(config.engine_dir).resolve()), **config.engine_params}
+    (model_dir / "config.pbtxt").write_text(fill_parameters(
+        (TEMPLATE_REPOSITORY / MODEL_NAME / "config.pbtxt").read_text(), params))  # fmt: skip
+    command = [
+        str(binary),
+        f"--model-repository={workdir / 'models'}",
+        f"--backend-directory={backends}",
+        f"--http-address={config.host}", f"--http-port={config.http_port}",
+        f"--grpc-address={config.host}", f"--grpc-port={config.grpc_port}",
+        f"--metrics-address={config.host}", f"--metrics-port={config.metrics_port}",
+        "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
+        "--exit-on-error=true", "--exit-timeout-secs=40", f"--log-verbose={config.log_verbose}",
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    # The stub embeds libpython: make it load the running interpreter's own (whose extension
+    # modules it will import) rather than another 3.x.y build found on the system.
+    libpython_dir = sysconfig.get_config_var("LIBDIR") if sysconfig.get_config_var("Py_ENABLE_SHARED") else None
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(str(p) for p in (libpython_dir, libs, env.get("LD_LIBRARY_PATH")) if p)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return command, env
+
+
+def _pytriton_backends(workdir: Path) -> tuple[Path, Path, Path]:
+    """A backend dir of symlinks into nvidia-pytriton (the stub for the running Python);
+    returns (tritonserver binary, backend dir, bundled shared libraries)."""
     server_dir, libs = pytriton_paths()
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = server_dir / "python_backend_stubs" / version / "triton_python_backend_stub"
@@ -73,34 +114,7 @@ def prepare(config: ServerConfig, workdir: Path) -> tuple[list[str], dict[str, s
         stub,
     ):
         (backend / source.name).symlink_to(source)
-    model_dir = workdir / "models" / MODEL_NAME
-    (model_dir / "1").mkdir(parents=True)
-    (model_dir / "1" / "model.py").symlink_to(TEMPLATE_REPOSITORY / MODEL_NAME / "1" / "model.py")
-    for adapter in ADAPTER_MODELS:
-        (workdir / "models" / adapter / "1").mkdir(parents=True)
-        for name in ("config.pbtxt", "1/model.py"):
-            (workdir / "models" / adapter / name).symlink_to(TEMPLATE_REPOSITORY / adapter / name)
-    params = {"engine_dir": str(Path(config.engine_dir).resolve()), **config.engine_params}
-    (model_dir / "config.pbtxt").write_text(fill_parameters(
-        (TEMPLATE_REPOSITORY / MODEL_NAME / "config.pbtxt").read_text(), params))  # fmt: skip
-    command = [
-        str(server_dir / "bin" / "tritonserver"),
-        f"--model-repository={workdir / 'models'}",
-        f"--backend-directory={workdir / 'backends'}",
-        f"--http-address={config.host}", f"--http-port={config.http_port}",
-        f"--grpc-address={config.host}", f"--grpc-port={config.grpc_port}",
-        f"--metrics-address={config.host}", f"--metrics-port={config.metrics_port}",
-        "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
-        "--exit-on-error=true", "--exit-timeout-secs=40", f"--log-verbose={config.log_verbose}",
-    ]  # fmt: skip
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    # The stub embeds libpython: make it load the running interpreter's own (whose extension
-    # modules it will import) rather than another 3.x.y build found on the system.
-    libpython_dir = sysconfig.get_config_var("LIBDIR") if sysconfig.get_config_var("Py_ENABLE_SHARED") else None
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libpython_dir, str(libs), env.get("LD_LIBRARY_PATH")) if p)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    return command, env
+    return server_dir / "bin" / "tritonserver", workdir / "backends", libs
 
 
 def fill_parameters(template: str, params: dict[str, str]) -> str:
