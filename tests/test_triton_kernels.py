@@ -63,16 +63,18 @@ def test_a_wrong_block_table_is_caught():
 SM_SHARED_LIMIT = {80: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # max dynamic shared memory per block
 
 
-def test_aot_compiles_for_sm80_sm89_sm90():
+def test_aot_compiles_both_kernels_for_sm80_sm89_sm90():
     """Compiled in a fresh process: the interpreter mode set above must not leak into it."""
     script = (
-        "import json; from plugins_cuda.paged_attention import compile_for_arch\n"
+        "import json\n"
+        "from plugins_cuda import fused_qkv, paged_attention\n"
         "out = {}\n"
         "for arch in (80, 89, 90):\n"
-        "    k = compile_for_arch(arch, 'float16', 3, 3, 64, 64)\n"
-        "    m = k.metadata\n"
-        "    out[arch] = dict(ptx=len(k.asm['ptx']), cubin=len(k.asm['cubin']), shared=m.shared,\n"
-        "                     scratch=m.global_scratch_size + m.profile_scratch_size, target=k.asm['ptx'][:2000])\n"
+        "    for name, k in (('attention', paged_attention.compile_for_arch(arch, 'float16', 3, 3, 64, 64)),\n"
+        "                    ('prologue', fused_qkv.compile_for_arch(arch, 'bfloat16', 576, 9, 3, 64, True))):\n"
+        "        m = k.metadata\n"
+        "        out[f'{name}.{arch}'] = dict(ptx=len(k.asm['ptx']), cubin=len(k.asm['cubin']), shared=m.shared,\n"
+        "            scratch=m.global_scratch_size + m.profile_scratch_size, target=k.asm['ptx'][:2000])\n"
         "print(json.dumps(out))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -80,7 +82,9 @@ def test_aot_compiles_for_sm80_sm89_sm90():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     compiled = json.loads(result.stdout.strip().splitlines()[-1])
-    for arch, info in compiled.items():
+    assert len(compiled) == 6
+    for key, info in compiled.items():
+        arch = key.split(".")[1]
         assert info["ptx"] > 1000 and info["cubin"] > 1000
         assert info["scratch"] == 0
         assert 0 < info["shared"] <= SM_SHARED_LIMIT[int(arch)]
@@ -95,7 +99,70 @@ def test_trtserve_kernels_cli_writes_ptx_cubin_and_metadata(tmp_path):
                             capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     for arch in ("sm_80", "sm_90"):
-        assert (tmp_path / f"paged_attention.{arch}.ptx").read_text().count(f".target {arch}") == 1
-        assert (tmp_path / f"paged_attention.{arch}.cubin").stat().st_size > 1000
-        info = json.loads((tmp_path / f"paged_attention.{arch}.json").read_text())
-        assert info["global_scratch_bytes"] == 0 and info["shared_memory_bytes"] > 0
+        for kernel in ("paged_attention", "fused_rmsnorm_qkv_rope"):
+            assert (tmp_path / f"{kernel}.{arch}.ptx").read_text().count(f".target {arch}") == 1
+            assert (tmp_path / f"{kernel}.{arch}.cubin").stat().st_size > 1000
+            info = json.loads((tmp_path / f"{kernel}.{arch}.json").read_text())
+            assert info["global_scratch_bytes"] == 0 and info["shared_memory_bytes"] > 0
+
+
+# ---- fused RMSNorm -> QKV -> RoPE ----------------------------------------------------------------
+
+from plugins_cuda.fused_qkv import fused_rmsnorm_qkv_rope  # noqa: E402
+
+
+def prologue_reference(x, norm, w, bias, cos, sin, positions, num_q, num_kv, eps):
+    """Written from the HF Llama definitions: RMSNorm, a linear layer, rotate-half RoPE."""
+    tokens, heads = x.shape[0], num_q + 2 * num_kv
+    xn = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps) * norm.double()
+    y = xn @ w.double() + (bias.double() if bias is not None else 0.0)
+    y = y.view(tokens, heads, -1)
+    half = y.shape[-1] // 2
+    c = torch.cat([cos[positions], cos[positions]], -1).double()[:, None]
+    s = torch.cat([sin[positions], sin[positions]], -1).double()[:, None]
+    rotated = torch.cat([-y[..., half:], y[..., :half]], -1)
+    qk = y[:, : num_q + num_kv] * c + rotated[:, : num_q + num_kv] * s
+    return torch.cat([qk, y[:, num_q + num_kv :]], 1).reshape(tokens, -1)
+
+
+def prologue_case(tokens, hidden, num_q, num_kv, head_dim, bias, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    width = (num_q + 2 * num_kv) * head_dim
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(512).float()[:, None] * inv_freq[None]
+    return dict(
+        x=torch.randn(tokens, hidden, generator=gen), norm=torch.rand(hidden, generator=gen) + 0.5,
+        w=torch.randn(hidden, width, generator=gen) / hidden**0.5,
+        bias=torch.randn(width, generator=gen) * 0.1 if bias else None,
+        cos=freqs.cos(), sin=freqs.sin(), positions=torch.randint(0, 512, (tokens,), generator=gen),
+        num_q=num_q, num_kv=num_kv, eps=1e-5,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "num_q", "num_kv", "head_dim", "bias"),
+    [
+        (1, 64, 4, 2, 32, False),  # one token
+        (21, 96, 4, 1, 32, True),  # tokens not a multiple of the tile, hidden not of BLOCK_K, bias (Qwen2)
+        (18, 576, 9, 3, 64, False),  # SmolLM2-135M
+        (5, 128, 2, 2, 128, False),  # head_dim 128
+    ],
+)
+def test_fused_prologue_matches_reference(tokens, hidden, num_q, num_kv, head_dim, bias):
+    case = prologue_case(tokens, hidden, num_q, num_kv, head_dim, bias)
+    got = fused_rmsnorm_qkv_rope(case["x"], case["norm"], case["w"], case["bias"], case["cos"], case["sin"],
+                                 case["positions"], num_q, num_kv, case["eps"])  # fmt: skip
+    torch.testing.assert_close(got.double(), prologue_reference(**case), atol=2e-5, rtol=1e-4)
+
+
+def test_fused_prologue_float16_and_a_caught_fault():
+    case = prologue_case(16, 64, 4, 2, 32, True, seed=3)
+    want = prologue_reference(**case)
+    half = {k: (v.half() if k in ("x", "norm", "w", "bias") else v) for k, v in case.items()}
+    got = fused_rmsnorm_qkv_rope(half["x"], half["norm"], half["w"], half["bias"], case["cos"], case["sin"],
+                                 case["positions"], 4, 2, case["eps"])  # fmt: skip
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+    shifted = case["positions"] + 1  # RoPE at the wrong positions must be caught
+    wrong = fused_rmsnorm_qkv_rope(case["x"], case["norm"], case["w"], case["bias"], case["cos"], case["sin"],
+                                   shifted, 4, 2, case["eps"])  # fmt: skip
+    assert (wrong.double() - want).abs().max() > 1e-2
