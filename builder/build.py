@@ -16,6 +16,7 @@ from builder.errors import BuildError
 from builder.export import DTYPES, WEIGHTS_FILE, ExportOptions, export_onnx
 from builder.model_spec import ModelSpec
 from builder.onnx_graph import IR_VERSION, OPSET
+from builder.plugin_graph import PLUGIN_FILE, write_plugin_graph
 from builder.sources import load_checkpoint, resolve_model
 
 BACKENDS = ("onnxruntime-cpu",)
@@ -71,6 +72,8 @@ def build_engine(options: BuildOptions, step: StepReporter = _no_report) -> dict
     with atomic_directory(options.output) as staging:
         with step("export ONNX graph with paged KV interface"):
             graph_files = export_onnx(model, spec, export_options, staging)
+        with step("rewrite to the TensorRT plugin graph (fused prologue, paged attention)"):
+            write_plugin_graph(staging)
             tokenizer.save_pretrained(staging)
             (staging / "source_config.json").write_text(model.config.to_json_string())
         with step("verify engine against HF eager (prefill, chunked prefill, decode)"):
@@ -109,6 +112,7 @@ def _manifest(options: BuildOptions, source, spec: ModelSpec, verification: dict
             "ir_version": IR_VERSION,
             "interface": "builder/INTERFACE.md (paged-KV step interface v1)",
             "cpu_segments": segments,
+            "plugin_graph": PLUGIN_FILE,
         },
         "verification": verification,
         "build_options": {k: str(v) for k, v in asdict(options).items()},
@@ -143,7 +147,7 @@ def verify_engine(engine_dir: Path, model, options: BuildOptions, spec: ModelSpe
     table_a, table_b = list(range(blocks)), list(range(blocks, 2 * blocks))
     split = prompt_len // 2
     result = {"prompt_tokens": prompt_len, "max_abs_logit": scale, "tolerance": tolerance, "backends": {}}
-    for kind in ("graph", "cpu") if cpu_segments else ("graph",):
+    for kind in ("graph", "plugin", "cpu") if cpu_segments else ("graph", "plugin"):
         backend = create_backend(config, num_blocks=2 * blocks, kind=kind)
         got = {
             "prefill": backend.step([SequenceChunk(prompt, 0, table_a)])[0],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from runtime.backend import EngineBackend
 from runtime.engine_config import EngineConfig, EngineLoadError
 
@@ -10,7 +12,8 @@ def create_backend(
     config: EngineConfig, num_blocks: int | None = None, threads: int | None = None, kind: str | None = None
 ) -> EngineBackend:
     """kind: "cpu" (segments + paged-attention kernel; float32 engines), "graph" (the whole
-    portable graph on ONNX Runtime; any dtype). Default: cpu when the engine has segments."""
+    portable graph on ONNX Runtime; any dtype), "plugin" (the TensorRT plugin graph, its
+    plugin ops run through their reference bodies). Default: cpu when the engine has segments."""
     if config.backend != "onnxruntime-cpu":
         raise EngineLoadError(f"engine built for backend {config.backend!r}; this runtime has onnxruntime-cpu")
     kind = kind or ("cpu" if config.has_cpu_segments else "graph")
@@ -18,8 +21,12 @@ def create_backend(
         from runtime.ort_cpu_backend import OrtCpuBackend
 
         return OrtCpuBackend(config, num_blocks, threads)
-    if kind == "graph":
+    if kind in ("graph", "plugin"):
         from runtime.ort_graph_backend import OrtGraphBackend
 
+        if kind == "plugin":
+            from builder.plugin_graph import PLUGIN_FILE
+
+            config = dataclasses.replace(config, graph_file=PLUGIN_FILE)
         return OrtGraphBackend(config, num_blocks, threads)
-    raise ValueError(f"backend kind must be 'cpu' or 'graph' (got {kind!r})")
+    raise ValueError(f"backend kind must be 'cpu', 'graph' or 'plugin' (got {kind!r})")

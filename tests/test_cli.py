@@ -47,7 +47,7 @@ def test_manifest_describes_the_engine(cli_engine):
     assert manifest["graph"]["opset"] == 23 and manifest["graph"]["ir_version"] <= 10
     assert manifest["versions"]["onnxruntime"] and manifest["versions"]["torch"].startswith("2.13")
     verification = manifest["verification"]
-    assert set(verification["backends"]) == {"graph", "cpu"}
+    assert set(verification["backends"]) == {"graph", "plugin", "cpu"}
     for result in verification["backends"].values():
         assert max(result["max_abs_error"].values()) < verification["tolerance"]
     for name, digest in manifest["files_sha256"].items():
@@ -166,7 +166,7 @@ def test_float16_engine_builds_and_passes_its_verification(tmp_path):
     manifest = json.loads((tmp_path / "fp16" / "manifest.json").read_text())
     assert manifest["dtype"] == "float16" and manifest["kv_layout"]["bytes_per_token"] == 2 * 2 * 64 * 2
     verification = manifest["verification"]
-    assert set(verification["backends"]) == {"graph"}  # the CPU kernel backend is float32-only
+    assert set(verification["backends"]) == {"graph", "plugin"}  # the CPU kernel backend is float32-only
     assert max(verification["backends"]["graph"]["max_abs_error"].values()) < verification["tolerance"]
 
 

@@ -22,9 +22,10 @@ ATOL = 1e-4
 BS = TINY_BLOCK_SIZE
 
 
-@pytest.fixture(scope="module", params=["graph", "cpu"])
+@pytest.fixture(scope="module", params=["graph", "plugin", "cpu"])
 def kind(request) -> str:
-    """Every check runs on both CPU backends: the portable graph and segments + kernel."""
+    """Every check runs on the portable graph, the TensorRT plugin graph (plugin ops through
+    their reference bodies) and the CPU backend (segments + kernel)."""
     return request.param
 
 

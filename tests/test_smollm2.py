@@ -73,7 +73,7 @@ def describe_mismatches(tokenizer, got, want) -> list:
             if g != w]  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["graph", "cpu"])
+@pytest.mark.parametrize("kind", ["graph", "plugin", "cpu"])
 def test_backend_greedy_tokens_identical_to_hf_generate(setup, kind):
     _, tokenizer, config, prompts, stop, answers = setup
     backend = create_backend(config, kind=kind)
