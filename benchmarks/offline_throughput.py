@@ -25,6 +25,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from benchmarks.report import write_results
 from builder.sources import load_checkpoint, resolve_model
 from runtime import EngineArgs, LLMEngine, SamplingParams
+from runtime.engine_config import EngineConfig
 
 
 class _StepClock(LogitsProcessor):
@@ -111,8 +112,6 @@ def main(engine_dir, model, requests, input_len, output_len, max_num_seqs, max_n
          hf_batch, hf_sequential_requests, skip_hf, threads) -> None:  # fmt: skip
     torch.set_num_threads(threads)
     rng = np.random.default_rng(0)
-    from runtime.engine_config import EngineConfig
-
     config = EngineConfig.load(engine_dir)
     prompts = [rng.integers(3, config.model.vocab_size, input_len).tolist() for _ in range(requests)]
     per_seq_blocks = -(-(input_len + output_len) // config.block_size)

@@ -20,7 +20,7 @@ import triton_python_backend_utils as pb_utils
 
 from runtime import AsyncLLM, EngineArgs, InvalidRequest, Overloaded
 from runtime.serve.metrics import TritonMetrics
-from runtime.serve.request_inputs import parse_request
+from runtime.serve.request_inputs import SCALAR_PARAMS, parse_request
 
 CANCEL_POLL_S = 0.05
 METRICS_INTERVAL_S = 0.5
@@ -61,7 +61,7 @@ class TritonPythonModel:
     async def _serve(self, request) -> None:
         sender = request.get_response_sender()
         try:
-            names = ("text_input", "messages", "stop", *_optional_scalars())
+            names = ("text_input", "messages", "stop", "stream", *SCALAR_PARAMS)
             inputs = {}
             for name in names:
                 tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -106,12 +106,6 @@ class TritonPythonModel:
         self.metrics.update(self.engine.engine.stats())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.loop_thread.join(timeout=5)
-
-
-def _optional_scalars() -> tuple[str, ...]:
-    from runtime.serve.request_inputs import SCALAR_PARAMS
-
-    return (*SCALAR_PARAMS, "stream")
 
 
 async def _until_cancelled(stream, request):
