@@ -24,14 +24,18 @@ STEP_INPUTS = ("input_ids", "positions", "seq_lens", "past_lens", "block_tables"
 
 
 class OrtGraphBackend:
-    def __init__(self, config: EngineConfig, num_blocks: int | None = None, threads: int | None = None):
+    def __init__(
+        self, config: EngineConfig, num_blocks: int | None = None, threads: int | None = None,
+        pool: np.ndarray | None = None,
+    ):  # fmt: skip
+        """`pool`: share another backend's KV pool (same layout) instead of allocating one."""
         if config.dtype not in NP_DTYPES:
             raise EngineLoadError(f"engine dtype {config.dtype!r} has no ONNX Runtime CPU backend")
         self.config = config
         spec = config.model
         self.num_blocks = num_blocks or config.max_batch_size * config.max_blocks_per_seq
         self.session = create_session(config.engine_dir / config.graph_file, threads)
-        self.pool = allocate_pool(config, self.num_blocks, NP_DTYPES[config.dtype])
+        self.pool = pool if pool is not None else allocate_pool(config, self.num_blocks, NP_DTYPES[config.dtype])
         # Bound once: ORT reads these views in place on every run.
         self._pool_values = []
         self.binding = self.session.io_binding()

@@ -126,3 +126,17 @@ def test_step_with_more_tokens_than_max_seq_len(backend, tiny_hf):
     got = backend.step([SequenceChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
     for row, prompt in zip(got, prompts, strict=True):
         np.testing.assert_allclose(row, hf_logits(model, prompt)[-1], atol=ATOL)
+
+
+def test_cpu_backend_single_decodes_and_batches_agree(tiny_engine):
+    """The CPU backend runs a lone decode through the whole graph and batches through the
+    segments and kernel: both paths read and write the same pool and agree."""
+    backend = create_backend(EngineConfig.load(tiny_engine), num_blocks=64, kind="cpu")
+    a, b = random_prompts(backend.config.model.vocab_size, [20, 30], seed=17)
+    backend.step([SequenceChunk(a, 0, blocks(0, 4)), SequenceChunk(b, 0, blocks(4, 4))])
+    together = backend.step([SequenceChunk([7], 20, blocks(0, 4)), SequenceChunk([9], 30, blocks(4, 4))])
+    alone = [
+        backend.step([SequenceChunk([7], 20, blocks(0, 4))])[0],
+        backend.step([SequenceChunk([9], 30, blocks(4, 4))])[0],
+    ]
+    np.testing.assert_allclose(together, np.stack(alone), atol=ATOL)
