@@ -74,7 +74,7 @@ def main(engine_dir: Path, model: str, new_tokens: int, repeats: int, threads: i
     backends = {kind: create_backend(config, config.max_blocks_per_seq, threads, kind) for kind in ("cpu", "graph")}
     hf_model, _ = load_checkpoint(resolve_model(model))
     rows = {
-        "trtserve CPU backend: ORT segments + paged-attention kernel (fp32)": measure(
+        "trtserve CPU backend (fp32; a lone sequence runs the whole-graph session)": measure(
             lambda: time_engine(backends["cpu"], prompt, new_tokens), repeats
         ),
         "trtserve graph backend: whole ONNX graph on ORT (fp32)": measure(

@@ -56,10 +56,11 @@ class FlatStep:
         )
 
 
-# Decode steps of at most this many sequences run through the whole-graph session instead:
-# at batch 1 the segment runs' thread wake-ups cost more than the gather they avoid
-# (measured here: 25 vs 32 ms per token for SmolLM2-135M; from batch 2 on they are even).
-SMALL_DECODE_BATCH = 1
+# Steps of at most this many sequences run through the whole-graph session instead: for one
+# sequence the segment runs' thread wake-ups cost more than the gather they avoid (measured
+# here, SmolLM2-135M: 25 vs 32 ms per decode token, 110 vs 208 ms for a 46-token prefill;
+# from two sequences on the segments are even or ahead).
+SMALL_BATCH = 1
 
 
 class OrtCpuBackend:
@@ -79,11 +80,11 @@ class OrtCpuBackend:
             self.segments.append(create_session(path, self.threads, spinning=False))
         self.pool = allocate_pool(config, self.num_blocks, np.float32)
         self._rows = pool_rows(self.pool)
-        # The same pool, read by the whole graph for small decode steps (a second weights copy).
+        # The same pool, read by the whole graph for single-sequence steps (a second weights copy).
         self.small_steps = OrtGraphBackend(config, self.num_blocks, self.threads, pool=self.pool)
 
     def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
-        if len(chunks) <= SMALL_DECODE_BATCH and all(len(c.token_ids) == 1 for c in chunks):
+        if len(chunks) <= SMALL_BATCH:
             return self.small_steps.step(chunks)
         spec, flat = self.config.model, FlatStep.pack(chunks, self.config.block_size)
         hidden, q, k, v = self.segments[0].run(None, {"input_ids": flat.input_ids, "positions": flat.positions})

@@ -129,7 +129,7 @@ def test_step_with_more_tokens_than_max_seq_len(backend, tiny_hf):
 
 
 def test_cpu_backend_single_decodes_and_batches_agree(tiny_engine):
-    """The CPU backend runs a lone decode through the whole graph and batches through the
+    """The CPU backend runs a lone sequence through the whole graph and batches through the
     segments and kernel: both paths read and write the same pool and agree."""
     backend = create_backend(EngineConfig.load(tiny_engine), num_blocks=64, kind="cpu")
     a, b = random_prompts(backend.config.model.vocab_size, [20, 30], seed=17)

