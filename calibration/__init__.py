@@ -1,0 +1,1 @@
+"""Post-training quantization (FP8, INT4) behind a deploy quality gate. Not written yet."""
