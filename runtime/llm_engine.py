@@ -61,6 +61,11 @@ class LLMEngine:
         self.backend = backend or create_backend(config, args.num_kv_blocks, args.threads, args.backend)
         self.kv = KVCacheManager(self.backend.num_blocks, config.block_size, args.enable_prefix_caching)
         max_num_seqs = min(args.max_num_seqs or config.max_batch_size, config.max_batch_size)
+        if args.max_num_batched_tokens < max_num_seqs:  # else some running decodes would starve
+            raise ValueError(
+                f"max_num_batched_tokens ({args.max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs}): "
+                "every running request needs one token per step"
+            )
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs, args.max_num_batched_tokens, args.max_waiting), self.kv
         )

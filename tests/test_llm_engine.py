@@ -262,3 +262,8 @@ def test_a_failing_backend_step_fails_only_its_requests(llama_engine, reference)
 def test_engine_args_must_be_positive(field):
     with pytest.raises(ValueError, match=f"EngineArgs.{field} must be a positive integer"):
         EngineArgs(**{field: 0})
+
+
+def test_token_budget_must_cover_every_running_sequence(llama_engine):
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(4\) must be >= max_num_seqs \(8\)"):
+        LLMEngine(llama_engine, EngineArgs(max_num_batched_tokens=4))
