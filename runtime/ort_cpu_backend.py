@@ -4,7 +4,8 @@ Per step, tokens of all sequences (decodes and prefill chunks alike) are laid ou
 with no padding, and run through the engine's segments (`segment.NN.onnx`, see
 builder/INTERFACE.md): segment i does layer i-1's o_proj + MLP and layer i's norm + QKV +
 RoPE; between segments the runtime writes the new K/V rows into the pool and the C kernel
-(runtime/kernels/paged_attention.c) attends over each sequence's blocks in place.
+(runtime/kernels/paged_attention.c) attends over each sequence's blocks in place. A step of
+a single sequence runs the whole-graph session on the same pool instead (see SMALL_BATCH).
 """
 
 from __future__ import annotations
