@@ -18,7 +18,7 @@ import threading
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from runtime import AsyncLLM, EngineArgs, InvalidRequest, Overloaded
+from runtime import AsyncLLM, CompletionOutput, EngineArgs, InvalidRequest, Overloaded
 from runtime.serve.metrics import TritonMetrics
 from runtime.serve.request_inputs import SCALAR_PARAMS, parse_request
 
@@ -69,7 +69,7 @@ class TritonPythonModel:
                     inputs[name] = tensor.as_numpy()
             parsed = parse_request(inputs)
             stream = self.engine.generate(parsed.prompt, parsed.params, request.request_id() or None)
-            whole = _Accumulator()
+            whole = CompletionOutput(request.request_id(), [])
             finished = False
             async for delta in _until_cancelled(stream, request):
                 finished = delta.finished
@@ -83,7 +83,7 @@ class TritonPythonModel:
                     whole.add(delta)
                     if delta.finished:
                         sender.send(
-                            _response(whole.text, delta, whole.logprobs),
+                            _response(whole.text, delta, whole.logprobs or []),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
                         )
             if not finished:  # cancelled by the client: close the stream without data
@@ -133,15 +133,6 @@ async def _until_cancelled(stream, request):
         yield delta
         if delta.finished:
             return
-
-
-class _Accumulator:
-    def __init__(self):
-        self.text, self.logprobs = "", []
-
-    def add(self, delta) -> None:
-        self.text += delta.text
-        self.logprobs += delta.logprobs or []
 
 
 def _logprobs_json(logprobs) -> str:
