@@ -20,31 +20,17 @@ from pathlib import Path
 import click
 import numpy as np
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
 
+from benchmarks import hf_baseline, metrics
 from benchmarks.report import write_results
 from builder.sources import load_checkpoint, resolve_model
 from runtime import EngineArgs, LLMEngine, SamplingParams
 from runtime.engine_config import EngineConfig
 
 
-class _StepClock(LogitsProcessor):
-    """Records a timestamp each time `generate` produces a token."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        self.times.append(time.perf_counter())
-        return scores
-
-
 def percentiles(values: list[float]) -> dict[str, float]:
-    arr = np.asarray(values) * 1000
-    return {
-        "p50_ms": round(float(np.percentile(arr, 50)), 1),
-        "p99_ms": round(float(np.percentile(arr, 99)), 1),
-    }
+    p = metrics.percentiles(values)
+    return {"p50_ms": round(p["p50"], 1), "p99_ms": round(p["p99"], 1)}
 
 
 def run_trtserve(engine_dir: Path, prompts: list[list[int]], output_len: int, args: EngineArgs) -> dict:
@@ -72,26 +58,15 @@ def run_trtserve(engine_dir: Path, prompts: list[list[int]], output_len: int, ar
 
 
 def run_hf(model, prompts: list[list[int]], output_len: int, batch: int) -> dict:
-    """HF generate over `prompts` in batches of `batch` (left padding), one after another."""
-    ttfts, itls = [], []
-    start = time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        group = prompts[i : i + batch]
-        width = max(len(p) for p in group)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in group])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
-        clock = _StepClock()
-        with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
-                           do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))  # fmt: skip
-        ttfts += [clock.times[0] - start] * len(group)
-        itls += list(np.diff(clock.times)) * len(group)
-    elapsed = time.perf_counter() - start
+    """HF generate over `prompts` in batches of `batch` (left padding), one after another;
+    TTFT counts from the first batch's start (queueing included)."""
+    records, elapsed = hf_baseline.run(model, prompts, output_len, batch)
+    t0 = records[0].start
     return {
         "elapsed_s": round(elapsed, 2),
         "output_tok_s": round(len(prompts) * output_len / elapsed, 1),
-        "ttft": percentiles(ttfts),
-        "itl": percentiles(itls),
+        "ttft": percentiles([r.chunk_times[0] - t0 for r in records]),
+        "itl": percentiles([g for r in records for g in r.itls()]),
     }
 
 

@@ -1,0 +1,162 @@
+"""Streaming load generator over HTTP server-sent events (aiohttp, one event loop).
+
+Why SSE over aiohttp rather than tritonclient's gRPC stream: the client shares the 2 cores
+with the server, so its cost per token is charged to the engine. One asyncio loop parsing a
+small JSON line per token is cheaper than tritonclient.grpc (a stream thread, protobuf
+tensors and numpy per response), and it is the same transport and parser vLLM's OpenAI server
+is measured with, so the two servers pay the same client overhead. Client CPU seconds are
+recorded with every run to show that cost.
+
+Arrivals: a fixed number of requests in flight (`concurrency`), or Poisson arrivals at
+`rate` requests/s (optionally capped at `concurrency` in flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+import numpy as np
+
+from benchmarks.datasets import BenchRequest
+from benchmarks.metrics import RequestRecord
+
+Sender = Callable[[aiohttp.ClientSession, BenchRequest], Awaitable[RequestRecord]]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    kind: str  # "triton" (generate_stream) or "openai" (/v1/completions)
+    url: str  # http://host:port
+    model: str = "llm"
+
+
+async def _sse_events(response: aiohttp.ClientResponse):
+    """JSON payloads of `data:` lines; tolerates events split across network chunks."""
+    async for raw in response.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            return
+        yield json.loads(payload)
+
+
+async def send_triton(session: aiohttp.ClientSession, endpoint: Endpoint, req: BenchRequest) -> RequestRecord:
+    body = {"text_input": req.prompt, "max_tokens": req.max_tokens, "stream": True, "temperature": 0.0,
+            "ignore_eos": req.ignore_eos}  # fmt: skip
+    record = RequestRecord(start=time.perf_counter())
+    seen = 0
+    try:
+        async with session.post(f"{endpoint.url}/v2/models/{endpoint.model}/generate_stream", json=body) as resp:
+            if resp.status != 200:
+                record.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            else:
+                async for event in _sse_events(resp):
+                    now = time.perf_counter()
+                    if "error" in event:
+                        record.error = str(event["error"])[:200]
+                        break
+                    total = int(event.get("completion_tokens", seen))
+                    if total > seen:
+                        record.chunk_times.append(now)
+                        record.chunk_tokens.append(total - seen)
+                        seen = total
+                    record.prompt_tokens = int(event.get("prompt_tokens", 0))
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"[:200]
+    record.end = time.perf_counter()
+    return _check(record, req)
+
+
+async def send_openai(session: aiohttp.ClientSession, endpoint: Endpoint, req: BenchRequest) -> RequestRecord:
+    """vLLM's OpenAI completions API; token ids as the prompt; usage in every chunk gives the
+    exact token count per chunk."""
+    body = {"model": endpoint.model, "prompt": list(req.prompt_ids), "max_tokens": req.max_tokens,
+            "temperature": 0.0, "ignore_eos": req.ignore_eos, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    record = RequestRecord(start=time.perf_counter())
+    seen = 0
+    try:
+        async with session.post(f"{endpoint.url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                record.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            else:
+                async for event in _sse_events(resp):
+                    now = time.perf_counter()
+                    usage = event.get("usage") or {}
+                    total = int(usage.get("completion_tokens", seen))
+                    if total > seen:
+                        record.chunk_times.append(now)
+                        record.chunk_tokens.append(total - seen)
+                        seen = total
+                    record.prompt_tokens = int(usage.get("prompt_tokens", record.prompt_tokens))
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"[:200]
+    record.end = time.perf_counter()
+    return _check(record, req)
+
+
+def _check(record: RequestRecord, req: BenchRequest) -> RequestRecord:
+    """A run whose prompts or lengths silently differ from the workload must not count."""
+    if record.error is None and record.prompt_tokens != len(req.prompt_ids):
+        record.error = f"server counted {record.prompt_tokens} prompt tokens, workload has {len(req.prompt_ids)}"
+    if record.error is None and req.ignore_eos and record.output_tokens != req.max_tokens:
+        record.error = f"EOS ignored but got {record.output_tokens} of {req.max_tokens} tokens"
+    return record
+
+
+def sender_for(endpoint: Endpoint) -> Sender:
+    send = {"triton": send_triton, "openai": send_openai}[endpoint.kind]
+    return lambda session, req: send(session, endpoint, req)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    records: list[RequestRecord]
+    duration_s: float
+    client_cpu_s: float
+
+
+async def run_load(
+    send: Sender,
+    requests: Sequence[BenchRequest],
+    concurrency: int | None = None,
+    rate: float | None = None,
+    seed: int = 0,
+    timeout_s: float = 1800.0,
+) -> LoadResult:
+    """Send every request; at most `concurrency` in flight, arrivals at Poisson `rate` if set."""
+    if concurrency is None and rate is None:
+        raise ValueError("give concurrency, rate, or both")
+    gate = asyncio.Semaphore(concurrency or len(requests))
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(requests)) if rate else np.zeros(len(requests))
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+
+        async def one(req: BenchRequest) -> RequestRecord:
+            async with gate:
+                return await send(session, req)
+
+        cpu0, start = time.process_time(), time.perf_counter()
+        tasks = []
+        for req, gap in zip(requests, gaps, strict=True):
+            if gap:
+                await asyncio.sleep(float(gap))
+            tasks.append(asyncio.create_task(one(req)))
+        records = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - start
+    return LoadResult(records, duration, time.process_time() - cpu0)
+
+
+def run(endpoint: Endpoint, requests: Sequence[BenchRequest], warmup: Sequence[BenchRequest], **kwargs) -> LoadResult:
+    """Warm-up requests (not measured) at the same concurrency, then the measured phase."""
+    send = sender_for(endpoint)
+    if warmup:
+        asyncio.run(run_load(send, warmup, concurrency=kwargs.get("concurrency") or len(warmup)))
+    return asyncio.run(run_load(send, requests, **kwargs))

