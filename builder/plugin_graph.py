@@ -1,20 +1,23 @@
 """Rewrite the portable graph into the plugin graph that TensorRT builds.
 
-Two patterns per decoder layer become ops of our own (domain `trtserve`, names that are not
-ONNX ops), implemented on the GPU by the kernels in plugins_cuda/:
+Per decoder layer, two patterns become three ops of our own (domain `trtserve`, names that
+are not ONNX ops), each implemented on the GPU by one Triton kernel in plugins_cuda/:
 - RMSNormalization -> MatMul(QKV) [-> Add(bias)] -> Split -> RotaryEmbedding(Q), (K)
   becomes `FusedRMSNormQKVRoPE(x, norm_weight, w_qkv, bias, cos, sin, positions) -> q, k, v`;
-- Gather(pool, block_tables) -> Reshape -> Concat(new rows) for K and for V -> Attention
-  becomes `PagedAttention(q, k, v, key_cache, value_cache, block_tables, mask) -> ctx`.
+- Gather(pool, block_tables) -> Reshape -> Concat(new rows) for K and V -> Attention(mask)
+  becomes `PagedKVWrite(k, v, key_cache, value_cache, block_tables, positions, seq_lens)
+  -> key_cache', value_cache'` (in place on a GPU) followed by
+  `PagedAttention(q, key_cache', value_cache', block_tables, positions) -> ctx`, which masks
+  by position itself; the mask subgraph is then dead and removed.
 
-Each op also gets a model-local ONNX function holding exactly the subgraph it replaced, so
-ONNX Runtime on the CPU runs the plugin graph and tests compare it with the portable one.
-`strip_reference_functions` removes those bodies before a TensorRT build (the parser would
-otherwise inline them instead of mapping the nodes to plugins).
+The plugin graph's `block_tables` must cover this step's positions too (INTERFACE.md).
+Semantics live in builder/plugin_functions.py as model-local function bodies, so ONNX Runtime
+on the CPU runs the plugin graph; `strip_reference_functions` removes them for TensorRT.
 """
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -23,64 +26,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from builder.errors import BuildError
-from builder.onnx_graph import OPSET
+from builder.plugin_functions import ATTENTION, DOMAIN, KV_WRITE, PROLOGUE, reference_functions
 
-DOMAIN = "trtserve"
 PLUGIN_FILE = "model.plugins.onnx"
-PROLOGUE, ATTENTION = "FusedRMSNormQKVRoPE", "PagedAttention"
-
-
-def _ref(name: str, kind: int) -> onnx.AttributeProto:
-    attr = onnx.AttributeProto()
-    attr.name, attr.ref_attr_name, attr.type = name, name, kind
-    return attr
-
-
-def _node(op: str, inputs: list[str], outputs: list[str], refs: dict[str, tuple[str, int]] = (), **attrs):
-    """A function-body node; `refs` maps node attribute -> (function attribute, type)."""
-    node = helper.make_node(op, inputs, outputs, **attrs)
-    for attr, (ref, kind) in dict(refs).items():
-        a = _ref(ref, kind)
-        a.name = attr
-        node.attribute.append(a)
-    return node
-
-
-def reference_functions() -> list[onnx.FunctionProto]:
-    ints, i, f = onnx.AttributeProto.INTS, onnx.AttributeProto.INT, onnx.AttributeProto.FLOAT
-    prologue = helper.make_function(
-        DOMAIN, PROLOGUE,
-        inputs=["x", "norm_weight", "w_qkv", "bias", "cos", "sin", "positions"], outputs=["q", "k", "v"],
-        nodes=[
-            _node("RMSNormalization", ["x", "norm_weight"], ["xn"], {"epsilon": ("epsilon", f)}, axis=-1),
-            _node("MatMul", ["xn", "w_qkv"], ["proj"]),
-            _node("Add", ["proj", "bias"], ["qkv"]),
-            _node("Constant", [], ["sizes"], {"value_ints": ("split_sizes", ints)}),
-            _node("Split", ["qkv", "sizes"], ["q_pre", "k_pre", "v"], axis=-1),
-            _node("RotaryEmbedding", ["q_pre", "cos", "sin", "positions"], ["q"], {"num_heads": ("num_heads", i)}),
-            _node("RotaryEmbedding", ["k_pre", "cos", "sin", "positions"], ["k"], {"num_heads": ("num_kv_heads", i)}),
-        ],
-        opset_imports=[helper.make_opsetid("", OPSET)],
-        attributes=["epsilon", "split_sizes", "num_heads", "num_kv_heads"],
-    )  # fmt: skip
-    attention_nodes = [_node("Constant", [], ["cached_shape"], {"value_ints": ("cached_shape", ints)})]
-    for kind in ("key", "value"):
-        attention_nodes += [
-            _node("Gather", [f"{kind}_cache", "block_tables"], [f"{kind}_blocks"], axis=0),
-            _node("Reshape", [f"{kind}_blocks", "cached_shape"], [f"{kind}_cached"]),
-            _node("Concat", [f"{kind}_cached", kind[0]], [f"{kind}_all"], axis=1),
-        ]
-    attention_nodes.append(_node(
-        "Attention", ["q", "key_all", "value_all", "mask"], ["ctx"],
-        {"q_num_heads": ("num_heads", i), "kv_num_heads": ("num_kv_heads", i), "scale": ("scale", f)},
-    ))  # fmt: skip
-    attention = helper.make_function(
-        DOMAIN, ATTENTION,
-        inputs=["q", "k", "v", "key_cache", "value_cache", "block_tables", "mask"], outputs=["ctx"],
-        nodes=attention_nodes, opset_imports=[helper.make_opsetid("", OPSET)],
-        attributes=["cached_shape", "num_heads", "num_kv_heads", "scale"],
-    )  # fmt: skip
-    return [prologue, attention]
+__all__ = ["ATTENTION", "DOMAIN", "KV_WRITE", "PLUGIN_FILE", "PROLOGUE", "rewrite_to_plugins"]
 
 
 class _Graph:
@@ -114,79 +63,122 @@ def _attr(node: onnx.NodeProto, name: str, default=None):
     return default
 
 
+def _window(g: _Graph, attention: onnx.NodeProto) -> int:
+    """The layer's sliding window, from the exporter's mask node name (`attn_mask_w{window}`)."""
+    mask = g.producer.get(attention.input[3])
+    match = re.fullmatch(r"attn_mask_w(\d+)", mask.name if mask is not None else "")
+    if not match:
+        raise BuildError(f"plugin rewrite: cannot tell the attention window of {attention.name}")
+    return int(match.group(1))
+
+
+def _prologue(g: _Graph, model: onnx.ModelProto, norm: onnx.NodeProto):
+    """The fused node replacing norm -> QKV -> RoPE, and the nodes it replaces; None if no match."""
+    matmul = g.only_consumer(norm.output[0], "MatMul")
+    if matmul is None:
+        return None  # the final norm feeds Gemm (lm_head): not a prologue
+    add = g.only_consumer(matmul.output[0], "Add")
+    split = g.only_consumer((add or matmul).output[0], "Split")
+    rope_q = split and g.only_consumer(split.output[0], "RotaryEmbedding")
+    rope_k = split and g.only_consumer(split.output[1], "RotaryEmbedding")
+    if not (split and rope_q and rope_k):
+        return None  # e.g. the post-attention norm, which feeds the MLP
+    sizes = g.ints(split.input[1])
+    if add is not None:
+        bias = add.input[1]
+    else:
+        bias = f"{matmul.name}.zero_bias"
+        model.graph.initializer.append(numpy_helper.from_array(np.zeros(sum(sizes), np.float32), bias))
+    fused = helper.make_node(
+        PROLOGUE, [norm.input[0], norm.input[1], matmul.input[1], bias, *rope_q.input[1:4]],
+        [rope_q.output[0], rope_k.output[0], split.output[2]], name=norm.name.replace("input_norm", "prologue"),
+        domain=DOMAIN, epsilon=_attr(norm, "epsilon", 1e-5), split_sizes=sizes,
+        num_heads=_attr(rope_q, "num_heads"), num_kv_heads=_attr(rope_k, "num_heads"),
+    )  # fmt: skip
+    return [fused], [n for n in (norm, matmul, add, split, rope_q, rope_k) if n is not None]
+
+
+def _paged(g: _Graph, attention: onnx.NodeProto, block_size: int):
+    """KV write + paged attention replacing Gather/Reshape/Concat x2 -> Attention."""
+    parts = []
+    for side in (1, 2):  # K, V
+        concat = g.made_by(attention.input[side], "Concat")
+        reshape = concat and g.made_by(concat.input[0], "Reshape")
+        gather = reshape and g.made_by(reshape.input[0], "Gather")
+        if not gather:
+            raise BuildError(f"plugin rewrite: {attention.name} does not read the paged pool")
+        parts.append((concat, reshape, gather))
+    (ck, rk, gk), (cv, _, gv) = parts
+    key_cache, value_cache, block_tables = gk.input[0], gv.input[0], gk.input[1]
+    written = [f"{key_cache}.written", f"{value_cache}.written"]
+    write = helper.make_node(
+        KV_WRITE, [ck.input[1], cv.input[1], key_cache, value_cache, block_tables, "positions", "seq_lens"], written,
+        name=attention.name.replace("attention", "kv_write"), domain=DOMAIN, block_size=block_size,
+    )  # fmt: skip
+    paged = helper.make_node(
+        ATTENTION, [attention.input[0], *written, block_tables, "positions"], [attention.output[0]],
+        name=attention.name.replace("attention", "paged_attention"), domain=DOMAIN,
+        num_heads=_attr(attention, "q_num_heads"), num_kv_heads=_attr(attention, "kv_num_heads"),
+        scale=_attr(attention, "scale"), window=_window(g, attention), cached_shape=g.ints(rk.input[1]),
+    )  # fmt: skip
+    return [write, paged], [attention, *parts[0], *parts[1]]
+
+
+def _block_size(model: onnx.ModelProto) -> int:
+    for value in model.graph.input:
+        if value.name == "key_cache.0":
+            return value.type.tensor_type.shape.dim[1].dim_value
+    raise BuildError("plugin rewrite: the graph has no key_cache.0 input")
+
+
 def rewrite_to_plugins(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of `model` with both patterns replaced in every layer (weights untouched)."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
     g = _Graph(model.graph)
+    block_size = _block_size(model)
     removed: set[int] = set()
-    replacements: dict[int, onnx.NodeProto] = {}  # index of the first removed node -> new node
+    replacements: dict[int, list[onnx.NodeProto]] = {}  # index of the last removed node -> new nodes
     index = {id(n): k for k, n in enumerate(model.graph.node)}
-
-    def replace(old: list[onnx.NodeProto], new: onnx.NodeProto) -> None:
+    matches = [_prologue(g, model, n) for n in model.graph.node if n.op_type == "RMSNormalization"]
+    matches += [_paged(g, n, block_size) for n in model.graph.node if n.op_type == "Attention"]
+    for new, old in filter(None, matches):
         positions = [index[id(n)] for n in old]
         removed.update(positions)
         replacements[max(positions)] = new  # where its last input is surely computed
 
-    for norm in [n for n in model.graph.node if n.op_type == "RMSNormalization"]:
-        matmul = g.only_consumer(norm.output[0], "MatMul")
-        if matmul is None:
-            continue  # the final norm feeds Gemm (lm_head): not a prologue
-        add = g.only_consumer(matmul.output[0], "Add")
-        split = g.only_consumer((add or matmul).output[0], "Split")
-        rope_q = split and g.only_consumer(split.output[0], "RotaryEmbedding")
-        rope_k = split and g.only_consumer(split.output[1], "RotaryEmbedding")
-        if not (split and rope_q and rope_k):
-            continue  # e.g. the post-attention norm, which feeds the MLP
-        sizes = g.ints(split.input[1])
-        if add is not None:
-            bias = add.input[1]
-        else:
-            bias = f"{matmul.name}.zero_bias"
-            model.graph.initializer.append(numpy_helper.from_array(np.zeros(sum(sizes), np.float32), bias))
-        fused = helper.make_node(
-            PROLOGUE, [norm.input[0], norm.input[1], matmul.input[1], bias, *rope_q.input[1:4]],
-            [rope_q.output[0], rope_k.output[0], split.output[2]], name=norm.name.replace("input_norm", "prologue"),
-            domain=DOMAIN, epsilon=_attr(norm, "epsilon", 1e-5), split_sizes=sizes,
-            num_heads=_attr(rope_q, "num_heads"), num_kv_heads=_attr(rope_k, "num_heads"),
-        )  # fmt: skip
-        replace([n for n in (norm, matmul, add, split, rope_q, rope_k) if n is not None], fused)
-
-    for attention in [n for n in model.graph.node if n.op_type == "Attention"]:
-        parts = []
-        for side in (1, 2):  # K, V
-            concat = g.made_by(attention.input[side], "Concat")
-            reshape = concat and g.made_by(concat.input[0], "Reshape")
-            gather = reshape and g.made_by(reshape.input[0], "Gather")
-            if not gather:
-                raise BuildError(f"plugin rewrite: {attention.name} does not read the paged pool")
-            parts.append((concat, reshape, gather))
-        (ck, rk, gk), (cv, _, gv) = parts
-        paged = helper.make_node(
-            ATTENTION, [attention.input[0], ck.input[1], cv.input[1], gk.input[0], gv.input[0], gk.input[1],
-                        attention.input[3]],
-            [attention.output[0]], name=attention.name.replace("attention", "paged_attention"), domain=DOMAIN,
-            cached_shape=g.ints(rk.input[1]), num_heads=_attr(attention, "q_num_heads"),
-            num_kv_heads=_attr(attention, "kv_num_heads"), scale=_attr(attention, "scale"),
-        )  # fmt: skip
-        replace([attention, *parts[0], *parts[1]], paged)
-
     counts = defaultdict(int)
-    for node in replacements.values():
-        counts[node.op_type] += 1
+    for nodes in replacements.values():
+        for node in nodes:
+            counts[node.op_type] += 1
     layers = sum(1 for n in model.graph.node if n.op_type == "Attention")
-    if counts[PROLOGUE] != layers or counts[ATTENTION] != layers:
+    if not layers or any(counts[op] != layers for op in (PROLOGUE, KV_WRITE, ATTENTION)):
         raise BuildError(f"plugin rewrite matched {dict(counts)} in a graph of {layers} attention layers")
     nodes = []
     for k, node in enumerate(model.graph.node):
         if k not in removed:
             nodes.append(node)
-        if k in replacements:
-            nodes.append(replacements[k])
+        nodes.extend(replacements.get(k, []))
     del model.graph.node[:]
     model.graph.node.extend(nodes)
+    _remove_dead_nodes(model.graph)
     model.functions.extend(reference_functions())
     model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return model
+
+
+def _remove_dead_nodes(graph: onnx.GraphProto) -> None:
+    """Drop nodes and initializers no graph output depends on (the portable mask subgraph)."""
+    live = {o.name for o in graph.output}
+    kept = []
+    for node in reversed(graph.node):
+        if any(out in live for out in node.output):
+            kept.append(node)
+            live.update(node.input)
+    del graph.node[:]
+    graph.node.extend(reversed(kept))
+    used = [t for t in graph.initializer if t.name in live]
+    del graph.initializer[:]
+    graph.initializer.extend(used)
 
 
 def strip_reference_functions(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -37,15 +37,18 @@ class StepTensors:
     positions: np.ndarray  # [B, S] int64
     seq_lens: np.ndarray  # [B] int64
     past_lens: np.ndarray  # [B] int64
-    block_tables: np.ndarray  # [B, M] int64, M = blocks holding cached rows (>= 1)
+    block_tables: np.ndarray  # [B, M] int64, M = blocks holding cached rows (>= 1), or all rows (cover_step)
     row_index: np.ndarray  # flat indices into B*S of the real (non-padding) rows
     slots: np.ndarray  # pool slot (block*block_size + offset) of each real row
 
     @classmethod
-    def pack(cls, chunks: Sequence[SequenceChunk], block_size: int) -> StepTensors:
+    def pack(cls, chunks: Sequence[SequenceChunk], block_size: int, cover_step: bool = False) -> StepTensors:
+        """cover_step: the tables also cover this step's new positions (the plugin graph reads
+        them back from the pool); otherwise only the cached ones (the portable graph)."""
         batch = len(chunks)
         step = max(len(c.token_ids) for c in chunks)
-        table_blocks = max(1, max(-(-c.past_len // block_size) for c in chunks))
+        extra = 1 if cover_step else 0
+        table_blocks = max(1, max(-(-(c.past_len + extra * len(c.token_ids)) // block_size) for c in chunks))
         input_ids = np.zeros((batch, step), np.int64)
         positions = np.zeros((batch, step), np.int64)
         block_tables = np.zeros((batch, table_blocks), np.int64)

@@ -28,5 +28,5 @@ def create_backend(
             from builder.plugin_graph import PLUGIN_FILE
 
             config = dataclasses.replace(config, graph_file=PLUGIN_FILE)
-        return OrtGraphBackend(config, num_blocks, threads)
+        return OrtGraphBackend(config, num_blocks, threads, cover_step=kind == "plugin")
     raise ValueError(f"backend kind must be 'cpu', 'graph' or 'plugin' (got {kind!r})")

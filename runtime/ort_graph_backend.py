@@ -26,15 +26,17 @@ STEP_INPUTS = ("input_ids", "positions", "seq_lens", "past_lens", "block_tables"
 class OrtGraphBackend:
     def __init__(
         self, config: EngineConfig, num_blocks: int | None = None, threads: int | None = None,
-        pool: np.ndarray | None = None,
+        pool: np.ndarray | None = None, cover_step: bool = False,
     ):  # fmt: skip
-        """`pool`: share another backend's KV pool (same layout) instead of allocating one."""
+        """`pool`: share another backend's KV pool (same layout) instead of allocating one.
+        `cover_step`: block tables also cover the step's new rows (the plugin graph needs it)."""
+        self.cover_step = cover_step
         if config.dtype not in NP_DTYPES:
             raise EngineLoadError(f"engine dtype {config.dtype!r} has no ONNX Runtime CPU backend")
         self.config = config
         spec = config.model
         self.num_blocks = num_blocks or config.max_batch_size * config.max_blocks_per_seq
-        self.session = create_session(config.engine_dir / config.graph_file, threads)
+        self.session = create_session(config.engine_dir / config.graph_file, threads, quantization=config.quantization)
         self.pool = pool if pool is not None else allocate_pool(config, self.num_blocks, NP_DTYPES[config.dtype])
         # Bound once: ORT reads these views in place on every run.
         self._pool_values = []
@@ -56,7 +58,7 @@ class OrtGraphBackend:
         return logits
 
     def _run(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
-        tensors = StepTensors.pack(chunks, self.config.block_size)
+        tensors = StepTensors.pack(chunks, self.config.block_size, self.cover_step)
         for name in STEP_INPUTS:
             self.binding.bind_cpu_input(name, getattr(tensors, name))
         self.binding.bind_output("logits")

@@ -9,7 +9,15 @@ import shutil
 import numpy as np
 import onnx
 
-from builder.plugin_graph import ATTENTION, DOMAIN, PLUGIN_FILE, PROLOGUE, rewrite_to_plugins, strip_reference_functions
+from builder.plugin_graph import (
+    ATTENTION,
+    DOMAIN,
+    KV_WRITE,
+    PLUGIN_FILE,
+    PROLOGUE,
+    rewrite_to_plugins,
+    strip_reference_functions,
+)
 from runtime.backend import SequenceChunk
 from runtime.backends import create_backend
 from runtime.engine_config import EngineConfig
@@ -20,8 +28,9 @@ def test_every_layer_is_rewritten(tiny_engine):
     model = onnx.load(tiny_engine / PLUGIN_FILE, load_external_data=False)
     ops = collections.Counter(n.op_type for n in model.graph.node)
     layers = config.model.num_layers
-    assert ops[PROLOGUE] == layers and ops[ATTENTION] == layers
+    assert ops[PROLOGUE] == ops[KV_WRITE] == ops[ATTENTION] == layers
     assert ops["Attention"] == ops["RotaryEmbedding"] == 0
+    assert ops["LessOrEqual"] == 0 and not any("attn_mask" in n.name for n in model.graph.node)  # dead mask removed
     assert ops["RMSNormalization"] == layers + 1  # the post-attention norms and the final norm stay
 
 
@@ -34,8 +43,13 @@ def test_plugin_nodes_carry_their_shapes(tiny_engine):
             assert node.domain == DOMAIN and attrs["num_heads"] == spec.num_heads
             assert list(attrs["split_sizes"]) == [spec.num_heads * spec.head_dim, spec.kv_width, spec.kv_width]
         if node.op_type == ATTENTION:
-            assert attrs["num_kv_heads"] == spec.num_kv_heads and list(attrs["cached_shape"]) == [0, -1, spec.kv_width]
-    assert {f.name for f in model.functions} == {PROLOGUE, ATTENTION}
+            assert attrs["num_kv_heads"] == spec.num_kv_heads and list(node.input)[-1] == "positions"
+            layer = int(node.name.removeprefix("layer").split(".")[0])
+            assert attrs["window"] == (spec.sliding_windows[layer] or 0)
+        if node.op_type == KV_WRITE:
+            assert attrs["block_size"] == EngineConfig.load(tiny_engine).block_size
+            assert list(node.output) == [f"{node.input[2]}.written", f"{node.input[3]}.written"]
+    assert {f.name for f in model.functions} == {PROLOGUE, KV_WRITE, ATTENTION}
     stripped = strip_reference_functions(model)
     assert not stripped.functions and len(stripped.graph.node) == len(model.graph.node)
 
