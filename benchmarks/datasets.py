@@ -87,14 +87,18 @@ def chat(tokenizer, count: int, output_len: int, seed: int = 0) -> list[BenchReq
     return out
 
 
-def shared_prefix(tokenizer, count: int, output_len: int, system_len: int = 1000, seed: int = 0) -> list[BenchRequest]:
+def shared_prefix(
+    tokenizer, count: int, output_len: int, system_len: int = 1000, seed: int = 0, first_question: int = 0
+) -> list[BenchRequest]:
     """Chat requests sharing one ~system_len-token system prompt, each with its own question:
-    the prefix-caching workload. EOS ignored so on/off runs do the same work."""
+    the prefix-caching workload. EOS ignored so on/off runs do the same work. Questions are
+    numbered from first_question, so separate calls never repeat a whole prompt."""
     system = "Answer questions about the Python language reference below.\n\n" + tokenizer.decode(
         text_slices(tokenizer, 1, system_len, seed + 1000)[0]
     )
     questions = CHAT_PROMPTS.read_text().splitlines()
-    users = [f"Question {i}: {questions[i % len(questions)]}" for i in range(count)]
+    numbers = range(first_question, first_question + count)
+    users = [f"Question {i}: {questions[i % len(questions)]}" for i in numbers]
     return [_request(tokenizer, _chat(tokenizer, user, system), output_len, True) for user in users]
 
 

@@ -1,0 +1,79 @@
+"""Markdown report of a suite run: controls, one table per workload, equivalence, peers' status."""
+
+from __future__ import annotations
+
+
+def _fmt(x: float | None, digits: int = 0) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _cell(row: dict, key: str, digits: int = 0) -> str:
+    med = row.get("median", {}).get(key)
+    if med is None:
+        return "-"
+    lo, hi = row["spread"][key]
+    if len(row["reps"]) > 1 and hi > lo:
+        return f"{med:.{digits}f} ({lo:.{digits}f}–{hi:.{digits}f})"
+    return f"{med:.{digits}f}"
+
+
+def _triple(row: dict, prefix: str, digits: int = 0) -> str:
+    m = row.get("median", {})
+    return " / ".join(_fmt(m.get(f"{prefix}_{q}"), digits) for q in ("p50", "p90", "p99"))
+
+
+def workload_table(rows: list[dict], slo: dict) -> list[str]:
+    lines = [
+        f"| system | mode | output tok/s | req/s | goodput req/s (TTFT ≤ {slo['ttft_s']} s, TPOT ≤ "
+        f"{slo['tpot_s'] * 1000:.0f} ms) | TTFT p50/p90/p99 ms | TPOT p50 ms | ITL p50/p90/p99 ms | "
+        "E2E p50/p90/p99 ms | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["unavailable"]:
+            lines.append(f"| {r['system']} | {r['mode']} | not run: {r['unavailable'][:300]} |||||||| ")
+            continue
+        lines.append(
+            f"| {r['system']} | {r['mode']} | {_cell(r, 'output_tok_s', 1)} | {_cell(r, 'request_s', 2)} | "
+            f"{_cell(r, 'goodput_req_s', 2)} | {_triple(r, 'ttft_ms')} | {_fmt(r['median'].get('tpot_ms_p50'), 1)} | "
+            f"{_triple(r, 'itl_ms', 1)} | {_triple(r, 'e2e_ms')} | {_fmt(r['median'].get('failed'))} |"
+        )
+    return lines
+
+
+def render(payload: dict) -> str:
+    cfg, m, v = payload["config"], payload["machine"], payload["versions"]
+    lines = [
+        "# trtserve benchmark",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['platform']}; run {payload['date_utc']}, "
+        f"{payload['wall_s']:.0f} s wall.",
+        f"Command: `{payload['command']}`",
+        "",
+        "Controls: " + "; ".join(payload["controls"]),
+        "",
+        "Cells are medians of the repetitions with (min–max) across them; percentiles are over "
+        "every measured request of a repetition, then the median of those across repetitions.",
+        "",
+    ]
+    by_workload: dict[str, list[dict]] = {}
+    for row in payload["rows"]:
+        by_workload.setdefault(row["workload"], []).append(row)
+    for workload, rows in by_workload.items():
+        lines += [f"## {workload}", "", *workload_table(rows, cfg["slo"]), ""]
+    eq = payload.get("equivalence")
+    if eq:
+        lines += ["## Greedy output equivalence (trtserve vs HF eager, token by token)", "",
+                  f"{eq['identical']}/{eq['prompts']} prompts identical over {cfg['equivalence_tokens']} tokens"
+                  + (f"; served text identical for {eq['served_identical']}/{eq['prompts']}"
+                     if eq.get("served_identical") is not None else "") + ".", ""]  # fmt: skip
+        for i, r in enumerate(eq["rows"]):
+            if not r["identical"]:
+                at, margin = r["first_divergence"], r["hf_top2_margin_there"]
+                lines.append(f"- prompt {i} ({r['prompt_tokens']} tokens): first divergence at token {at}, "
+                             f"HF top-2 logit margin there {margin}")  # fmt: skip
+        lines.append("")
+    lines += ["## Versions", "", ", ".join(f"{k} {val}" for k, val in v.items() if val), ""]
+    for name, info in payload.get("peer_info", {}).items():
+        lines.append(f"- {name}: " + ", ".join(f"{k} {str(val)[:200]}" for k, val in info.items()))
+    return "\n".join(lines) + "\n"
