@@ -19,27 +19,13 @@ MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
 
 @triton.jit
-def paged_attention_kernel(
-    q_ptr,  # [T, Hq*D]
-    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv*D]
-    v_cache_ptr,
-    out_ptr,  # [T, Hq*D]
-    block_tables_ptr,  # [B, table_width] int32
-    seq_of_token_ptr,  # [T] int32
-    positions_ptr,  # [T] int32
-    scale,
-    window,  # 0 = full attention
-    table_width,
-    NUM_KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,  # query heads per kv head
-    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16
-    HEAD_DIM: tl.constexpr,
+def _attend(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, token, seq, pos, scale, window, table_width,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-):
-    token = tl.program_id(0)
+):  # fmt: skip
+    """Query token `token` (row of q/out) of block-table row `seq` at position `pos`, one kv head."""
     kv_head = tl.program_id(1)
-    seq = tl.load(seq_of_token_ptr + token)
-    pos = tl.load(positions_ptr + token)
     first = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
 
     heads = tl.arange(0, GROUP_PAD)
@@ -70,6 +56,59 @@ def paged_attention_kernel(
         row_max = new_max
     out = acc / row_sum[:, None]
     tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=heads[:, None] < GROUP)
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr,  # [T, Hq*D]
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv*D]
+    v_cache_ptr,
+    out_ptr,  # [T, Hq*D]
+    block_tables_ptr,  # [B, table_width] int32
+    seq_of_token_ptr,  # [T] int32
+    positions_ptr,  # [T] int32
+    scale,
+    window,  # 0 = full attention
+    table_width,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per kv head
+    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Flat ragged tokens (the CPU segment layout)."""
+    token = tl.program_id(0)
+    seq = tl.load(seq_of_token_ptr + token)
+    pos = tl.load(positions_ptr + token)
+    _attend(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, token, seq, pos, scale, window, table_width,
+            NUM_KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE)  # fmt: skip
+
+
+@triton.jit
+def paged_attention_padded_kernel(
+    q_ptr,  # [B, S, Hq*D]
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv*D], this step's rows already written (PagedKVWrite)
+    v_cache_ptr,
+    block_tables_ptr,  # [B, table_width] int64
+    positions_ptr,  # [B, S] int64
+    step,  # S
+    table_width,
+    out_ptr,  # [B, S, Hq*D]
+    SCALE: tl.constexpr,
+    WINDOW: tl.constexpr,  # 0 = full attention
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """The `trtserve::PagedAttention` plugin: the padded [batch, step] layout, TensorRT's AOT
+    argument order (inputs, int32 scalars, outputs). Padding rows repeat their sequence's last
+    position, so they compute a valid (discarded) row."""
+    token = tl.program_id(0)
+    pos = tl.load(positions_ptr + token).to(tl.int32)
+    _attend(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, token, token // step, pos, SCALE, WINDOW,
+            table_width, NUM_KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE)  # fmt: skip
 
 
 def group_pad(group: int) -> int:
@@ -117,4 +156,48 @@ def compile_for_arch(arch: int, dtype: str, num_kv_heads: int, group: int, head_
         "HEAD_DIM": head_dim, "BLOCK_SIZE": block_size,
     }  # fmt: skip
     source = ASTSource(fn=paged_attention_kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32))
+
+
+def paged_attention_padded(q, k_cache, v_cache, block_tables, positions, num_kv_heads: int, scale: float,
+                           window: int = 0):  # fmt: skip
+    """The plugin's kernel on torch tensors: q [B, S, Hq*D], positions [B, S]; returns [B, S, Hq*D]."""
+    import torch
+
+    batch, step, width = q.shape
+    block_size, kv_width = k_cache.shape[1], k_cache.shape[2]
+    group = width // kv_width
+    out = torch.empty_like(q)
+    paged_attention_padded_kernel[(batch * step, num_kv_heads)](
+        q.contiguous(), k_cache, v_cache, block_tables.to(torch.int64).contiguous(),
+        positions.to(torch.int64).contiguous(), step, block_tables.shape[1], out,
+        SCALE=scale, WINDOW=window, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad(group),
+        HEAD_DIM=kv_width // num_kv_heads, BLOCK_SIZE=block_size,
+    )  # fmt: skip
+    return out
+
+
+PADDED_CONSTEXPRS = ("SCALE", "WINDOW", "NUM_KV_HEADS", "GROUP", "GROUP_PAD", "HEAD_DIM", "BLOCK_SIZE")
+
+
+def padded_signature(dtype: str) -> dict[str, str]:
+    pointer = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}[dtype]
+    return {
+        "q_ptr": pointer, "k_cache_ptr": pointer, "v_cache_ptr": pointer, "block_tables_ptr": "*i64",
+        "positions_ptr": "*i64", "step": "i32", "table_width": "i32", "out_ptr": pointer,
+        **dict.fromkeys(PADDED_CONSTEXPRS, "constexpr"),
+    }  # fmt: skip
+
+
+def compile_padded_for_arch(arch: int, dtype: str, num_kv_heads: int, group: int, head_dim: int, block_size: int,
+                            scale: float, window: int = 0):  # fmt: skip
+    """AOT-compile the plugin entry (padded layout) for one architecture; needs no GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constexprs = {
+        "SCALE": scale, "WINDOW": window, "NUM_KV_HEADS": num_kv_heads, "GROUP": group,
+        "GROUP_PAD": group_pad(group), "HEAD_DIM": head_dim, "BLOCK_SIZE": block_size,
+    }  # fmt: skip
+    source = ASTSource(fn=paged_attention_padded_kernel, signature=padded_signature(dtype), constexprs=constexprs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32))
