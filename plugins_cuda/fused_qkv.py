@@ -3,12 +3,14 @@ plugin's implementation for the attention prologue of every decoder layer).
 
     qkv = rope(rms_norm(x) @ W_qkv (+ bias))      x [T, H], W_qkv [H, (Hq + 2 Hkv) * D]
 
-One program per (tile of BLOCK_T tokens, output head). The head's two rotary halves are
-accumulated as separate [BLOCK_T, D/2] tiles, so RoPE (rotate-half, as HF Llama) is applied
-in registers before the single store; V heads are stored unrotated. The RMS statistics of
-the tile's rows are computed in a first pass over H. Weights: float16, bfloat16 or float32
-(the calibrated INT4/FP8 formats are not covered by this kernel). Verified only under
-TRITON_INTERPRET=1 and by AOT compilation; nothing here has run on a GPU.
+One program per (tile of BLOCK_T tokens, output head); q, k and v are separate outputs, in
+TensorRT's AOT plugin argument order (inputs, int32 scalars, outputs; eps is a constexpr).
+The head's two rotary halves are accumulated as separate [BLOCK_T, D/2] tiles, so RoPE
+(rotate-half, as HF Llama) is applied in registers before the single store; V heads are
+stored unrotated. The RMS statistics of the tile's rows are computed in a first pass over H.
+Weights: float16, bfloat16 or float32 (the calibrated INT4/FP8 formats are not covered by
+this kernel). Verified only under TRITON_INTERPRET=1 and by AOT compilation; nothing here
+has run on a GPU.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ def fused_rmsnorm_qkv_rope_kernel(
     bias_ptr,  # [HEADS * D] (ignored unless HAS_BIAS)
     cos_ptr,  # [max_pos, D / 2] float32
     sin_ptr,
-    positions_ptr,  # [T] int32
-    out_ptr,  # [T, HEADS * D]
+    positions_ptr,  # [T] int32 or int64
     tokens,
-    eps,
+    q_ptr,  # [T, Hq * D]
+    k_ptr,  # [T, Hkv * D]
+    v_ptr,  # [T, Hkv * D]
+    EPS: tl.constexpr,
     HIDDEN: tl.constexpr,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -53,7 +57,7 @@ def fused_rmsnorm_qkv_rope_kernel(
         x = tl.load(x_ptr + rows[:, None] * HIDDEN + (k0 + ks)[None, :],
                     mask=row_ok[:, None] & ((k0 + ks) < HIDDEN)[None, :], other=0.0).to(tl.float32)  # fmt: skip
         squares += tl.sum(x * x, axis=1)
-    rstd = 1.0 / tl.sqrt(squares / HIDDEN + eps)
+    rstd = 1.0 / tl.sqrt(squares / HIDDEN + EPS)
 
     # Pass 2: normalized rows times this head's two column halves.
     halves = tl.arange(0, HALF)
@@ -83,9 +87,21 @@ def fused_rmsnorm_qkv_rope_kernel(
         lo = acc_lo * cos - acc_hi * sin
         hi = acc_hi * cos + acc_lo * sin
         acc_lo, acc_hi = lo, hi
-    out_rows = out_ptr + rows[:, None] * WIDTH
-    tl.store(out_rows + col_lo[None, :], acc_lo.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(out_rows + (col_lo + HALF)[None, :], acc_hi.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if head < NUM_Q_HEADS:
+        _store_head(q_ptr, NUM_Q_HEADS * HEAD_DIM, head * HEAD_DIM, rows, row_ok, acc_lo, acc_hi, HALF)
+    elif head < NUM_Q_HEADS + NUM_KV_HEADS:
+        _store_head(k_ptr, NUM_KV_HEADS * HEAD_DIM, (head - NUM_Q_HEADS) * HEAD_DIM, rows, row_ok, acc_lo, acc_hi, HALF)
+    else:
+        col = (head - NUM_Q_HEADS - NUM_KV_HEADS) * HEAD_DIM
+        _store_head(v_ptr, NUM_KV_HEADS * HEAD_DIM, col, rows, row_ok, acc_lo, acc_hi, HALF)
+
+
+@triton.jit
+def _store_head(out_ptr, width, col, rows, row_ok, acc_lo, acc_hi, HALF: tl.constexpr):
+    halves = tl.arange(0, HALF)
+    out_rows = out_ptr + rows[:, None] * width + col
+    tl.store(out_rows + halves[None, :], acc_lo.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(out_rows + (halves + HALF)[None, :], acc_hi.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def tile_sizes(hidden: int) -> tuple[int, int]:
@@ -93,7 +109,8 @@ def tile_sizes(hidden: int) -> tuple[int, int]:
 
 
 def fused_rmsnorm_qkv_rope(x, norm_weight, w_qkv, bias, cos, sin, positions, num_q_heads, num_kv_heads, eps):
-    """Launch on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1); returns [T, (Hq+2Hkv)*D]."""
+    """Launch on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1); returns q, k, v
+    concatenated, [T, (Hq+2Hkv)*D]."""
     import torch
 
     tokens, hidden = x.shape
@@ -102,19 +119,21 @@ def fused_rmsnorm_qkv_rope(x, norm_weight, w_qkv, bias, cos, sin, positions, num
     if head_dim // 2 < MIN_DOT or head_dim % 2:
         raise ValueError(f"head_dim must be even and >= {2 * MIN_DOT} (got {head_dim})")
     block_t, block_k = tile_sizes(hidden)
-    out = torch.empty((tokens, heads * head_dim), dtype=x.dtype, device=x.device)
+    q, k, v = (torch.empty((tokens, n * head_dim), dtype=x.dtype, device=x.device)
+               for n in (num_q_heads, num_kv_heads, num_kv_heads))  # fmt: skip
     fused_rmsnorm_qkv_rope_kernel[(triton.cdiv(tokens, block_t), heads)](
-        x, norm_weight, w_qkv, bias if bias is not None else w_qkv, cos, sin, positions.to(torch.int32), out,
-        tokens, eps,
-        HIDDEN=hidden, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        x, norm_weight, w_qkv, bias if bias is not None else w_qkv, cos, sin, positions.to(torch.int32), tokens,
+        q, k, v, EPS=eps, HIDDEN=hidden, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_T=block_t, BLOCK_K=block_k, HAS_BIAS=bias is not None,
     )  # fmt: skip
-    return out
+    return torch.cat([q, k, v], dim=1)
 
 
 def compile_for_arch(arch: int, dtype: str, hidden: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                     has_bias: bool = False):  # fmt: skip
-    """AOT-compile for one GPU architecture (80, 89, 90); needs no GPU."""
+                     has_bias: bool = False, eps: float = 1e-5, positions: str = "*i32",
+                     cos_sin: str = "*fp32"):  # fmt: skip
+    """AOT-compile for one GPU architecture (80, 89, 90); needs no GPU. The plugin passes
+    int64 positions and cos/sin in the model dtype (`positions="*i64"`, `cos_sin=pointer`)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -122,13 +141,13 @@ def compile_for_arch(arch: int, dtype: str, hidden: int, num_q_heads: int, num_k
     block_t, block_k = tile_sizes(hidden)
     signature = {
         "x_ptr": pointer, "norm_ptr": pointer, "w_ptr": pointer, "bias_ptr": pointer,
-        "cos_ptr": "*fp32", "sin_ptr": "*fp32", "positions_ptr": "*i32", "out_ptr": pointer,
-        "tokens": "i32", "eps": "fp32",
-        "HIDDEN": "constexpr", "NUM_Q_HEADS": "constexpr", "NUM_KV_HEADS": "constexpr", "HEAD_DIM": "constexpr",
+        "cos_ptr": cos_sin, "sin_ptr": cos_sin, "positions_ptr": positions, "tokens": "i32",
+        "q_ptr": pointer, "k_ptr": pointer, "v_ptr": pointer, "EPS": "constexpr", "HIDDEN": "constexpr",
+        "NUM_Q_HEADS": "constexpr", "NUM_KV_HEADS": "constexpr", "HEAD_DIM": "constexpr",
         "BLOCK_T": "constexpr", "BLOCK_K": "constexpr", "HAS_BIAS": "constexpr",
     }  # fmt: skip
     constexprs = {
-        "HIDDEN": hidden, "NUM_Q_HEADS": num_q_heads, "NUM_KV_HEADS": num_kv_heads, "HEAD_DIM": head_dim,
+        "EPS": eps, "HIDDEN": hidden, "NUM_Q_HEADS": num_q_heads, "NUM_KV_HEADS": num_kv_heads, "HEAD_DIM": head_dim,
         "BLOCK_T": block_t, "BLOCK_K": block_k, "HAS_BIAS": has_bias,
     }  # fmt: skip
     source = ASTSource(fn=fused_rmsnorm_qkv_rope_kernel, signature=signature, constexprs=constexprs)
