@@ -1,0 +1,46 @@
+"""PTX for TensorRT's AOT plugins from Triton-compiled kernels (runs on CPU, no GPU needed).
+
+TensorRT launches an AOT plugin kernel with exactly: the node's input pointers, the int32
+extra arguments, the output pointers. Triton (3.x) appends two hidden pointer parameters
+(global and profile scratch) to every kernel; with both scratch sizes 0 the kernel never
+reads them, so they are removed from the PTX entry here rather than launched with arguments
+TensorRT does not pass. Verified on CPU: the stripped PTX assembles with `ptxas`
+(tests/test_trt_plugins.py). Whether TensorRT then runs it correctly is unverified (no GPU).
+"""
+
+from __future__ import annotations
+
+import re
+
+HIDDEN_PARAMS = 2
+
+
+def plugin_ptx(compiled, plugin_params: int) -> str:
+    """The kernel's PTX with Triton's hidden trailing parameters removed.
+
+    `plugin_params`: inputs + int32 extra arguments + outputs of the plugin. Raises ValueError
+    when the entry does not have exactly that many parameters plus the hidden ones, when a
+    scratch size is not 0, or when the kernel reads a hidden parameter."""
+    meta = compiled.metadata
+    if meta.global_scratch_size or getattr(meta, "profile_scratch_size", 0):
+        raise ValueError(f"{meta.name} needs scratch memory, which TensorRT AOT plugins cannot provide")
+    ptx = compiled.asm["ptx"]
+    start = ptx.index(".entry")
+    end = ptx.index(")", start)
+    params = re.findall(r"\.param[^,\n]*?(\w+_param_\d+)", ptx[start:end])
+    if len(params) != plugin_params + HIDDEN_PARAMS:
+        raise ValueError(f"{meta.name}: {len(params)} PTX parameters, expected {plugin_params} + {HIDDEN_PARAMS}")
+    hidden = params[plugin_params:]
+    if any(re.search(rf"\[{name}\]", ptx[end:]) for name in hidden):
+        raise ValueError(f"{meta.name} reads Triton's hidden scratch parameters")
+    header = ptx[start:end]
+    last = params[plugin_params - 1]
+    header = header[: header.index(last) + len(last)] + "\n"  # drops its comma and the hidden lines
+    return ptx[:start] + header + ptx[end:]
+
+
+def current_arch() -> int:
+    """Compute capability of the active GPU as an int (80, 89, 90, ...); needs a GPU."""
+    import triton
+
+    return int(triton.runtime.driver.active.get_current_target().arch)
