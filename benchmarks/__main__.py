@@ -65,7 +65,7 @@ def main(engine, model, parts, repetitions, concurrency, rate, input_len, output
         rate=rate, input_len=input_len, output_len=output_len, requests_per_slot=requests_per_slot,
         min_requests=min_requests, chat_requests=chat_requests, prefix_requests=prefix_requests,
         prefix_output_len=prefix_output_len, hf_batch=hf_batch, single_requests=single_requests,
-        slo=SLO(slo_ttft_ms / 1000, slo_tpot_ms / 1000), settings=settings, logs=RESULTS_DIR / "logs",
+        slo=SLO(slo_ttft_ms / 1000, slo_tpot_ms / 1000), settings=settings, logs=RESULTS_DIR / "logs" / name,
     )  # fmt: skip
     from runtime.text import load_tokenizer
 
@@ -80,7 +80,7 @@ def main(engine, model, parts, repetitions, concurrency, rate, input_len, output
     full = json.loads(md_path.with_suffix(".json").read_text())
     md_path.write_text(tables.render(full))
     focus = 16 if 16 in config.concurrencies else max(config.concurrencies)
-    for png in plots.write_all(full["rows"], RESULTS_DIR, focus):
+    for png in plots.write_all(full["rows"], RESULTS_DIR, focus, name):
         click.echo(f"wrote {png}", err=True)
     click.echo(md_path.read_text())
 

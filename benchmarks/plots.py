@@ -76,9 +76,9 @@ def prefix_ttft(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write_all(rows: list[dict], out_dir: Path, focus_concurrency: int) -> list[Path]:
-    paths = [out_dir / "throughput_vs_concurrency.png", out_dir / "latency_percentiles.png",
-             out_dir / "prefix_cache_ttft.png"]  # fmt: skip
+def write_all(rows: list[dict], out_dir: Path, focus_concurrency: int, stem: str) -> list[Path]:
+    paths = [out_dir / f"{stem}_throughput_vs_concurrency.png", out_dir / f"{stem}_latency_percentiles.png",
+             out_dir / f"{stem}_prefix_cache_ttft.png"]  # fmt: skip
     throughput_vs_concurrency(rows, paths[0])
     latency_percentiles(rows, focus_concurrency, paths[1])
     prefix_ttft(rows, paths[2])

@@ -34,8 +34,9 @@ for peer in "${peers[@]}"; do
       pip_in ortgenai onnxruntime-genai 'transformers>=5,<6' onnx onnx_ir numpy safetensors
       for precision in fp32 int4; do
         out=$root/ortgenai/models/$precision
-        "$root/ortgenai/bin/python" -m onnxruntime_genai.models.builder \
-          -i "$checkpoint" -o "$out" -p "$precision" -e cpu -c "$root/ortgenai/hf_cache"
+        HF_HUB_OFFLINE=1 "$root/ortgenai/bin/python" -m onnxruntime_genai.models.builder \
+          -i "$checkpoint" -o "$out" -p "$precision" -e cpu -c "$root/ortgenai/hf_cache" \
+          > "$root/ortgenai/build-$precision.log" 2>&1 || { tail -20 "$root/ortgenai/build-$precision.log"; exit 1; }
         # The builder writes pad id 2 (<|im_end|>, inside every chat prompt): use 0 and left-pad.
         "$root/ortgenai/bin/python" - "$out/genai_config.json" <<'PY'
 import json, sys

@@ -1,0 +1,94 @@
+"""Benchmark metric math on synthetic timestamps (hand-computed values), and one small run of
+the streaming client against a real tritonserver serving the tiny engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.metrics import SLO, RequestRecord, percentiles, summarize
+
+
+def record(start: float, chunks: list[tuple[float, int]], end: float, prompt: int = 10) -> RequestRecord:
+    return RequestRecord(start, [t for t, _ in chunks], [n for _, n in chunks], end, prompt)
+
+
+def test_percentiles_linear_interpolation():
+    # 1..10 s: p50 = 5.5, p90 = 9.1, p99 = 9.91 (linear between order statistics), in ms.
+    p = percentiles([float(x) for x in range(1, 11)])
+    assert p == {"p50": 5500.0, "p90": 9100.0, "p99": 9910.0, "mean": 5500.0}
+    assert percentiles([]) == {}
+
+
+def test_ttft_tpot_itl_by_hand():
+    # Sent at 1.0; tokens at 1.5, 1.6, 1.8 (two tokens in that chunk), 1.9; done at 1.9.
+    r = record(1.0, [(1.5, 1), (1.6, 1), (1.8, 2), (1.9, 1)], 1.9)
+    assert r.output_tokens == 5
+    assert r.ttft == pytest.approx(0.5)
+    assert r.e2e == pytest.approx(0.9)
+    assert r.tpot == pytest.approx((0.9 - 0.5) / 4)  # 0.1 s
+    # The 2-token chunk counts as two gaps of 0.1 s: ITL is per token and averages to TPOT.
+    assert r.itls() == pytest.approx([0.1, 0.1, 0.1, 0.1])
+    assert sum(r.itls()) / len(r.itls()) == pytest.approx(r.tpot)
+
+
+def test_single_token_request_has_no_tpot():
+    r = record(0.0, [(0.3, 1)], 0.3)
+    assert r.tpot is None and r.itls() == []
+
+
+def test_summary_throughput_and_goodput():
+    fast = record(0.0, [(0.2, 1), (0.3, 1), (0.4, 1)], 0.4)  # TTFT 0.2, TPOT 0.1
+    slow_start = record(0.0, [(1.5, 1), (1.6, 1), (1.7, 1)], 1.7)  # TTFT 1.5 breaks a 1 s TTFT SLO
+    slow_decode = record(1.0, [(1.2, 1), (1.7, 1), (2.0, 1)], 2.0)  # TPOT 0.4 breaks a 0.25 s TPOT SLO
+    failed = RequestRecord(0.5, [], [], 0.6, 10, error="HTTP 503")
+    s = summarize([fast, slow_start, slow_decode, failed], duration_s=2.0, slo=SLO(ttft_s=1.0, tpot_s=0.25))
+    assert s["requests"] == 4 and s["failed"] == 1 and s["errors"] == ["HTTP 503"]
+    assert s["output_tokens"] == 9 and s["output_tok_s"] == 4.5
+    assert s["request_s"] == 1.5
+    assert s["goodput_req_s"] == 0.5  # only `fast` meets both SLOs
+    assert s["slo_attainment"] == 0.25
+    assert s["ttft_ms"]["p50"] == pytest.approx(200.0)  # TTFTs 0.2, 0.2, 1.5 s
+    assert s["tpot_ms"]["p50"] == pytest.approx(100.0)  # TPOTs 0.1, 0.1, 0.4 s
+    assert s["e2e_ms"]["p99"] == pytest.approx(1000 * (1.0 + 0.98 * 0.7))  # e2e 0.4, 1.0, 1.7 s
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        record(1.0, [(0.9, 1)], 1.0),  # first token before the request was sent
+        record(0.0, [(0.5, 1), (0.4, 1)], 0.6),  # chunks out of order
+        record(0.0, [(0.5, 1)], 0.4),  # ended before its last token
+        record(0.0, [(0.5, 0)], 0.6),  # a chunk with no token
+        RequestRecord(0.0, [0.5, 0.6], [1], 0.7),  # times and counts disagree
+    ],
+)
+def test_wrong_records_are_refused(bad):
+    with pytest.raises(ValueError):
+        summarize([bad], duration_s=1.0, slo=SLO(1.0, 1.0))
+
+
+def test_summary_needs_a_positive_duration():
+    with pytest.raises(ValueError):
+        summarize([record(0.0, [(0.1, 1)], 0.1)], duration_s=0.0, slo=SLO(1.0, 1.0))
+
+
+@pytest.mark.serving
+def test_client_against_tritonserver(llama_engine):
+    """The load generator on the real server (tiny engine): exact prompt/output token counts,
+    closed loop and Poisson arrivals, and every metric computed from what streamed back."""
+    from benchmarks import client, datasets
+    from benchmarks.servers import ServingSettings, trtserve
+    from runtime.text import load_tokenizer
+
+    tok = load_tokenizer(llama_engine)
+    requests = datasets.fixed(tok, 6, input_len=24, output_len=6, seed=1)
+    settings = ServingSettings(max_num_seqs=4, kv_tokens=8 * 256, max_num_batched_tokens=64, max_model_len=256)
+    with trtserve(llama_engine, settings) as endpoint:
+        closed = client.run(endpoint, requests[2:], requests[:2], concurrency=2)
+        poisson = client.run(endpoint, requests[2:], [], rate=50.0, concurrency=4)
+    for result in (closed, poisson):
+        summary = summarize(result.records, result.duration_s, SLO(60.0, 60.0))
+        assert summary["failed"] == 0, summary["errors"]
+        assert summary["prompt_tokens"] == 4 * 24 and summary["output_tokens"] == 4 * 6
+        assert summary["goodput_req_s"] == summary["request_s"] > 0
+        assert len(summary["itl_ms"]) == 4 and summary["ttft_ms"]["p50"] > 0
