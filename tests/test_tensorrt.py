@@ -5,6 +5,7 @@ on a GPU machine and are skipped here with the reason."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -90,7 +91,9 @@ def test_plugin_ptx_drops_triton_hidden_params_and_assembles(tmp_path):
         "open(r'%s', 'w').write(aot.plugin_ptx(k, 11))\n"
         "try:\n    aot.plugin_ptx(k, 10)\nexcept ValueError as e:\n    print('refused', e)\n"
     ) % (tmp_path / "kv_write.ptx")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # other test modules set it
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0 and "refused" in result.stdout, result.stderr[-2000:]
     ptx = (tmp_path / "kv_write.ptx").read_text()
     assert "_param_10" in ptx and "_param_11" not in ptx
