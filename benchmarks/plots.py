@@ -29,7 +29,9 @@ def throughput_vs_concurrency(rows: list[dict], path: Path) -> None:
         lo = [y - r["spread"]["output_tok_s"][0] for y, r in zip(ys, points, strict=True)]
         hi = [r["spread"]["output_tok_s"][1] - y for y, r in zip(ys, points, strict=True)]
         ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=name)
-    ax.set_xscale("symlog", base=2)
+    levels = sorted({r["concurrency"] for points in systems.values() for r in points})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
     ax.set_xlabel("concurrent requests (serving) / batch size (offline)")
     ax.set_ylabel("output tokens/s")
     ax.set_title("Throughput vs concurrency (fixed-length workload)")
