@@ -41,6 +41,49 @@ def workload_table(rows: list[dict], slo: dict) -> list[str]:
     return lines
 
 
+def _find(rows: list[dict], system: str, mode: str, workload: str = "fixed") -> dict | None:
+    for r in rows:
+        if r["workload"].startswith(workload) and r["system"].startswith(system) and r["mode"] == mode:
+            return r.get("median") or None
+    return None
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """Issue 7's targets, each as measured ratio (> 1 means trtserve is ahead), or why it is missing."""
+    ours = "trtserve via Triton (fp32, prefix caching on)"
+    checks = []
+
+    def ratio(label: str, a: dict | None, b: dict | None, key: str, higher_better: bool, goal: float = 1.0) -> None:
+        if not a or not b or not a.get(key) or not b.get(key):
+            checks.append(f"| {label} | - | - | not measured |")
+            return
+        r = a[key] / b[key] if higher_better else b[key] / a[key]
+        checks.append(f"| {label} | {a[key]:.1f} vs {b[key]:.1f} | {r:.2f}x | {'met' if r >= goal else 'missed'} "
+                      f"(goal {goal:g}x) |")  # fmt: skip
+
+    hf_seq = _find(rows, "HF", "single stream")
+    ratio("c16 output tok/s vs HF sequential", _find(rows, ours, "concurrency 16"), hf_seq, "output_tok_s", True, 15)
+    for c in (8, 16, 32):
+        mode = f"concurrency {c}"
+        ratio(f"c{c} output tok/s vs vLLM", _find(rows, ours, mode), _find(rows, "vllm", mode), "output_tok_s", True)
+    ratio("c1 TTFT p50 ms vs vLLM", _find(rows, ours, "concurrency 1"), _find(rows, "vllm", "concurrency 1"),
+          "ttft_ms_p50", False)  # fmt: skip
+    ratio("single-stream tok/s vs ORT-GenAI fp32", _find(rows, ours, "concurrency 1"),
+          _find(rows, "onnxruntime-genai (fp32)", "single stream"), "output_tok_s", True)  # fmt: skip
+    ratio("single-stream tok/s (fp32 engine) vs llama.cpp Q4_1", _find(rows, ours, "concurrency 1"),
+          _find(rows, "llama.cpp", "single stream"), "output_tok_s", True)  # fmt: skip
+    ratio("single-stream TPOT p50 ms vs ORT-GenAI fp32", _find(rows, ours, "concurrency 1"),
+          _find(rows, "onnxruntime-genai (fp32)", "single stream"), "tpot_ms_p50", False)  # fmt: skip
+    ratio("single-stream TPOT p50 ms vs llama.cpp Q4_1", _find(rows, ours, "concurrency 1"),
+          _find(rows, "llama.cpp", "single stream"), "tpot_ms_p50", False)  # fmt: skip
+    on = next((r.get("median") for r in rows if r["workload"].startswith("shared") and "caching on" in r["system"]
+               and r["system"].startswith("trtserve")), None)  # fmt: skip
+    off = next((r.get("median") for r in rows if r["workload"].startswith("shared") and "caching off" in r["system"]),
+               None)  # fmt: skip
+    ratio("prefix caching: TTFT p50 ms on vs off", on, off, "ttft_ms_p50", False, 4)
+    return ["| target | trtserve vs other | ratio | status |", "|---|---|---|---|", *checks]
+
+
 def render(payload: dict) -> str:
     cfg, m, v = payload["config"], payload["machine"], payload["versions"]
     lines = [
@@ -61,6 +104,9 @@ def render(payload: dict) -> str:
         by_workload.setdefault(row["workload"], []).append(row)
     for workload, rows in by_workload.items():
         lines += [f"## {workload}", "", *workload_table(rows, cfg["slo"]), ""]
+    lines += ["## Targets (issue 7)", "", "Single-stream rows compare trtserve at concurrency 1 through Triton "
+              "(HTTP included) with the in-process peers; there is no INT4 trtserve engine yet.", "",
+              *targets(payload["rows"]), ""]  # fmt: skip
     eq = payload.get("equivalence")
     if eq:
         lines += ["## Greedy output equivalence (trtserve vs HF eager, token by token)", "",
