@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import tempfile
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -18,12 +19,18 @@ from builder.model_spec import ModelSpec
 from builder.onnx_graph import IR_VERSION, OPSET
 from builder.plugin_graph import PLUGIN_FILE, write_plugin_graph
 from builder.sources import load_checkpoint, resolve_model
+from calibration.data import DataConfig
 
-BACKENDS = ("onnxruntime-cpu",)
+BACKENDS = ("onnxruntime-cpu", "tensorrt")
 # Max |logit difference| between the engine and HF eager on the verification prompt, as a
 # fraction of the largest |logit|. fp32 differs only in summation order (measured ~1e-6 on
 # tiny models, ~1e-5 on SmolLM2); 1e-3 still catches any wrong op, weight or mask.
 VERIFY_TOLERANCE = {"float32": 1e-3, "float16": 3e-2}
+
+# Quantized engines are verified against the HF model with the same quantized weights
+# (fake-quantized in torch); what remains is ORT's arithmetic: MatMulNBits computes INT4
+# GEMMs with int8-quantized activations, and FP8 engines quantize activations per tensor.
+QUANTIZED_VERIFY_TOLERANCE = {"int4-awq": 5e-2, "int4-rtn": 5e-2, "fp8": 1e-1}
 
 StepReporter = Callable[[str], AbstractContextManager]
 
@@ -37,6 +44,11 @@ class BuildOptions:
     block_size: int = 64
     dtype: str = "float32"
     backend: str = "onnxruntime-cpu"
+    quantize: str | None = None  # calibration.quantize.QUANT_METHODS
+    int4_block_size: int = 32
+    calibration: DataConfig = field(default_factory=DataConfig)
+    gate_config: Path | None = None  # default: calibration/gate_v1.json
+    accept_gate_failure: bool = False  # promote even if the gate fails (recorded in the manifest)
 
     def validate(self) -> None:
         if self.max_batch_size < 1:
@@ -58,6 +70,10 @@ def _no_report(title: str) -> AbstractContextManager:
 def build_engine(options: BuildOptions, step: StepReporter = _no_report) -> dict:
     """Build the engine directory at options.output atomically; returns the manifest."""
     options.validate()
+    if options.backend == "tensorrt":
+        from builder.tensorrt_build import require_tensorrt
+
+        require_tensorrt()  # first: without TensorRT or a GPU, fail at once and leave --output untouched
     with step("resolve model source (first use of a GGUF converts it, ~25 s)"):
         source = resolve_model(options.model)
     with step(f"load checkpoint {source.checkpoint_dir}"):
@@ -69,18 +85,96 @@ def build_engine(options: BuildOptions, step: StepReporter = _no_report) -> dict
             f"({spec.max_position_embeddings})"
         )
     export_options = ExportOptions(options.block_size, options.max_seq_len, options.dtype)
-    with atomic_directory(options.output) as staging:
+    with atomic_directory(options.output) as staging, tempfile.TemporaryDirectory() as scratch:
+        quantization = None
+        if options.quantize:
+            quantization = _calibrate(model, tokenizer, spec, options, Path(scratch), step)
         with step("export ONNX graph with paged KV interface"):
-            graph_files = export_onnx(model, spec, export_options, staging)
+            graph_files = export_onnx(model, spec, export_options, staging, quantization and quantization.weights)
         with step("rewrite to the TensorRT plugin graph (fused prologue, paged attention)"):
             write_plugin_graph(staging)
             tokenizer.save_pretrained(staging)
             (staging / "source_config.json").write_text(model.config.to_json_string())
+        segments = len(graph_files) - 1
+        trt_section = None
+        if options.backend == "tensorrt":
+            from builder.tensorrt_build import build_tensorrt_engine
+
+            with step("compile the TensorRT engine (plugin graph, AOT kernels)"):
+                args = (options.max_batch_size, options.max_seq_len, options.block_size, spec.kv_width)
+                trt_section = build_tensorrt_engine(staging, *args)
         with step("verify engine against HF eager (prefill, chunked prefill, decode)"):
-            verification = verify_engine(staging, model, options, spec, len(graph_files) - 1)
+            verification = verify_engine(staging, model, options, spec, segments)
         manifest = _manifest(options, source, spec, verification, graph_files[1:])
+        if trt_section:
+            manifest["tensorrt"] = trt_section
+        if quantization:
+            manifest["quantization"] = _gate(quantization, tokenizer, options, spec, staging, segments, step)
         write_manifest(staging, manifest)
     return manifest
+
+
+def engine_config(engine_dir: Path, options: BuildOptions, spec: ModelSpec, cpu_segments: int,
+                  quantization: str | None = None):  # fmt: skip
+    """The runtime's view of an engine being built (its manifest is written last)."""
+    from runtime.engine_config import EngineConfig
+
+    return EngineConfig(
+        engine_dir=engine_dir, backend=options.backend, dtype=options.dtype,
+        block_size=options.block_size, max_batch_size=options.max_batch_size,
+        max_seq_len=options.max_seq_len, graph_file="model.onnx", model=spec, cpu_segments=cpu_segments,
+        quantization=quantization,
+    )  # fmt: skip
+
+
+def _calibrate(model, tokenizer, spec: ModelSpec, options: BuildOptions, scratch: Path, step: StepReporter):
+    """Export the unquantized reference engine (for the gate) into `scratch`, then calibrate
+    and quantize the model in place."""
+    from calibration.data import load_text_sets
+    from calibration.quantize import QuantConfig, quantize_model
+
+    config = QuantConfig(options.quantize, options.int4_block_size)
+    if problems := config.problems(spec):
+        raise BuildError("; ".join(problems))
+    with step("load calibration and held-out text"):
+        texts = load_text_sets(tokenizer, options.calibration)
+    with step("export the unquantized reference engine for the quality gate"):
+        reference_files = export_onnx(model, spec, ExportOptions(options.block_size, options.max_seq_len), scratch)
+    with step(f"calibrate and quantize ({options.quantize}, {len(texts.calibration)} sequences)"):
+        weights, record = quantize_model(model, spec, config, texts.calibration)
+    return _Quantization(
+        weights, {**record, "calibration_data": texts.record}, texts, scratch, len(reference_files) - 1
+    )
+
+
+@dataclass
+class _Quantization:
+    weights: dict
+    record: dict
+    texts: object
+    reference_dir: Path
+    reference_segments: int
+
+
+def _gate(quantization: _Quantization, tokenizer, options: BuildOptions, spec: ModelSpec, staging: Path,
+          segments: int, step: StepReporter) -> dict:  # fmt: skip
+    """Run the quality gate; write its report into the engine; fail the build unless it passes
+    or the override flag is given. Returns the manifest's quantization record."""
+    from calibration.gate import run_gate
+
+    reference = engine_config(quantization.reference_dir, options, spec, quantization.reference_segments)
+    candidate = engine_config(staging, options, spec, segments, options.quantize)
+    with step("quality gate: quantized vs unquantized engine on held-out text (ONNX Runtime CPU)"):
+        report = run_gate(reference, candidate, quantization.texts, tokenizer, options.gate_config)
+    (staging / "gate_report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    (staging / "gate_report.md").write_text(report.table() + "\n")
+    if not report.passed and not options.accept_gate_failure:
+        raise BuildError(f"quality gate failed; nothing was written to {options.output}\n{report.table()}")
+    return {
+        **quantization.record,
+        "gate": {"passed": report.passed, "overridden": not report.passed, "report": "gate_report.json",
+                 "gate_config_version": report.config_version},
+    }  # fmt: skip
 
 
 def _manifest(options: BuildOptions, source, spec: ModelSpec, verification: dict, segments: list[str]) -> dict:
@@ -121,20 +215,15 @@ def _manifest(options: BuildOptions, source, spec: ModelSpec, verification: dict
 
 def verify_engine(engine_dir: Path, model, options: BuildOptions, spec: ModelSpec, cpu_segments: int) -> dict:
     """Run the new engine on every CPU backend it supports and compare logits with the HF
-    model (float32): one-shot prefill, the same prompt in two chunks over the paged pool,
+    model (float32; for a quantized build, the HF model holding the same quantized weights,
+    see calibration.quantize): one-shot prefill, the same prompt in two chunks over the paged pool,
     and a decode step. Fails the build when any differs by more than VERIFY_TOLERANCE."""
     import torch
 
     from runtime.backend import SequenceChunk
     from runtime.backends import create_backend
-    from runtime.engine_config import EngineConfig
 
-    # The manifest is written after verification: give the backends their config directly.
-    config = EngineConfig(
-        engine_dir=engine_dir, backend=options.backend, dtype=options.dtype,
-        block_size=options.block_size, max_batch_size=options.max_batch_size,
-        max_seq_len=options.max_seq_len, graph_file="model.onnx", model=spec, cpu_segments=cpu_segments,
-    )  # fmt: skip
+    config = engine_config(engine_dir, options, spec, cpu_segments, options.quantize)
     prompt_len = min(options.max_seq_len - 1, options.block_size + 7)
     tokens = np.random.default_rng(0).integers(3, spec.vocab_size, prompt_len + 1).tolist()
     prompt, next_token = tokens[:-1], tokens[-1]
@@ -142,12 +231,13 @@ def verify_engine(engine_dir: Path, model, options: BuildOptions, spec: ModelSpe
         ref_logits = model(torch.tensor([tokens])).logits[0].float().numpy()
     want = {"prefill": ref_logits[-2], "chunked_prefill": ref_logits[-2], "decode": ref_logits[-1]}
     scale = float(np.abs(ref_logits).max())
-    tolerance = VERIFY_TOLERANCE[options.dtype] * scale
+    tolerance = (QUANTIZED_VERIFY_TOLERANCE.get(options.quantize) or VERIFY_TOLERANCE[options.dtype]) * scale
     blocks = -(-(prompt_len + 1) // options.block_size)
     table_a, table_b = list(range(blocks)), list(range(blocks, 2 * blocks))
     split = prompt_len // 2
     result = {"prompt_tokens": prompt_len, "max_abs_logit": scale, "tolerance": tolerance, "backends": {}}
-    for kind in ("graph", "plugin", "cpu") if cpu_segments else ("graph", "plugin"):
+    kinds = ("graph", "plugin", "cpu") if cpu_segments else ("graph", "plugin")
+    for kind in kinds + (("tensorrt",) if options.backend == "tensorrt" else ()):
         backend = create_backend(config, num_blocks=2 * blocks, kind=kind)
         got = {
             "prefill": backend.step([SequenceChunk(prompt, 0, table_a)])[0],

@@ -16,6 +16,8 @@ from transformers.utils import logging as transformers_logging
 from builder.build import BACKENDS, BuildOptions, build_engine
 from builder.errors import BuildError
 from builder.export import DTYPES
+from calibration.data import DataConfig
+from calibration.quantize import QUANT_METHODS
 
 console = Console(stderr=True)
 
@@ -34,6 +36,7 @@ def _report_step(title: str):
 Examples:
   build-engine --model smollm2-135m --output engines/smollm2-135m
   build-engine --model /models/Qwen2-0.5B-Instruct --output engines/qwen2 --max-seq-len 4096
+  build-engine --model smollm2-135m --output engines/smollm2-135m-int4 --quantize int4-awq
 
 Exit status is 0 on success and 1 on any build failure (the message names the problem);
 a failed build leaves an existing engine directory at --output untouched.""",
@@ -87,8 +90,29 @@ a failed build leaves an existing engine directory at --output untouched.""",
     type=click.Choice(BACKENDS),
     help="Runtime the engine is built for.",
 )
+@click.option(
+    "--quantize",
+    type=click.Choice(QUANT_METHODS),
+    help="Post-training quantization of the linear layers (embeddings and lm_head stay unquantized): "
+    "fp8 (E4M3 weights per channel, activations per tensor), int4-awq (activation-aware INT4 weight-only), "
+    "int4-rtn (round-to-nearest INT4). Calibrates on packaged text and must pass the quality gate.",
+)
+@click.option("--int4-block-size", default=32, show_default=True, type=int, help="INT4 weights per scale.")
+@click.option("--calib-samples", default=DataConfig.calibration_samples, show_default=True,
+              type=click.IntRange(min=2), help="Calibration sequences (half chat, half plain text).")  # fmt: skip
+@click.option("--heldout-samples", default=DataConfig.heldout_samples, show_default=True,
+              type=click.IntRange(min=2), help="Held-out sequences the quality gate scores.")  # fmt: skip
+@click.option("--calib-seed", default=0, show_default=True, type=int, help="Seed of the calibration/held-out split.")
+@click.option("--gate-config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Quality gate thresholds (default: calibration/gate_v1.json).")  # fmt: skip
+@click.option(
+    "--accept-gate-failure",
+    is_flag=True,
+    help="Promote the engine even when the quality gate fails (the manifest records the override).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout when done.")
-def main(model, output, max_batch_size, max_seq_len, block_size, dtype, backend, as_json) -> None:
+def main(model, output, max_batch_size, max_seq_len, block_size, dtype, backend, quantize, int4_block_size,
+         calib_samples, heldout_samples, calib_seed, gate_config, accept_gate_failure, as_json) -> None:  # fmt: skip
     """Export a decoder LLM to an ONNX graph with a paged KV-cache interface, verify it
     against the Hugging Face eager model, and write an engine directory (graph, weights,
     tokenizer, manifest.json) that `trtserve generate` and `trtserve serve` load.
@@ -98,7 +122,10 @@ def main(model, output, max_batch_size, max_seq_len, block_size, dtype, backend,
     logging.basicConfig(level=logging.WARNING)
     transformers_logging.disable_progress_bar()
     transformers_logging.set_verbosity_error()
-    options = BuildOptions(model, output, max_batch_size, max_seq_len, block_size, dtype, backend)
+    options = BuildOptions(
+        model, output, max_batch_size, max_seq_len, block_size, dtype, backend, quantize, int4_block_size,
+        DataConfig(calib_samples, heldout_samples, DataConfig.seq_len, calib_seed), gate_config, accept_gate_failure,
+    )  # fmt: skip
     try:
         manifest = build_engine(options, step=_report_step)
     except BuildError as exc:
@@ -109,5 +136,7 @@ def main(model, output, max_batch_size, max_seq_len, block_size, dtype, backend,
         f"[green]engine written to {output}[/] ({manifest['source']['name']}, {dtype}, "
         f"max logit error {max(e for b in verify['backends'].values() for e in b['max_abs_error'].values()):.2e})"
     )
+    if quantize:
+        console.print((output / "gate_report.md").read_text(), markup=False)
     if as_json:
         click.echo(json.dumps(manifest, indent=2))

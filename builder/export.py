@@ -14,13 +14,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import TensorProto
 
 from builder.model_spec import ModelSpec
 from builder.onnx_graph import GraphBuilder
+
+if TYPE_CHECKING:
+    from calibration.quantize import QuantizedLinear
 
 WEIGHTS_FILE = "model.onnx.data"
 DTYPES = {"float32": (np.float32, TensorProto.FLOAT), "float16": (np.float16, TensorProto.FLOAT16)}
@@ -37,9 +42,12 @@ def segment_file(index: int) -> str:
     return f"segment.{index:02d}.onnx"
 
 
-def export_onnx(model, spec: ModelSpec, options: ExportOptions, out_dir: Path) -> list[str]:
-    """Write model.onnx + weights, and the CPU segments for float32; returns the graph files."""
-    parts = _DecoderParts(model, spec, options)
+def export_onnx(
+    model, spec: ModelSpec, options: ExportOptions, out_dir: Path, quantized: dict[str, QuantizedLinear] | None = None
+) -> list[str]:
+    """Write model.onnx + weights, and the CPU segments for float32; returns the graph files.
+    `quantized`: calibrated weights per MatMul name (calibration.quantize), emitted as Q/DQ."""
+    parts = _DecoderParts(model, spec, options, quantized or {})
     path = out_dir / "model.onnx"
     onnx.save_model(
         parts.paged_graph(), path, save_as_external_data=True, all_tensors_to_one_file=True,
@@ -70,24 +78,26 @@ def rope_tables(model, max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
 class _DecoderParts:
     """The decoder's building blocks, emitted into whichever graph is being built."""
 
-    def __init__(self, model, spec: ModelSpec, options: ExportOptions):
-        self.spec, self.options = spec, options
+    def __init__(self, model, spec: ModelSpec, options: ExportOptions, quantized: dict[str, QuantizedLinear]):
+        self.spec, self.options, self.quantized = spec, options, quantized
         self.np_dtype, self.onnx_dtype = DTYPES[options.dtype]
         self.weights = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
         self.cos, self.sin = rope_tables(model, options.max_seq_len)
         self.g = GraphBuilder()
         self._saved: dict[str, TensorProto] = {}
 
-    def w(self, name: str, make: Callable[[], np.ndarray]) -> str:
-        """Register a weight once per graph: from `make()`, or as a reference to the tensor
-        already saved in model.onnx.data when building segments."""
+    def w(self, name: str, make: Callable[[], np.ndarray], cast: bool = True) -> str:
+        """Register a weight once per graph: from `make()` (cast to the engine dtype unless
+        `cast` is False), or as a reference to the tensor already saved in model.onnx.data
+        when building segments."""
         if name in self.g.weight_names:
             return name
         if name in self._saved:
             self.g.initializers.append(self._saved[name])
             self.g.weight_names.add(name)
             return name
-        return self.g.weight(name, make().astype(self.np_dtype))
+        array = make()
+        return self.g.weight(name, array.astype(self.np_dtype) if cast else array)
 
     # ---- shared pieces -----------------------------------------------------------------------
 
@@ -101,12 +111,29 @@ class _DecoderParts:
 
     def linear(self, x: str, name: str, keys: list[str], bias: bool = False) -> str:
         """x @ concat(weights).T (+ bias): HF [out, in] matrices fused into one MatMul."""
-        weight = self.w(name, lambda: np.concatenate([self.weights[k + ".weight"] for k in keys], axis=0).T)
+        if name in self.quantized:
+            x, weight = self.dequantized_operands(x, name, self.quantized[name])
+        else:
+            weight = self.w(name, lambda: np.concatenate([self.weights[k + ".weight"] for k in keys], axis=0).T)
         y = self.g.op("MatMul", x, weight, name=name)
         if bias:
             b = self.w(name + ".bias", lambda: np.concatenate([self.weights[k + ".bias"] for k in keys]))
             y = self.g.op("Add", y, b)
         return y
+
+    def dequantized_operands(self, x: str, name: str, q: QuantizedLinear) -> tuple[str, str]:
+        """Q/DQ in the form a TensorRT strongly typed build consumes: INT4 weight-only
+        (block-quantized DequantizeLinear, zero point 0) or FP8 E4M3 weights per output
+        channel plus a per-tensor FP8 Quantize/Dequantize pair on the activation."""
+        g, scale = self.g, self.w(name + ".scale", lambda: q.scale)
+        weight = self.w(name + ".qweight", lambda: q.weight, cast=False)
+        if q.block_size is not None:
+            return x, g.op("DequantizeLinear", weight, scale, axis=0, block_size=q.block_size, name=name + ".dq_weight")
+        x_scale = self.w(name + ".input_scale", lambda: np.float32(q.input_scale))
+        zero = self.w(name + ".input_zero_point", lambda: np.zeros((), ml_dtypes.float8_e4m3fn), cast=False)
+        x = g.op("QuantizeLinear", x, x_scale, zero, name=name + ".q_input")
+        x = g.op("DequantizeLinear", x, x_scale, zero, name=name + ".dq_input")
+        return x, g.op("DequantizeLinear", weight, scale, axis=1, name=name + ".dq_weight")
 
     def pre_attention(self, i: int, hidden: str, positions: str) -> tuple[str, str, str]:
         """RMSNorm -> fused QKV -> RoPE on Q and K. Tensors are [batch, seq, ...]."""

@@ -43,7 +43,8 @@ class GraphBuilder:
 
     def weight(self, name: str, array: np.ndarray) -> str:
         self.weight_names.add(name)
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        array = np.asarray(array)  # keeps 0-d scalars 0-d (np.ascontiguousarray would make them [1])
+        self.initializers.append(numpy_helper.from_array(array if array.flags.c_contiguous else array.copy(), name))
         return name
 
     def const(self, value: list[int] | int, dtype: type = np.int64) -> str:

@@ -77,6 +77,10 @@ def _prologue(g: _Graph, model: onnx.ModelProto, norm: onnx.NodeProto):
     matmul = g.only_consumer(norm.output[0], "MatMul")
     if matmul is None:
         return None  # the final norm feeds Gemm (lm_head): not a prologue
+    if matmul.input[1] not in g.constants:
+        # Quantized weights (DequantizeLinear -> MatMul) keep their Q/DQ form: the fused kernel
+        # takes float weights, while TensorRT runs Q/DQ GEMMs in INT4/FP8 natively.
+        return None
     add = g.only_consumer(matmul.output[0], "Add")
     split = g.only_consumer((add or matmul).output[0], "Split")
     rope_q = split and g.only_consumer(split.output[0], "RotaryEmbedding")
@@ -151,7 +155,9 @@ def rewrite_to_plugins(model: onnx.ModelProto) -> onnx.ModelProto:
         for node in nodes:
             counts[node.op_type] += 1
     layers = sum(1 for n in model.graph.node if n.op_type == "Attention")
-    if not layers or any(counts[op] != layers for op in (PROLOGUE, KV_WRITE, ATTENTION)):
+    float_qkv = sum(1 for n in model.graph.node if n.name.endswith("qkv_proj") and n.input[1] in g.constants)
+    expected = {PROLOGUE: float_qkv, KV_WRITE: layers, ATTENTION: layers}
+    if not layers or any(counts[op] != n for op, n in expected.items()):
         raise BuildError(f"plugin rewrite matched {dict(counts)} in a graph of {layers} attention layers")
     nodes = []
     for k, node in enumerate(model.graph.node):

@@ -28,6 +28,7 @@ class EngineConfig:
     graph_file: str
     model: ModelSpec
     cpu_segments: int = 0  # segment.NN.onnx files for the CPU kernel backend (float32 engines)
+    quantization: str | None = None  # calibration.quantize method (fp8, int4-awq, int4-rtn) or None
 
     @property
     def has_cpu_segments(self) -> bool:
@@ -64,6 +65,7 @@ class EngineConfig:
                 graph_file=manifest["graph"]["file"],
                 model=ModelSpec.from_dict(manifest["model"]),
                 cpu_segments=len(manifest["graph"].get("cpu_segments", [])),
+                quantization=(manifest.get("quantization") or {}).get("method"),
             )
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise EngineLoadError(f"{path} is malformed ({type(exc).__name__}: {exc}); rebuild") from None

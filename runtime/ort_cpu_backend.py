@@ -78,7 +78,7 @@ class OrtCpuBackend:
             path = config.engine_dir / segment_file(index)
             if not path.is_file():
                 raise EngineLoadError(f"{path.name} is missing: rebuild the engine with build-engine")
-            self.segments.append(create_session(path, self.threads, spinning=False))
+            self.segments.append(create_session(path, self.threads, spinning=False, quantization=config.quantization))
         self.pool = allocate_pool(config, self.num_blocks, np.float32)
         self._rows = pool_rows(self.pool)
         # The same pool, read by the whole graph for single-sequence steps (a second weights copy).
@@ -87,7 +87,17 @@ class OrtCpuBackend:
     def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
         if len(chunks) <= SMALL_BATCH:
             return self.small_steps.step(chunks)
-        spec, flat = self.config.model, FlatStep.pack(chunks, self.config.block_size)
+        flat = FlatStep.pack(chunks, self.config.block_size)
+        return self._run(flat, flat.logit_rows)
+
+    def prompt_logits(self, chunk: SequenceChunk) -> np.ndarray:
+        """Run one chunk and return the logits of *every* token [len(token_ids), vocab]
+        (teacher-forced scoring: perplexity, KL between engines)."""
+        flat = FlatStep.pack([chunk], self.config.block_size)
+        return self._run(flat, np.arange(len(chunk.token_ids)))
+
+    def _run(self, flat: FlatStep, logit_rows: np.ndarray) -> np.ndarray:
+        spec = self.config.model
         hidden, q, k, v = self.segments[0].run(None, {"input_ids": flat.input_ids, "positions": flat.positions})
         for layer in range(spec.num_layers):
             self._rows[2 * layer, flat.slots] = k[:, 0]
@@ -100,5 +110,5 @@ class OrtCpuBackend:
             if layer + 1 < spec.num_layers:
                 hidden, q, k, v = self.segments[layer + 1].run(None, {**feeds, "positions": flat.positions})
             else:
-                (logits,) = self.segments[-1].run(None, {**feeds, "logit_rows": flat.logit_rows})
+                (logits,) = self.segments[-1].run(None, {**feeds, "logit_rows": logit_rows})
         return logits

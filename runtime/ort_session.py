@@ -15,11 +15,20 @@ import onnxruntime as ort
 from runtime.engine_config import EngineLoadError
 
 
-def create_session(path: Path, threads: int | None = None, spinning: bool = True) -> ort.InferenceSession:
+def create_session(
+    path: Path, threads: int | None = None, spinning: bool = True, quantization: str | None = None
+) -> ort.InferenceSession:
+    """`quantization`: the engine's method. INT4 weight DequantizeLinear + MatMul is fused by
+    ORT into MatMulNBits (int4 weights, int8 compute). ORT CPU has no FP8 GEMM and its Q/DQ
+    fusions mis-handle FP8 (they emit MatMulIntegerToFloat on float8 inputs), so FP8 engines
+    run with Q/DQ fusions off: weight DequantizeLinear is constant-folded to fp32 and the
+    activation Quantize/Dequantize pairs run as is, i.e. FP8 numerics at fp32 speed."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads or os.cpu_count() or 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
+    if quantization == "fp8":
+        options.add_session_config_entry("session.disable_quant_qdq", "1")
     if not spinning:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:

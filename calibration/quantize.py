@@ -1,0 +1,126 @@
+"""Post-training quantization of a HF decoder's linear layers: FP8, INT4-AWQ, INT4-RTN.
+
+`quantize_model` calibrates on token sequences and returns each fused linear's quantized
+weight in the ONNX MatMul layout ([in, out]) for the exporter. It also rewrites the HF model
+in place to compute the quantized function (AWQ scales folded, weights fake-quantized), so
+the build can verify the exported graph against it. Embeddings and lm_head stay unquantized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from builder.model_spec import ModelSpec
+from calibration import awq
+from calibration.activations import collect_input_stats
+from calibration.linears import LinearGroup, fused_weight, linear_groups, set_fused_weight
+from calibration.numerics import FP8_MAX, fp8_dequantize, fp8_quantize, int4_dequantize, int4_quantize
+
+QUANT_METHODS = ("fp8", "int4-awq", "int4-rtn")
+INT4_BLOCK_SIZES = (16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    method: str
+    block_size: int = 32  # INT4: input channels per scale
+    sample_rows: int = 512  # calibration rows kept per linear group for the AWQ searches
+
+    @property
+    def is_int4(self) -> bool:
+        return self.method.startswith("int4")
+
+    def problems(self, spec: ModelSpec) -> list[str]:
+        """Why this config cannot quantize this model (empty when it can)."""
+        if self.method not in QUANT_METHODS:
+            return [f"--quantize must be one of {', '.join(QUANT_METHODS)} (got {self.method!r})"]
+        if not self.is_int4:
+            return []
+        if self.block_size not in INT4_BLOCK_SIZES:
+            return [f"--int4-block-size must be one of {', '.join(map(str, INT4_BLOCK_SIZES))} (got {self.block_size})"]
+        widths = {"hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+                  "num_heads*head_dim": spec.num_heads * spec.head_dim}  # fmt: skip
+        return [
+            f"--int4-block-size {self.block_size} does not divide the model's {name} ({width})"
+            for name, width in widths.items()
+            if width % self.block_size
+        ]
+
+
+@dataclass(frozen=True)
+class QuantizedLinear:
+    """One fused MatMul weight, ONNX layout [in, out]."""
+
+    weight: np.ndarray  # ml_dtypes.int4 or ml_dtypes.float8_e4m3fn
+    scale: np.ndarray  # float32: INT4 [in/block, out] (DequantizeLinear axis 0); FP8 [out] (axis 1)
+    block_size: int | None = None  # INT4
+    input_scale: float | None = None  # FP8: per-tensor activation scale (amax / 448)
+
+
+@torch.no_grad()
+def quantize_model(
+    model, spec: ModelSpec, config: QuantConfig, sequences: list[list[int]]
+) -> tuple[dict[str, QuantizedLinear], dict]:
+    """-> (quantized weight per graph MatMul name, a record for the manifest)."""
+    groups = linear_groups(spec)
+    stats = collect_input_stats(model, groups, sequences, config.sample_rows)
+    inputs = {g.name: stats[g.name].sample for g in groups}
+    ratios = {}
+    if config.method == "int4-awq":  # every scale is folded before any group is rounded
+        for group in groups:
+            if group.scale_sink:
+                inputs[group.name], ratios[group.name] = _apply_awq_scale(
+                    model, group, inputs[group.name], stats[group.name].abs_mean, config.block_size
+                )
+    quantized = {}
+    for group in groups:
+        weight = fused_weight(model, group)
+        if config.method == "fp8":
+            q, scales = fp8_quantize(weight)
+            input_scale = max(float(stats[group.name].abs_max.max()) / FP8_MAX, 1e-12)
+            quantized[group.name] = QuantizedLinear(_fp8_numpy(q.T), scales.numpy(), input_scale=input_scale)
+            set_fused_weight(model, group, fp8_dequantize(q, scales))
+            continue
+        amax = awq.search_clip(weight, inputs[group.name], config.block_size) if config.method == "int4-awq" else None
+        q, scales = int4_quantize(weight, config.block_size, amax)
+        quantized[group.name] = QuantizedLinear(
+            q.T.numpy().astype(ml_dtypes.int4), scales.T.contiguous().numpy(), block_size=config.block_size
+        )
+        set_fused_weight(model, group, int4_dequantize(q, scales))
+    record = {
+        "method": config.method,
+        "weights": "int4 symmetric, per block along the input" if config.is_int4 else "fp8 e4m3, per output channel",
+        "activations": "fp8 e4m3, per tensor (calibrated amax)" if config.method == "fp8" else "unquantized",
+        "block_size": config.block_size if config.is_int4 else None,
+        "zero_point": 0,
+        "excluded": ["embed_tokens", "lm_head"],
+        "quantized_matmuls": len(quantized),
+        "calibration_rows_per_group": config.sample_rows,
+        **({"awq_scale_exponents": ratios} if ratios else {}),
+    }
+    return quantized, record
+
+
+def _apply_awq_scale(
+    model, group: LinearGroup, x: torch.Tensor, x_abs_mean: torch.Tensor, block: int
+) -> tuple[torch.Tensor, float]:
+    """Search the group's AWQ scale s, multiply its weights by s and divide its input's
+    producer by s; returns the scaled calibration input x / s and the chosen exponent."""
+    params = dict(model.named_parameters())
+    weight = fused_weight(model, group)
+    scale, ratio = awq.search_scale(weight, x, x_abs_mean, block)
+    set_fused_weight(model, group, weight * scale)
+    for name in group.scale_sink:
+        param = params[name]
+        # Norm weights and biases are vectors over the channels; producer weights are
+        # [channels, in], one row per channel.
+        param.data.copy_(param.data / (scale if param.dim() == 1 else scale[:, None]))
+    return x / scale, ratio
+
+
+def _fp8_numpy(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.contiguous().view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
