@@ -76,6 +76,7 @@ def main(engine, model, parts, repetitions, concurrency, rate, input_len, output
         "controls": controls(config),
         **result,
     }
+    payload["client_versions"] = {d: _version(d) for d in ("aiohttp", "tritonclient", "nvidia-pytriton", "matplotlib")}
     md_path = write_results(name, payload, "")  # JSON first: the markdown needs machine/versions
     full = json.loads(md_path.with_suffix(".json").read_text())
     md_path.write_text(tables.render(full))
@@ -83,6 +84,15 @@ def main(engine, model, parts, repetitions, concurrency, rate, input_len, output
     for png in plots.write_all(full["rows"], RESULTS_DIR, focus, name):
         click.echo(f"wrote {png}", err=True)
     click.echo(md_path.read_text())
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
 
 
 def controls(cfg: SuiteConfig) -> list[str]:

@@ -36,7 +36,8 @@ def throughput_vs_concurrency(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("output tokens/s")
     ax.set_title("Throughput vs concurrency (fixed-length workload)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if not _empty(ax, list(systems.values())):
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -55,7 +56,8 @@ def latency_percentiles(rows: list[dict], concurrency: int, path: Path) -> None:
         ax.set_ylabel("ms")
         ax.set_title(f"{metric.split('_')[0].upper()} at concurrency/batch {concurrency}")
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=6)
+    if not _empty(axes[0], picked):
+        axes[0].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -72,10 +74,17 @@ def prefix_ttft(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("TTFT ms")
     ax.set_title("Prompts sharing a ~1,000-token system prompt: TTFT")
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7)
+    if not _empty(ax, picked):
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _empty(ax, picked: list[dict]) -> bool:
+    if not picked:
+        ax.text(0.5, 0.5, "not measured in this run", ha="center", va="center", transform=ax.transAxes)
+    return not picked
 
 
 def write_all(rows: list[dict], out_dir: Path, focus_concurrency: int, stem: str) -> list[Path]:

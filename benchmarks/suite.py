@@ -198,6 +198,10 @@ class Suite:
         with self._server(servers.vllm(checkpoint, self.cfg.settings, self.cfg.logs / "vllm.log")) as endpoint:
             if endpoint is None:
                 return self.unavailable(self.fixed_name(), label, self._server_error)
+            command, env = servers.vllm_command(checkpoint, self.cfg.settings, port=0)
+            kv = env["VLLM_CPU_KVCACHE_SPACE"]
+            self.extra["peer_info"]["vllm"] = {"version": servers.vllm_version(), "KV GiB": kv,
+                                               "command": " ".join(command[1:])}  # fmt: skip
             self.serve_all(endpoint, label)
 
     def run_hf(self, hf_model) -> None:

@@ -119,6 +119,7 @@ def render(payload: dict) -> str:
                 lines.append(f"- prompt {i} ({r['prompt_tokens']} tokens): first divergence at token {at}, "
                              f"HF top-2 logit margin there {margin}")  # fmt: skip
         lines.append("")
+    v = {**v, **payload.get("client_versions", {})}
     lines += ["## Versions", "", ", ".join(f"{k} {val}" for k, val in v.items() if val), ""]
     for name, info in payload.get("peer_info", {}).items():
         lines.append(f"- {name}: " + ", ".join(f"{k} {str(val)[:200]}" for k, val in info.items()))
