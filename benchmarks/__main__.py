@@ -11,6 +11,7 @@ Peers need their venvs first: bash benchmarks/peers/setup.sh (not run by CI).
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from dataclasses import asdict
@@ -69,11 +70,13 @@ def main(engine, model, parts, repetitions, concurrency, rate, input_len, output
     )  # fmt: skip
     from runtime.text import load_tokenizer
 
+    load_before = os.getloadavg()[0]  # a busy machine ruins multi-threaded CPU numbers: record it
     result = Suite(config, load_tokenizer(engine), log=lambda s: click.echo(s, err=True)).run()
     payload = {
         "command": "python -m benchmarks " + shlex.join(sys.argv[1:]),
         "config": {**asdict(config), "engine": str(engine), "logs": str(config.logs)},
         "controls": controls(config),
+        "load_avg_1min_before": round(load_before, 2),
         **result,
     }
     payload["client_versions"] = {d: _version(d) for d in ("aiohttp", "tritonclient", "nvidia-pytriton", "matplotlib")}
@@ -109,9 +112,11 @@ def controls(cfg: SuiteConfig) -> list[str]:
         f"ceil(kv/block) blocks; vLLM: whole GiB of bf16 KV rounded up), per-step token budget "
         f"{s.max_num_batched_tokens} (vLLM: at least max-model-len {s.max_model_len})",
         "prefix caching on for both servers in the sweep (random-offset prompts share no block); the shared "
-        "system-prompt workload runs trtserve with it on and off",
+        "system-prompt workload runs trtserve with it on and off (vLLM: on)",
         f"warm-up: {cfg.warmup} requests before every measured phase (not counted); greedy decoding everywhere; "
-        "2 threads / both cores for every engine",
+        f"every engine uses all {os.cpu_count()} cores (torch, ORT, llama.cpp threads; vLLM "
+        f"VLLM_CPU_OMP_THREADS_BIND=0-{(os.cpu_count() or 1) - 1}); OMP_NUM_THREADS="
+        f"{os.environ.get('OMP_NUM_THREADS', 'unset')}",
         f"{cfg.repetitions} repetitions; arrivals "
         + (f"Poisson {cfg.rate} req/s" if cfg.rate else "closed loop at fixed concurrency"),
         f"SLO for goodput: TTFT <= {cfg.slo.ttft_s} s and TPOT <= {cfg.slo.tpot_s * 1000:.0f} ms",

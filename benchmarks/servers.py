@@ -78,7 +78,8 @@ def vllm_command(checkpoint: Path, settings: ServingSettings, port: int) -> tupl
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
     kv_gib = max(1, math.ceil(settings.kv_tokens * bf16_kv_bytes_per_token(checkpoint) / 2**30))
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
+    cores = f"0-{(os.cpu_count() or 1) - 1}"  # bind vLLM's OpenMP threads to every core
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # fmt: skip
     return command, env
 

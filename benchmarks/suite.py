@@ -7,11 +7,14 @@ system, so no repetition finds an earlier one's prompts in a prefix cache.
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import torch
 
 from benchmarks import client, datasets, equivalence, hf_baseline, servers
 from benchmarks.datasets import BenchRequest
@@ -267,6 +270,7 @@ class Suite:
             from builder.sources import load_checkpoint, resolve_model
 
             hf_model, _ = load_checkpoint(resolve_model(cfg.model))
+            torch.set_num_threads(os.cpu_count() or 1)  # every engine uses all cores
             hf_baseline.run(hf_model, self._ids(1, 1, 0), 4, 1)  # warm-up
         if "hf" in cfg.parts:
             self.run_hf(hf_model)

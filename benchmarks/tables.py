@@ -92,6 +92,14 @@ def render(payload: dict) -> str:
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['platform']}; run {payload['date_utc']}, "
         f"{payload['wall_s']:.0f} s wall.",
         f"Command: `{payload['command']}`",
+        f"1-minute load average before the run: {payload.get('load_avg_1min_before', '-')}"
+        + (
+            " (**other work was running: with 2 threads per engine on 2 cores, contention inflates every number; "
+            "rerun on a quiet machine**)"
+            if payload.get("load_avg_1min_before", 0) > 0.5
+            else ""
+        )
+        + ".",
         "",
         "Controls: " + "; ".join(payload["controls"]),
         "",

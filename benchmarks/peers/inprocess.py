@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import tempfile
 from collections.abc import Sequence
@@ -52,7 +53,8 @@ def run_runner(peer: str, spec: dict, timeout_s: float = 1800) -> tuple[list[Req
     return records, out["info"]
 
 
-def llamacpp(prompts: Sequence[Sequence[int]], max_tokens: int, threads: int = 2) -> tuple[list[RequestRecord], dict]:
+def llamacpp(prompts: Sequence[Sequence[int]], max_tokens: int) -> tuple[list[RequestRecord], dict]:
+    threads = os.cpu_count() or 1  # every engine uses all cores
     spec = {"gguf": str(smollm2_gguf()), "prompts": [list(p) for p in prompts], "max_tokens": max_tokens,
             "threads": threads, "n_ctx": 2048}  # fmt: skip
     return run_runner("llamacpp", spec)
