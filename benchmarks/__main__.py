@@ -110,7 +110,7 @@ def controls(cfg: SuiteConfig) -> list[str]:
         "for llama.cpp)",
         f"servers: max concurrency {s.max_num_seqs}, KV budget {s.kv_tokens} tokens (trtserve: "
         f"ceil(kv/block) blocks; vLLM: whole GiB of bf16 KV rounded up), per-step token budget "
-        f"{s.max_num_batched_tokens} (vLLM: at least max-model-len {s.max_model_len})",
+        f"{s.max_num_batched_tokens} for both (chunked prefill), max model length {s.max_model_len}",
         "prefix caching on for both servers in the sweep (random-offset prompts share no block); the shared "
         "system-prompt workload runs trtserve with it on and off (vLLM: on)",
         f"warm-up: {cfg.warmup} requests before every measured phase (not counted); greedy decoding everywhere; "

@@ -73,7 +73,7 @@ def vllm_command(checkpoint: Path, settings: ServingSettings, port: int) -> tupl
         "--model", str(checkpoint), "--served-model-name", "smollm2", "--dtype", "bfloat16",
         "--host", "127.0.0.1", "--port", str(port),
         "--max-num-seqs", str(settings.max_num_seqs), "--max-model-len", str(settings.max_model_len),
-        "--max-num-batched-tokens", str(max(settings.max_num_batched_tokens, settings.max_model_len)),
+        "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
         "--enable-prefix-caching" if settings.prefix_caching else "--no-enable-prefix-caching",
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
