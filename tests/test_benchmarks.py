@@ -72,6 +72,16 @@ def test_summary_needs_a_positive_duration():
         summarize([record(0.0, [(0.1, 1)], 0.1)], duration_s=0.0, slo=SLO(1.0, 1.0))
 
 
+def test_client_refuses_a_run_that_differs_from_the_workload():
+    from benchmarks.client import _check
+    from benchmarks.datasets import BenchRequest
+
+    req = BenchRequest("x", (1, 2, 3), max_tokens=2, ignore_eos=True)
+    assert _check(record(0.0, [(0.1, 1), (0.2, 1)], 0.2, prompt=3), req).error is None
+    assert "prompt tokens" in _check(record(0.0, [(0.1, 1), (0.2, 1)], 0.2, prompt=4), req).error
+    assert "EOS ignored" in _check(record(0.0, [(0.1, 1)], 0.2, prompt=3), req).error  # stopped early
+
+
 @pytest.mark.serving
 def test_client_against_tritonserver(llama_engine):
     """The load generator on the real server (tiny engine): exact prompt/output token counts,
