@@ -146,6 +146,34 @@ def serve(engine_dir: Path, host: str, http_port: int, grpc_port: int, metrics_p
 
 @main.command()
 @click.option(
+    "--engine",
+    "engine_dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="A quantized engine directory (build-engine --quantize ...).",
+)
+@click.option("--gate-config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Gate thresholds (default: calibration/gate_v1.json).")  # fmt: skip
+def calibrate(engine_dir: Path, gate_config: Path | None) -> None:
+    """Calibration job: re-run the deploy quality gate of a quantized engine.
+
+    Rebuilds the unquantized reference from the source the manifest records, scores both on
+    the same held-out text (checked by hash), prints the report, rewrites gate_report.json /
+    .md in the engine directory, and exits 1 when the gate fails.
+    """
+    from calibration.job import CalibrationJobError, regate_engine
+
+    try:
+        report = regate_engine(engine_dir, gate_config)
+    except (CalibrationJobError, EngineLoadError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(report.table())
+    if not report.passed:
+        sys.exit(1)
+
+
+@main.command()
+@click.option(
     "--arch",
     "archs",
     multiple=True,

@@ -279,3 +279,18 @@ def test_bad_quantization_options_are_named(tmp_path, args, message):
     result = CliRunner().invoke(build_cli, [*base, *args])
     assert result.exit_code != 0 and message in result.output, result.output
     assert "Traceback" not in result.output and not (tmp_path / "e").exists()
+
+
+def test_trtserve_calibrate_regates_an_engine(quantized_engines, llama_engine, tmp_path):
+    from runtime.cli import main as trtserve
+
+    engine = tmp_path / "int4"
+    shutil.copytree(quantized_engines["tiny-llama:int4-awq"], engine)
+    (engine / "gate_report.json").unlink()
+    result = CliRunner().invoke(
+        trtserve, ["calibrate", "--engine", str(engine), "--gate-config", str(_permissive_gate(tmp_path))]
+    )
+    assert result.exit_code == 0 and "PASSED" in result.output, result.output
+    assert json.loads((engine / "gate_report.json").read_text())["passed"]
+    result = CliRunner().invoke(trtserve, ["calibrate", "--engine", str(llama_engine)])
+    assert result.exit_code == 1 and "is not a quantized engine" in result.output
