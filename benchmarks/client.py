@@ -52,28 +52,8 @@ async def _sse_events(response: aiohttp.ClientResponse):
 async def send_triton(session: aiohttp.ClientSession, endpoint: Endpoint, req: BenchRequest) -> RequestRecord:
     body = {"text_input": req.prompt, "max_tokens": req.max_tokens, "stream": True, "temperature": 0.0,
             "ignore_eos": req.ignore_eos}  # fmt: skip
-    record = RequestRecord(start=time.perf_counter())
-    seen = 0
-    try:
-        async with session.post(f"{endpoint.url}/v2/models/{endpoint.model}/generate_stream", json=body) as resp:
-            if resp.status != 200:
-                record.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-            else:
-                async for event in _sse_events(resp):
-                    now = time.perf_counter()
-                    if "error" in event:
-                        record.error = str(event["error"])[:200]
-                        break
-                    total = int(event.get("completion_tokens", seen))
-                    if total > seen:
-                        record.chunk_times.append(now)
-                        record.chunk_tokens.append(total - seen)
-                        seen = total
-                    record.prompt_tokens = int(event.get("prompt_tokens", 0))
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        record.error = f"{type(exc).__name__}: {exc}"[:200]
-    record.end = time.perf_counter()
-    return _check(record, req)
+    url = f"{endpoint.url}/v2/models/{endpoint.model}/generate_stream"
+    return await _stream(session, url, body, req, lambda event: event)
 
 
 async def send_openai(session: aiohttp.ClientSession, endpoint: Endpoint, req: BenchRequest) -> RequestRecord:
@@ -82,16 +62,25 @@ async def send_openai(session: aiohttp.ClientSession, endpoint: Endpoint, req: B
     body = {"model": endpoint.model, "prompt": list(req.prompt_ids), "max_tokens": req.max_tokens,
             "temperature": 0.0, "ignore_eos": req.ignore_eos, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    return await _stream(session, f"{endpoint.url}/v1/completions", body, req, lambda event: event.get("usage") or {})
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, body: dict, req: BenchRequest, counts) -> RequestRecord:
+    """POST one streaming request and time its chunks. `counts(event)` returns the dict holding
+    the cumulative `completion_tokens` / `prompt_tokens` of an SSE event."""
     record = RequestRecord(start=time.perf_counter())
     seen = 0
     try:
-        async with session.post(f"{endpoint.url}/v1/completions", json=body) as resp:
+        async with session.post(url, json=body) as resp:
             if resp.status != 200:
                 record.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
             else:
                 async for event in _sse_events(resp):
                     now = time.perf_counter()
-                    usage = event.get("usage") or {}
+                    if "error" in event:
+                        record.error = str(event["error"])[:200]
+                        break
+                    usage = counts(event)
                     total = int(usage.get("completion_tokens", seen))
                     if total > seen:
                         record.chunk_times.append(now)
