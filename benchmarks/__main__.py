@@ -33,6 +33,12 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.command()
 @click.option("--engine", type=click.Path(exists=True, path_type=Path), default="engines/smollm2-135m-b32",
               show_default=True)  # fmt: skip
+@click.option(
+    "--int4-engine",
+    type=click.Path(exists=True, path_type=Path),
+    default=None,
+    help="An INT4 engine (build-engine --quantize int4-awq) for part 'int4'; skipped when absent.",
+)
 @click.option("--model", default="smollm2-135m", show_default=True, help="Source checkpoint for HF and the peers.")
 @click.option("--parts", default=",".join(PARTS), show_default=True, help="Comma-separated subset to run.")
 @click.option("--repetitions", default=3, show_default=True, type=click.IntRange(1))
@@ -53,16 +59,17 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--slo-ttft-ms", default=2000.0, show_default=True)
 @click.option("--slo-tpot-ms", default=200.0, show_default=True)
 @click.option("--name", default="benchmark", show_default=True, help="Results file stem in benchmarks/results/.")
-def main(engine, model, parts, repetitions, concurrency, rate, input_len, output_len, requests_per_slot, min_requests,
-         chat_requests, prefix_requests, prefix_output_len, hf_batch, single_requests, max_num_seqs, kv_tokens,
-         max_num_batched_tokens, slo_ttft_ms, slo_tpot_ms, name) -> None:  # fmt: skip
+def main(engine, int4_engine, model, parts, repetitions, concurrency, rate, input_len, output_len, requests_per_slot,
+         min_requests, chat_requests, prefix_requests, prefix_output_len, hf_batch, single_requests, max_num_seqs,
+         kv_tokens, max_num_batched_tokens, slo_ttft_ms, slo_tpot_ms, name) -> None:  # fmt: skip
     selected = tuple(p for p in parts.split(",") if p)
     unknown = set(selected) - set(PARTS)
     if unknown:
         raise click.BadParameter(f"unknown parts {sorted(unknown)} (choose from {', '.join(PARTS)})")
     settings = ServingSettings(max_num_seqs, kv_tokens, max_num_batched_tokens, True)
     config = SuiteConfig(
-        engine=engine, model=model, parts=selected, repetitions=repetitions, concurrencies=_ints(concurrency),
+        engine=engine, int4_engine=int4_engine, model=model, parts=selected, repetitions=repetitions,
+        concurrencies=_ints(concurrency),
         rate=rate, input_len=input_len, output_len=output_len, requests_per_slot=requests_per_slot,
         min_requests=min_requests, chat_requests=chat_requests, prefix_requests=prefix_requests,
         prefix_output_len=prefix_output_len, hf_batch=hf_batch, single_requests=single_requests,
@@ -74,7 +81,7 @@ def main(engine, model, parts, repetitions, concurrency, rate, input_len, output
     result = Suite(config, load_tokenizer(engine), log=lambda s: click.echo(s, err=True)).run()
     payload = {
         "command": "python -m benchmarks " + shlex.join(sys.argv[1:]),
-        "config": {**asdict(config), "engine": str(engine), "logs": str(config.logs)},
+        "config": {**asdict(config), "engine": str(engine), "int4_engine": str(int4_engine), "logs": str(config.logs)},
         "controls": controls(config),
         "load_avg_1min_before": round(load_before, 2),
         **result,

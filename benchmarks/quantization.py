@@ -70,7 +70,8 @@ def _engines(values: tuple[str, ...]) -> dict[str, Path]:
     for value in values:
         label, sep, path = value.partition("=")
         if not sep or not Path(path, "manifest.json").is_file():
-            raise click.BadParameter(f"expected LABEL=ENGINE_DIR with a built engine (got {value!r})", param_hint="--engine")
+            message = f"expected LABEL=ENGINE_DIR with a built engine (got {value!r})"
+            raise click.BadParameter(message, param_hint="--engine")
         engines[label] = Path(path)
     return engines
 

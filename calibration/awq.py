@@ -49,13 +49,15 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, block: int, grid: int = 2
     out, inp = weight.shape
     blocks_w = weight.reshape(out, inp // block, block)
     blocks_x = x.reshape(x.shape[0], inp // block, block)
+    # mean_t (x_t . d)^2 = d^T C d with C the block's input second moment: no [rows, out, blocks] temporary.
+    moments = torch.einsum("tgb,tgc->gbc", blocks_x, blocks_x) / x.shape[0]
     original = block_amax(weight, block)
     best_amax, best_error = original.clone(), torch.full_like(original, float("inf"))
     for step in range(int(max_shrink * grid)):
         amax = original * (1 - step / grid)
         clipped = torch.maximum(torch.minimum(weight, _expand(amax, block)), -_expand(amax, block))
         diff = int4_fake_quantize(clipped, block, amax).reshape(out, inp // block, block) - blocks_w
-        error = torch.einsum("tgb,ogb->tog", blocks_x, diff).pow(2).mean(0)  # [out, blocks]
+        error = torch.einsum("ogb,gbc,ogc->og", diff, moments, diff)  # [out, blocks]
         better = error < best_error
         best_error = torch.where(better, error, best_error)
         best_amax = torch.where(better, amax, best_amax)

@@ -16,12 +16,18 @@ import torch
 
 from builder.model_spec import ModelSpec
 from calibration import awq
-from calibration.activations import collect_input_stats
+from calibration.activations import InputStats, collect_input_stats
+from calibration.gptq import gptq_int4
 from calibration.linears import LinearGroup, fused_weight, linear_groups, set_fused_weight
 from calibration.numerics import FP8_MAX, fp8_dequantize, fp8_quantize, int4_dequantize, int4_quantize
 
 QUANT_METHODS = ("fp8", "int4-awq", "int4-rtn")
 INT4_BLOCK_SIZES = (16, 32, 64, 128, 256)
+ROUNDING = {
+    "int4-awq": "AWQ scale and clip search, then GPTQ error-compensated rounding (act order)",
+    "int4-rtn": "round to nearest",
+    "fp8": "round to nearest (e4m3)",
+}
 
 
 @dataclass(frozen=True)
@@ -67,49 +73,75 @@ def quantize_model(
 ) -> tuple[dict[str, QuantizedLinear], dict]:
     """-> (quantized weight per graph MatMul name, a record for the manifest)."""
     groups = linear_groups(spec)
-    stats = collect_input_stats(model, groups, sequences, config.sample_rows)
-    inputs = {g.name: stats[g.name].sample for g in groups}
-    ratios = {}
-    if config.method == "int4-awq":  # every scale is folded before any group is rounded
-        for group in groups:
-            if group.scale_sink:
-                inputs[group.name], ratios[group.name] = _apply_awq_scale(
-                    model, group, inputs[group.name], stats[group.name].abs_mean, config.block_size
-                )
-    quantized = {}
-    for group in groups:
-        weight = fused_weight(model, group)
-        if config.method == "fp8":
-            q, scales = fp8_quantize(weight)
-            input_scale = max(float(stats[group.name].abs_max.max()) / FP8_MAX, 1e-12)
-            quantized[group.name] = QuantizedLinear(_fp8_numpy(q.T), scales.numpy(), input_scale=input_scale)
-            set_fused_weight(model, group, fp8_dequantize(q, scales))
-            continue
-        amax = awq.search_clip(weight, inputs[group.name], config.block_size) if config.method == "int4-awq" else None
-        q, scales = int4_quantize(weight, config.block_size, amax)
-        quantized[group.name] = QuantizedLinear(
-            q.T.numpy().astype(ml_dtypes.int4), scales.T.contiguous().numpy(), block_size=config.block_size
-        )
-        set_fused_weight(model, group, int4_dequantize(q, scales))
+    extra: dict = {}
+    if config.method == "int4-rtn":  # needs no calibration statistics
+        quantized = {g.name: _int4_linear(model, g, *int4_quantize(fused_weight(model, g), config.block_size),
+                                          config.block_size) for g in groups}  # fmt: skip
+    else:
+        awq_method = config.method == "int4-awq"
+        stats = collect_input_stats(model, groups, sequences, config.sample_rows, second_moments=awq_method)
+        if awq_method:
+            quantized, extra = _int4_awq(model, groups, stats, config.block_size)
+        else:
+            quantized = {g.name: _fp8_linear(model, g, stats[g.name]) for g in groups}
     record = {
         "method": config.method,
         "weights": "int4 symmetric, per block along the input" if config.is_int4 else "fp8 e4m3, per output channel",
+        "rounding": ROUNDING[config.method],
         "activations": "fp8 e4m3, per tensor (calibrated amax)" if config.method == "fp8" else "unquantized",
         "block_size": config.block_size if config.is_int4 else None,
         "zero_point": 0,
         "excluded": ["embed_tokens", "lm_head"],
         "quantized_matmuls": len(quantized),
-        "calibration_rows_per_group": config.sample_rows,
-        **({"awq_scale_exponents": ratios} if ratios else {}),
+        "calibration_rows_per_group": config.sample_rows if config.method != "int4-rtn" else 0,
+        **extra,
     }
     return quantized, record
+
+
+def _int4_awq(
+    model, groups: list[LinearGroup], stats: dict[str, InputStats], block: int
+) -> tuple[dict[str, QuantizedLinear], dict]:
+    """AWQ scales (all folded before any group is rounded), per-block clip search, GPTQ codes."""
+    inputs = {g.name: stats[g.name].sample for g in groups}
+    channel_scales, exponents = {}, {}
+    for group in groups:
+        if group.scale_sink:
+            s, exponents[group.name] = _apply_awq_scale(
+                model, group, inputs[group.name], stats[group.name].abs_mean, block
+            )
+            inputs[group.name] = inputs[group.name] / s
+            channel_scales[group.name] = s
+    quantized = {}
+    for group in groups:
+        weight = fused_weight(model, group)
+        amax = awq.search_clip(weight, inputs[group.name], block)
+        second_moment = stats[group.name].second_moment
+        if group.name in channel_scales:  # the layer now sees x / s: its second moment is H / (s sᵀ)
+            s = channel_scales[group.name].double()
+            second_moment = second_moment / (s[:, None] * s[None, :])
+        quantized[group.name] = _int4_linear(model, group, *gptq_int4(weight, second_moment, block, amax), block)
+    return quantized, {"awq_scale_exponents": exponents}
+
+
+def _int4_linear(model, group: LinearGroup, q: torch.Tensor, scales: torch.Tensor, block: int) -> QuantizedLinear:
+    """Store the group's INT4 codes in the HF model (dequantized) and in ONNX layout."""
+    set_fused_weight(model, group, int4_dequantize(q, scales))
+    return QuantizedLinear(q.T.numpy().astype(ml_dtypes.int4), scales.T.contiguous().numpy(), block_size=block)
+
+
+def _fp8_linear(model, group: LinearGroup, stats: InputStats) -> QuantizedLinear:
+    q, scales = fp8_quantize(fused_weight(model, group))
+    set_fused_weight(model, group, fp8_dequantize(q, scales))
+    input_scale = max(float(stats.abs_max.max()) / FP8_MAX, 1e-12)
+    return QuantizedLinear(_fp8_numpy(q.T), scales.numpy(), input_scale=input_scale)
 
 
 def _apply_awq_scale(
     model, group: LinearGroup, x: torch.Tensor, x_abs_mean: torch.Tensor, block: int
 ) -> tuple[torch.Tensor, float]:
     """Search the group's AWQ scale s, multiply its weights by s and divide its input's
-    producer by s; returns the scaled calibration input x / s and the chosen exponent."""
+    producer by s; returns s and the chosen exponent."""
     params = dict(model.named_parameters())
     weight = fused_weight(model, group)
     scale, ratio = awq.search_scale(weight, x, x_abs_mean, block)
@@ -119,7 +151,7 @@ def _apply_awq_scale(
         # Norm weights and biases are vectors over the channels; producer weights are
         # [channels, in], one row per channel.
         param.data.copy_(param.data / (scale if param.dim() == 1 else scale[:, None]))
-    return x / scale, ratio
+    return scale, ratio
 
 
 def _fp8_numpy(tensor: torch.Tensor) -> np.ndarray:

@@ -27,6 +27,9 @@ def create_session(
     options.intra_op_num_threads = threads or os.cpu_count() or 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
+    # Flush denormals to zero: AWQ-scaled INT4 engines produce denormal intermediates that cost
+    # ~15% of single-stream decode speed (measured 60 -> 70 tok/s on SmolLM2; fp32 unchanged).
+    options.add_session_config_entry("session.set_denormal_as_zero", "1")
     if quantization == "fp8":
         options.add_session_config_entry("session.disable_quant_qdq", "1")
     if not spinning:

@@ -20,8 +20,9 @@ from builder.sources import load_checkpoint, resolve_model
 from calibration import awq
 from calibration.data import DataConfig, load_text_sets
 from calibration.gate import run_gate
+from calibration.gptq import gptq_int4
 from calibration.linears import fused_weight, linear_groups
-from calibration.numerics import fp8_dequantize, fp8_quantize, int4_dequantize, int4_quantize
+from calibration.numerics import block_amax, fp8_dequantize, fp8_quantize, int4_dequantize, int4_quantize
 from runtime import LLM, SamplingParams
 from runtime.engine_config import EngineConfig
 from tests.conftest import TINY_BLOCK_SIZE, TINY_MAX_SEQ_LEN
@@ -94,6 +95,30 @@ def test_awq_beats_round_to_nearest_with_outlier_channels():
     amax = awq.search_clip(w * scale, x / scale, 32)
     awq_error = ((x / scale) @ int4_dequantize(*int4_quantize(w * scale, 32, amax)).T - reference).pow(2).mean()
     assert ratio > 0 and awq_error < 0.7 * rtn_error
+
+
+def test_gptq_rounding_lowers_output_error_on_the_same_scales():
+    """Same scales, different codes: GPTQ's error feedback must beat nearest rounding on the
+    output error of correlated inputs (what real activations are), and stay a valid INT4 code."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 128, generator=gen)
+    mix = torch.randn(128, 128, generator=gen) / 8 + torch.eye(128)
+    x = torch.randn(2048, 128, generator=gen) @ mix  # correlated input channels
+    amax = block_amax(w, 32)
+    q_near, s_near = int4_quantize(w, 32, amax)
+    q_gptq, s_gptq = gptq_int4(w, x.T @ x / x.shape[0], 32, amax)
+    torch.testing.assert_close(s_gptq, s_near)
+    assert q_gptq.dtype == torch.int8 and q_gptq.min() >= -8 and q_gptq.max() <= 7
+    assert (q_gptq != q_near).float().mean() > 0.05  # it did re-round
+
+    def output_error(q, s):
+        return float((x @ int4_dequantize(q, s).T - x @ w.T).pow(2).mean())
+
+    assert output_error(q_gptq, s_gptq) < 0.8 * output_error(q_near, s_near)
+    # An input channel that is never active gets no weight (its H row is empty).
+    x[:, 5] = 0
+    q_dead, _ = gptq_int4(w, x.T @ x / x.shape[0], 32, amax)
+    assert (q_dead[:, 5] == 0).all()
 
 
 def test_awq_scale_folding_keeps_the_fp32_function():
@@ -260,6 +285,8 @@ def test_failed_gate_exits_nonzero_and_keeps_previous_engine(llama_engine, tmp_p
     assert result.exit_code == 1 and "quality gate failed" in result.output and "FAIL" in result.output
     assert "Traceback" not in result.output
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    evidence = json.loads((tmp_path / "engine.gate-failed.json").read_text())
+    assert not evidence["passed"] and len(evidence["metrics"]["answers"]) == evidence["metrics"]["questions"]
     result = CliRunner().invoke(build_cli, [*args, "--accept-gate-failure"])
     assert result.exit_code == 0, result.output
     gate = json.loads((out / "manifest.json").read_text())["quantization"]["gate"]
