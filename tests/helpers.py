@@ -1,8 +1,11 @@
-"""Reference computations for tests: HF eager, run independently of the engine."""
+"""Reference computations for tests (HF eager, run independently of the engine) and a way to break an engine."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import onnx
 import torch
 
 
@@ -28,3 +31,23 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_ids: tuple[int
 def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(3, vocab_size, n).tolist() for n in lengths]
+
+
+def _scale_initializers(engine: Path) -> list[onnx.TensorProto]:
+    model = onnx.load(engine / "model.onnx", load_external_data=False)
+    return [t for t in model.graph.initializer if t.name.endswith(".scale")]
+
+
+def corrupt_scales(engine: Path, factor: float) -> None:
+    """Multiply the INT4 scales stored in the weights file (float32), in place; small ones
+    inlined in the graph files are left alone."""
+    data = engine / "model.onnx.data"
+    raw = bytearray(data.read_bytes())
+    external = [t for t in _scale_initializers(engine) if t.external_data]
+    assert external
+    for tensor in external:
+        info = {e.key: e.value for e in tensor.external_data}
+        start, length = int(info.get("offset", 0)), int(info["length"])
+        values = np.frombuffer(raw[start : start + length], np.float32) * factor
+        raw[start : start + length] = values.astype(np.float32).tobytes()
+    data.write_bytes(bytes(raw))

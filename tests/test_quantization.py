@@ -26,6 +26,7 @@ from calibration.numerics import block_amax, fp8_dequantize, fp8_quantize, int4_
 from runtime import LLM, SamplingParams
 from runtime.engine_config import EngineConfig
 from tests.conftest import TINY_BLOCK_SIZE, TINY_MAX_SEQ_LEN
+from tests.helpers import corrupt_scales
 
 SMALL_DATA = DataConfig(calibration_samples=8, heldout_samples=4, seq_len=64)
 
@@ -225,26 +226,6 @@ def test_calibration_and_heldout_are_disjoint_and_seeded():
 
 
 # ---- the gate ------------------------------------------------------------------------------
-
-
-def _scale_initializers(engine: Path) -> list[onnx.TensorProto]:
-    model = onnx.load(engine / "model.onnx", load_external_data=False)
-    return [t for t in model.graph.initializer if t.name.endswith(".scale")]
-
-
-def corrupt_scales(engine: Path, factor: float) -> None:
-    """Multiply the INT4 scales stored in the weights file (float32), in place; small ones
-    inlined in the graph files are left alone."""
-    data = engine / "model.onnx.data"
-    raw = bytearray(data.read_bytes())
-    external = [t for t in _scale_initializers(engine) if t.external_data]
-    assert external
-    for tensor in external:
-        info = {e.key: e.value for e in tensor.external_data}
-        start, length = int(info.get("offset", 0)), int(info["length"])
-        values = np.frombuffer(raw[start : start + length], np.float32) * factor
-        raw[start : start + length] = values.astype(np.float32).tobytes()
-    data.write_bytes(bytes(raw))
 
 
 def gate_reference(engine: Path, model_name: str, tmp_path: Path) -> EngineConfig:

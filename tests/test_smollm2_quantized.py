@@ -20,9 +20,10 @@ from calibration.data import DataConfig, load_text_sets
 from calibration.gate import run_gate
 from runtime import LLM, SamplingParams
 from runtime.engine_config import EngineConfig
-from tests.test_quantization import corrupt_scales
+from tests.helpers import corrupt_scales
 
-pytestmark = pytest.mark.slow
+# The fixture's build calibrates, quantizes and gates the real model: ~5 minutes on 2 idle cores.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 MAX_SEQ_LEN = 1024
 
 
