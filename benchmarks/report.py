@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -23,6 +24,26 @@ def machine() -> dict:
     except OSError:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()}
+
+
+def cpu_busy_fraction(window_s: float = 3.0) -> float | None:
+    """Share of all cores' time spent busy over the next `window_s` (from /proc/stat).
+
+    A busy machine ruins multi-threaded CPU numbers. Unlike the load average, which decays
+    over minutes and so also counts work that has already ended, this sees only work running
+    now."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(window_s)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(1 - (idle1 - idle0) / max(total1 - total0, 1), 3)
 
 
 def write_results(name: str, results: dict, markdown: str) -> Path:

