@@ -88,9 +88,10 @@ def _empty(ax, picked: list[dict]) -> bool:
 
 
 def write_all(rows: list[dict], out_dir: Path, focus_concurrency: int, stem: str) -> list[Path]:
-    paths = [out_dir / f"{stem}_throughput_vs_concurrency.png", out_dir / f"{stem}_latency_percentiles.png",
-             out_dir / f"{stem}_prefix_cache_ttft.png"]  # fmt: skip
+    paths = [out_dir / f"{stem}_throughput_vs_concurrency.png", out_dir / f"{stem}_latency_percentiles.png"]
     throughput_vs_concurrency(rows, paths[0])
     latency_percentiles(rows, focus_concurrency, paths[1])
-    prefix_ttft(rows, paths[2])
+    if any(r["workload"].startswith("shared") for r in rows):  # the prefix workload ran (--parts)
+        paths.append(out_dir / f"{stem}_prefix_cache_ttft.png")
+        prefix_ttft(rows, paths[2])
     return paths
