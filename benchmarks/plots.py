@@ -93,5 +93,5 @@ def write_all(rows: list[dict], out_dir: Path, focus_concurrency: int, stem: str
     latency_percentiles(rows, focus_concurrency, paths[1])
     if any(r["workload"].startswith("shared") for r in rows):  # the prefix workload ran (--parts)
         paths.append(out_dir / f"{stem}_prefix_cache_ttft.png")
-        prefix_ttft(rows, paths[2])
+        prefix_ttft(rows, paths[-1])
     return paths

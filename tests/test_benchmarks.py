@@ -139,6 +139,9 @@ def test_targets_table_compares_medians_and_flags_a_busy_machine():
     assert "| c16 output tok/s vs vLLM | - | - | not measured |" in lines
     assert "rerun on a quiet machine" in tables._quiet_line({"cpu_busy_before": 0.6, "load_avg_1min_before": 2})
     assert "rerun" not in tables._quiet_line({"cpu_busy_before": 0.02, "load_avg_1min_before": 1.1})
+
+
+def test_cpu_busy_fraction_is_a_share():
     from benchmarks.report import cpu_busy_fraction
 
     assert 0.0 <= cpu_busy_fraction(0.2) <= 1.0
