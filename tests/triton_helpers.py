@@ -1,5 +1,5 @@
-"""Clients for tests that talk to the real tritonserver: HTTP generate / SSE, gRPC streams,
-and the Prometheus metrics endpoint."""
+"""For tests against the real tritonserver: a server on free ports, and clients for HTTP
+generate / SSE, gRPC streams and the Prometheus metrics endpoint."""
 
 from __future__ import annotations
 
