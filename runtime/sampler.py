@@ -14,6 +14,10 @@ import numpy as np
 
 from runtime.sampling_params import SamplingParams
 
+# Read once at import: ONNX Runtime flushes denormals on the engine thread, where numpy would
+# warn that "the smallest subnormal is zero" when it first builds float32's finfo.
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+
 
 @dataclass
 class SamplingState:
@@ -163,7 +167,7 @@ def _filter_sorted(
     top_k = np.array([p.top_k if 0 < p.top_k < v else v for p in params], dtype=np.int64)
     # Shift by the row max before dividing: the top token lands on exactly 0, so a tiny temperature
     # sends the rest to -inf (an expected overflow) and never makes inf - inf = NaN.
-    temp32 = np.maximum(temp, np.finfo(np.float32).tiny).astype(np.float32)
+    temp32 = np.maximum(temp, FLOAT32_TINY).astype(np.float32)
     with np.errstate(over="ignore"):
         scaled = (x - x.max(axis=1, keepdims=True)) / temp32
     order = np.argsort(-scaled, axis=1)
