@@ -17,7 +17,17 @@ import numpy as np
 import pytest
 
 from runtime import LLM, SamplingParams
-from tests.triton_helpers import grpc_inputs, grpc_stream, metric, metrics, post, running_server, sse_events, wait_for
+from tests.triton_helpers import (
+    grpc_inputs,
+    grpc_stream,
+    ignore_eos,
+    metric,
+    metrics,
+    post,
+    running_server,
+    sse_events,
+    wait_for,
+)
 
 pytestmark = pytest.mark.serving
 MAX_WAITING = 200
@@ -149,7 +159,7 @@ def test_overload_is_a_fast_error_over_grpc_streams(server):
     client, results = grpc_stream(server)
     total = MAX_WAITING + 150
     for i in range(total):
-        client.async_stream_infer("llm", grpc_inputs(f"load {i}", 8, stream=False), request_id=str(i))
+        client.async_stream_infer("llm", grpc_inputs(f"load {i}", 32, stream=False) + ignore_eos(), request_id=str(i))
     outcomes = [results.get(timeout=120) for _ in range(total)]
     client.stop_stream()
     errors = [e for _, e in outcomes if e is not None]
