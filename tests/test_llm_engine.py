@@ -4,6 +4,8 @@ sequential greedy loop, which test_engine_parity checks against HF eager."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -190,13 +192,17 @@ def test_priority_classes_run_first_then_fcfs(llama_engine):
 
 
 def test_deadline_finishes_request(llama_engine):
+    """Mid-generation: a few steps inside the deadline, then past it (waited out, so a fast
+    machine cannot finish all 200 tokens first)."""
     engine = LLMEngine(llama_engine)
-    engine.add_request([3, 4], SamplingParams(max_tokens=200, ignore_eos=True, deadline_s=0.02))
-    reasons = []
-    while engine.has_unfinished_requests():
-        reasons += [d.finish_reason for d in engine.step() if d.finished]
-    assert reasons == ["deadline"]
-    assert engine.kv.pool.counts()["used"] == 0
+    request_id = engine.add_request([3, 4], SamplingParams(max_tokens=200, ignore_eos=True, deadline_s=0.5))
+    for _ in range(3):
+        assert not any(d.finished for d in engine.step())
+    time.sleep(0.5)
+    (final,) = engine.step()
+    assert (final.request_id, final.finish_reason) == (request_id, "deadline")
+    assert 1 <= final.num_output_tokens < 200
+    assert not engine.has_unfinished_requests() and engine.kv.pool.counts()["used"] == 0
 
 
 def test_llm_generate_batch_api(llama_engine, reference):
