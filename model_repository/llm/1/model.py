@@ -112,11 +112,11 @@ async def _until_cancelled(stream, request):
     """Yield the stream's deltas; stop (aborting the request) once the client cancels.
 
     `is_cancelled()` is an IPC round trip to the Triton process, so it is asked at most once
-    per CANCEL_POLL_S per request, whether deltas are flowing or not: asking on every delta
-    woke Triton hundreds of times a second under load, and those wake-ups stall ONNX Runtime's
-    two-thread kernels on a 2-core machine (c32 throughput: 67-68 -> 72 tok/s without them). It must not be
-    asked once the final response is sent (Triton frees the response factory then), so this
-    returns right after yielding the finished delta."""
+    per CANCEL_POLL_S per request, whether deltas are flowing or not. Asking on every delta
+    woke Triton hundreds of times a second under load, and each wake-up stalls one of ONNX
+    Runtime's two kernel threads on a 2-core machine (c32: 67-68 -> 72 tok/s without them).
+    It must not be asked once the final response is sent (Triton frees the response factory
+    then), so this returns right after yielding the finished delta."""
     loop = asyncio.get_running_loop()
     next_check = loop.time() + CANCEL_POLL_S
     while True:
