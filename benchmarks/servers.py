@@ -16,7 +16,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -27,7 +26,7 @@ from pathlib import Path
 
 from benchmarks.client import Endpoint
 from runtime.engine_config import EngineConfig
-from runtime.serve.launcher import ServerConfig, TritonServer
+from runtime.serve.launcher import ServerConfig, TritonServer, free_port
 
 VENVS = Path(__file__).parent / ".venvs"
 
@@ -40,12 +39,6 @@ class ServingSettings:
     prefix_caching: bool = True
     max_model_len: int = 2048
     vllm_dtype: str = "auto"  # "auto" (see vllm_dtype), "float32" or "bfloat16"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def trtserve_params(engine_dir: Path, settings: ServingSettings) -> dict[str, str]:
@@ -61,10 +54,7 @@ def trtserve_params(engine_dir: Path, settings: ServingSettings) -> dict[str, st
 
 @contextlib.contextmanager
 def trtserve(engine_dir: Path, settings: ServingSettings, log_path: Path | None = None) -> Iterator[Endpoint]:
-    config = ServerConfig(
-        engine_dir, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-        engine_params=trtserve_params(engine_dir, settings),
-    )  # fmt: skip
+    config = ServerConfig.on_free_ports(engine_dir, engine_params=trtserve_params(engine_dir, settings))
     with TritonServer(config, log_path) as server:
         server.wait_ready(timeout_s=300)
         yield Endpoint("triton", config.http_url, "llm")

@@ -5,7 +5,6 @@ python examples/serve_and_stream.py --engine engines/smollm2-135m --prompt "What
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
@@ -17,18 +16,12 @@ from grpc_stream_client import stream_answer
 from runtime.serve.launcher import ServerConfig, ServerError, TritonServer
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @click.command()
 @click.option("--engine", "engine_dir", required=True, type=click.Path(path_type=Path, exists=True))
 @click.option("--prompt", required=True)
 @click.option("--max-tokens", default=64, show_default=True)
 def main(engine_dir: Path, prompt: str, max_tokens: int) -> None:
-    config = ServerConfig(engine_dir, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    config = ServerConfig.on_free_ports(engine_dir)
     click.echo(f"starting tritonserver on 127.0.0.1 (gRPC {config.grpc_port}) ...", err=True)
     with TritonServer(config) as server:
         try:

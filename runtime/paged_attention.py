@@ -21,12 +21,13 @@ def _libgomp_loaded() -> bool:
 # cores in between (spinning cost 18% of throughput at 32 concurrent requests through Triton:
 # 67 vs 82 tok/s). libgomp reads the policy once, when it is first loaded, by whichever
 # library loads it first (torch ships one too), so it must be set before that.
-if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE" and _libgomp_loaded():
+_policy_before = os.environ.get("OMP_WAIT_POLICY")
+if (_policy_before or "").upper() != "PASSIVE" and _libgomp_loaded():
     log.warning(
         "libgomp was loaded (by torch?) before trtserve's attention kernel with OMP_WAIT_POLICY=%s, so "
         "its threads will spin between calls and slow the engine; export OMP_WAIT_POLICY=PASSIVE or "
         "create the engine before importing torch",
-        os.environ.get("OMP_WAIT_POLICY", "unset"),
+        _policy_before or "unset",
     )
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -7,7 +7,6 @@ import contextlib
 import json
 import queue
 import re
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -18,12 +17,6 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from runtime.serve.launcher import ServerConfig, TritonServer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(server, path: str, body: dict) -> tuple[int, dict]:
@@ -97,10 +90,7 @@ def grpc_stream(server) -> tuple[grpcclient.InferenceServerClient, queue.Queue]:
 @contextlib.contextmanager
 def running_server(engine: Path, engine_params: dict[str, str] | None = None) -> Iterator[TritonServer]:
     """tritonserver serving `engine` on free ports; checks on exit that it did not die."""
-    config = ServerConfig(
-        engine, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-        engine_params=engine_params or {},
-    )  # fmt: skip
+    config = ServerConfig.on_free_ports(engine, engine_params=engine_params or {})
     with TritonServer(config) as server:
         server.wait_ready(timeout_s=180)
         yield server

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -47,6 +48,17 @@ class ServerConfig:
     @property
     def http_url(self) -> str:
         return f"http://{self.host}:{self.http_port}"
+
+    @classmethod
+    def on_free_ports(cls, engine_dir: Path, **kwargs) -> ServerConfig:
+        """Ports the OS reports free now (tests, benchmarks, examples: several servers side by side)."""
+        return cls(engine_dir, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), **kwargs)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def pytriton_paths() -> tuple[Path, Path]:
