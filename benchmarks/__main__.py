@@ -82,7 +82,7 @@ def main(engine, int4_engine, model, parts, repetitions, concurrency, rate, inpu
         prefix_output_len=prefix_output_len, hf_batch=hf_batch, single_requests=single_requests,
         slo=SLO(slo_ttft_ms / 1000, slo_tpot_ms / 1000), settings=settings, logs=RESULTS_DIR / "logs" / name,
     )  # fmt: skip
-    from runtime.text import load_tokenizer
+    from runtime.engine.tokenizer import load_tokenizer
 
     load_before, busy_before = os.getloadavg()[0], cpu_busy_fraction()  # see cpu_busy_fraction
     result = Suite(config, load_tokenizer(engine), log=lambda s: click.echo(s, err=True)).run()

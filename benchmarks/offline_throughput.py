@@ -24,8 +24,8 @@ import torch
 from benchmarks import hf_baseline, metrics
 from benchmarks.report import write_results
 from builder.sources import load_checkpoint, resolve_model
+from engine_format import EngineConfig
 from runtime import EngineArgs, LLMEngine, SamplingParams
-from runtime.engine_config import EngineConfig
 
 
 def percentiles(values: list[float]) -> dict[str, float]:

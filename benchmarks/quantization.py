@@ -21,10 +21,10 @@ import click
 import numpy as np
 
 from benchmarks.report import write_results
-from runtime.backend import EngineBackend, SequenceChunk
+from engine_format import EngineConfig
 from runtime.backends import create_backend
-from runtime.engine_config import EngineConfig
-from runtime.text import encode_prompt, load_tokenizer
+from runtime.backends.base import EngineBackend, SequenceChunk
+from runtime.engine.tokenizer import encode_prompt, load_tokenizer
 
 PROMPT = "Explain how a paged KV cache works in an LLM serving system."
 

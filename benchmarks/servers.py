@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.client import Endpoint
-from runtime.engine_config import EngineConfig
+from engine_format import EngineConfig
 from runtime.serve.launcher import ServerConfig, TritonServer, free_port
 
 VENVS = Path(__file__).parent / ".venvs"

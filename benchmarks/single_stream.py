@@ -19,10 +19,10 @@ import torch
 
 from benchmarks.report import write_results
 from builder.sources import load_checkpoint, resolve_model
-from runtime.backend import EngineBackend, SequenceChunk
+from engine_format import EngineConfig
 from runtime.backends import create_backend
-from runtime.engine_config import EngineConfig
-from runtime.text import encode_prompt, load_tokenizer
+from runtime.backends.base import EngineBackend, SequenceChunk
+from runtime.engine.tokenizer import encode_prompt, load_tokenizer
 
 PROMPT = "Explain how a paged KV cache works in an LLM serving system."
 

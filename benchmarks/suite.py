@@ -21,7 +21,7 @@ from benchmarks.datasets import BenchRequest
 from benchmarks.metrics import SLO, RequestRecord, summarize
 from benchmarks.peers import inprocess
 from benchmarks.servers import ServingSettings
-from runtime.engine_config import EngineConfig
+from engine_format import EngineConfig
 
 PARTS = ("trtserve", "chat", "prefix", "int4", "hf", "llamacpp", "ortgenai", "vllm", "equivalence")
 HEADLINE = ("output_tok_s", "request_s", "goodput_req_s", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_p50",

@@ -14,14 +14,20 @@ import numpy as np
 
 from builder.engine_dir import atomic_directory, write_manifest
 from builder.errors import BuildError
-from builder.export import DTYPES, WEIGHTS_FILE, ExportOptions, export_onnx
-from builder.model_spec import ModelSpec
+from builder.export import DTYPES, ExportOptions, export_onnx
+from builder.hf_config import model_spec_from_hf_config
 from builder.onnx_graph import IR_VERSION, OPSET
-from builder.plugin_graph import PLUGIN_FILE, write_plugin_graph
+from builder.plugin_graph import write_plugin_graph
 from builder.sources import load_checkpoint, resolve_model
-from calibration.data import DataConfig
+from calibration.data import DataConfig, TextSets, load_text_sets
+from calibration.gate import run_gate
+from calibration.job import write_gate_report
+from calibration.quantize import QuantConfig, quantize_model
+from engine_format import TARGETS, EngineConfig, ModelSpec, TensorRTLimits, ceil_div
+from engine_format.files import GATE_REPORT_JSON, SOURCE_CONFIG_FILE
+from runtime.backends import create_backend
+from runtime.backends.base import SequenceChunk
 
-BACKENDS = ("onnxruntime-cpu", "tensorrt")
 # Max |logit difference| between the engine and HF eager on the verification prompt, as a
 # fraction of the largest |logit|. fp32 differs only in summation order (measured ~1e-6 on
 # tiny models, ~1e-5 on SmolLM2); 1e-3 still catches any wrong op, weight or mask.
@@ -43,7 +49,7 @@ class BuildOptions:
     max_seq_len: int = 2048
     block_size: int = 64
     dtype: str = "float32"
-    backend: str = "onnxruntime-cpu"
+    target: str = "onnxruntime-cpu"  # engine_format.TARGETS
     quantize: str | None = None  # calibration.quantize.QUANT_METHODS
     int4_block_size: int = 32
     calibration: DataConfig = field(default_factory=DataConfig)
@@ -59,8 +65,8 @@ class BuildOptions:
             raise BuildError(f"--max-seq-len ({self.max_seq_len}) must be >= --block-size ({self.block_size})")
         if self.dtype not in DTYPES:
             raise BuildError(f"--dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
-        if self.backend not in BACKENDS:
-            raise BuildError(f"--backend must be one of {', '.join(BACKENDS)} (got {self.backend!r})")
+        if self.target not in TARGETS:
+            raise BuildError(f"--target must be one of {', '.join(TARGETS)} (got {self.target!r})")
 
 
 def _no_report(title: str) -> AbstractContextManager:
@@ -70,15 +76,15 @@ def _no_report(title: str) -> AbstractContextManager:
 def build_engine(options: BuildOptions, step: StepReporter = _no_report) -> dict:
     """Build the engine directory at options.output atomically; returns the manifest."""
     options.validate()
-    if options.backend == "tensorrt":
-        from builder.tensorrt_build import require_tensorrt
+    if options.target == "tensorrt":
+        from builder.tensorrt_build import require_tensorrt  # TensorRT imports only when targeted
 
         require_tensorrt()  # first: without TensorRT or a GPU, fail at once and leave --output untouched
     with step("resolve model source (first use of a GGUF converts it, ~25 s)"):
         source = resolve_model(options.model)
     with step(f"load checkpoint {source.checkpoint_dir}"):
         model, tokenizer = load_checkpoint(source)
-        spec = ModelSpec.from_hf_config(model.config)
+        spec = model_spec_from_hf_config(model.config)
     if options.max_seq_len > spec.max_position_embeddings:
         raise BuildError(
             f"--max-seq-len {options.max_seq_len} exceeds the model's max_position_embeddings "
@@ -94,80 +100,78 @@ def build_engine(options: BuildOptions, step: StepReporter = _no_report) -> dict
         with step("rewrite to the TensorRT plugin graph (fused prologue, paged attention)"):
             write_plugin_graph(staging)
             tokenizer.save_pretrained(staging)
-            (staging / "source_config.json").write_text(model.config.to_json_string())
-        segments = len(graph_files) - 1
-        trt_section = None
-        if options.backend == "tensorrt":
-            from builder.tensorrt_build import build_tensorrt_engine
+            (staging / SOURCE_CONFIG_FILE).write_text(model.config.to_json_string())
+        config = engine_config(staging, options, spec, len(graph_files) - 1, options.quantize)
+        trt_section = {}
+        if options.target == "tensorrt":
+            from builder.tensorrt_build import build_plan
 
             with step("compile the TensorRT engine (plugin graph, AOT kernels)"):
-                args = (options.max_batch_size, options.max_seq_len, options.block_size, spec.kv_width)
-                trt_section = build_tensorrt_engine(staging, *args)
+                trt_section = build_plan(staging, config)
         with step("verify engine against HF eager (prefill, chunked prefill, decode)"):
-            verification = verify_engine(staging, model, options, spec, segments)
-        manifest = _manifest(options, source, spec, verification, graph_files[1:])
+            verification = verify_engine(config, model, options)
+        manifest = config.manifest_fields()
+        manifest["graph"].update(opset=OPSET, ir_version=IR_VERSION)
+        manifest.update(_provenance(options, source, spec, verification))
         if trt_section:
-            manifest["tensorrt"] = trt_section
+            manifest["tensorrt"].update(trt_section)
         if quantization:
-            manifest["quantization"] = _gate(quantization, tokenizer, options, spec, staging, segments, step)
+            manifest["quantization"].update(_gate(quantization, tokenizer, options, config, step))
         write_manifest(staging, manifest)
     return manifest
 
 
 def engine_config(engine_dir: Path, options: BuildOptions, spec: ModelSpec, cpu_segments: int,
-                  quantization: str | None = None):  # fmt: skip
-    """The runtime's view of an engine being built (its manifest is written last)."""
-    from runtime.engine_config import EngineConfig
-
+                  quantization: str | None = None) -> EngineConfig:  # fmt: skip
+    """The format's view of an engine being built (its manifest is written last)."""
+    trt = None
+    if options.target == "tensorrt":
+        trt = TensorRTLimits.from_build(options.max_batch_size, options.max_seq_len, options.block_size)
     return EngineConfig(
-        engine_dir=engine_dir, backend=options.backend, dtype=options.dtype,
+        engine_dir=engine_dir, target=options.target, dtype=options.dtype,
         block_size=options.block_size, max_batch_size=options.max_batch_size,
-        max_seq_len=options.max_seq_len, graph_file="model.onnx", model=spec, cpu_segments=cpu_segments,
-        quantization=quantization,
+        max_seq_len=options.max_seq_len, model=spec, cpu_segments=cpu_segments,
+        quantization=quantization, tensorrt=trt,
     )  # fmt: skip
+
+
+def export_reference(model, spec: ModelSpec, block_size: int, max_seq_len: int, out_dir: Path) -> EngineConfig:
+    """Export the unquantized float32 engine graphs the quality gate compares against."""
+    files = export_onnx(model, spec, ExportOptions(block_size, max_seq_len), out_dir)
+    options = BuildOptions(model="reference", output=out_dir, block_size=block_size, max_seq_len=max_seq_len)
+    return engine_config(out_dir, options, spec, len(files) - 1)
 
 
 def _calibrate(model, tokenizer, spec: ModelSpec, options: BuildOptions, scratch: Path, step: StepReporter):
     """Export the unquantized reference engine (for the gate) into `scratch`, then calibrate
     and quantize the model in place."""
-    from calibration.data import load_text_sets
-    from calibration.quantize import QuantConfig, quantize_model
-
     config = QuantConfig(options.quantize, options.int4_block_size)
     if problems := config.problems(spec):
         raise BuildError("; ".join(problems))
     with step("load calibration and held-out text"):
         texts = load_text_sets(tokenizer, options.calibration)
     with step("export the unquantized reference engine for the quality gate"):
-        reference_files = export_onnx(model, spec, ExportOptions(options.block_size, options.max_seq_len), scratch)
+        reference = export_reference(model, spec, options.block_size, options.max_seq_len, scratch)
     with step(f"calibrate and quantize ({options.quantize}, {len(texts.calibration)} sequences)"):
         weights, record = quantize_model(model, spec, config, texts.calibration)
-    return _Quantization(
-        weights, {**record, "calibration_data": texts.record}, texts, scratch, len(reference_files) - 1
-    )
+    return _Quantization(weights, {**record, "calibration_data": texts.record}, texts, reference)
 
 
 @dataclass
 class _Quantization:
     weights: dict
     record: dict
-    texts: object
-    reference_dir: Path
-    reference_segments: int
+    texts: TextSets
+    reference: EngineConfig
 
 
-def _gate(quantization: _Quantization, tokenizer, options: BuildOptions, spec: ModelSpec, staging: Path,
-          segments: int, step: StepReporter) -> dict:  # fmt: skip
+def _gate(quantization: _Quantization, tokenizer, options: BuildOptions, candidate: EngineConfig,
+          step: StepReporter) -> dict:  # fmt: skip
     """Run the quality gate; write its report into the engine; fail the build unless it passes
     or the override flag is given. Returns the manifest's quantization record."""
-    from calibration.gate import run_gate
-
-    reference = engine_config(quantization.reference_dir, options, spec, quantization.reference_segments)
-    candidate = engine_config(staging, options, spec, segments, options.quantize)
     with step("quality gate: quantized vs unquantized engine on held-out text (ONNX Runtime CPU)"):
-        report = run_gate(reference, candidate, quantization.texts, tokenizer, options.gate_config)
-    (staging / "gate_report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
-    (staging / "gate_report.md").write_text(report.table() + "\n")
+        report = run_gate(quantization.reference, candidate, quantization.texts, tokenizer, options.gate_config)
+    write_gate_report(candidate.engine_dir, report)
     if not report.passed and not options.accept_gate_failure:
         # The engine is not promoted, but the evidence is kept beside where it would have gone.
         evidence = options.output.with_name(options.output.name + ".gate-failed.json")
@@ -178,58 +182,36 @@ def _gate(quantization: _Quantization, tokenizer, options: BuildOptions, spec: M
         )
     return {
         **quantization.record,
-        "gate": {"passed": report.passed, "overridden": not report.passed, "report": "gate_report.json",
+        "gate": {"passed": report.passed, "overridden": not report.passed, "report": GATE_REPORT_JSON,
                  "gate_config_version": report.config_version},
     }  # fmt: skip
 
 
-def _manifest(options: BuildOptions, source, spec: ModelSpec, verification: dict, segments: list[str]) -> dict:
-    from runtime.engine_config import FORMAT, FORMAT_VERSION
-
+def _provenance(options: BuildOptions, source, spec: ModelSpec, verification: dict) -> dict:
+    """Manifest fields beyond the format's: where the engine came from and how it was checked."""
+    itemsize = np.dtype(DTYPES[options.dtype][0]).itemsize
     return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "backend": options.backend,
-        "dtype": options.dtype,
         "source": {"model": options.model, "name": source.name, **source.origin},
-        "model": spec.to_dict(),
-        "limits": {
-            "max_batch_size": options.max_batch_size,
-            "max_seq_len": options.max_seq_len,
-            "block_size": options.block_size,
-        },
         "kv_layout": {
             "pool_shape": ["num_layers", 2, "num_blocks", options.block_size, spec.kv_width],
             "pool_dtype": options.dtype,
             "per_layer_inputs": ["key_cache.{layer}", "value_cache.{layer}"],
             "row_layout": "[kv_heads, head_dim] flattened; RoPE applied to keys before caching",
-            "bytes_per_token": 2 * spec.num_layers * spec.kv_width * np.dtype(DTYPES[options.dtype][0]).itemsize,
-        },
-        "graph": {
-            "file": "model.onnx",
-            "weights": WEIGHTS_FILE,
-            "opset": OPSET,
-            "ir_version": IR_VERSION,
-            "interface": "builder/INTERFACE.md (paged-KV step interface v1)",
-            "cpu_segments": segments,
-            "plugin_graph": PLUGIN_FILE,
+            "bytes_per_token": 2 * spec.num_layers * spec.kv_width * itemsize,
         },
         "verification": verification,
         "build_options": {k: str(v) for k, v in asdict(options).items()},
     }
 
 
-def verify_engine(engine_dir: Path, model, options: BuildOptions, spec: ModelSpec, cpu_segments: int) -> dict:
+def verify_engine(config: EngineConfig, model, options: BuildOptions) -> dict:
     """Run the new engine on every CPU backend it supports and compare logits with the HF
     model (float32; for a quantized build, the HF model holding the same quantized weights,
     see calibration.quantize): one-shot prefill, the same prompt in two chunks over the paged pool,
     and a decode step. Fails the build when any differs by more than VERIFY_TOLERANCE."""
     import torch
 
-    from runtime.backend import SequenceChunk
-    from runtime.backends import create_backend
-
-    config = engine_config(engine_dir, options, spec, cpu_segments, options.quantize)
+    spec = config.model
     prompt_len = min(options.max_seq_len - 1, options.block_size + 7)
     tokens = np.random.default_rng(0).integers(3, spec.vocab_size, prompt_len + 1).tolist()
     prompt, next_token = tokens[:-1], tokens[-1]
@@ -238,12 +220,12 @@ def verify_engine(engine_dir: Path, model, options: BuildOptions, spec: ModelSpe
     want = {"prefill": ref_logits[-2], "chunked_prefill": ref_logits[-2], "decode": ref_logits[-1]}
     scale = float(np.abs(ref_logits).max())
     tolerance = (QUANTIZED_VERIFY_TOLERANCE.get(options.quantize) or VERIFY_TOLERANCE[options.dtype]) * scale
-    blocks = -(-(prompt_len + 1) // options.block_size)
+    blocks = ceil_div(prompt_len + 1, options.block_size)
     table_a, table_b = list(range(blocks)), list(range(blocks, 2 * blocks))
     split = prompt_len // 2
     result = {"prompt_tokens": prompt_len, "max_abs_logit": scale, "tolerance": tolerance, "backends": {}}
-    kinds = ("graph", "plugin", "cpu") if cpu_segments else ("graph", "plugin")
-    for kind in kinds + (("tensorrt",) if options.backend == "tensorrt" else ()):
+    kinds = ("graph", "plugin", "cpu") if config.has_cpu_segments else ("graph", "plugin")
+    for kind in kinds + (("tensorrt",) if options.target == "tensorrt" else ()):
         backend = create_backend(config, num_blocks=2 * blocks, kind=kind)
         got = {
             "prefill": backend.step([SequenceChunk(prompt, 0, table_a)])[0],

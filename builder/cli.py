@@ -13,11 +13,14 @@ from rich.console import Console
 from rich.text import Text
 from transformers.utils import logging as transformers_logging
 
-from builder.build import BACKENDS, BuildOptions, build_engine
+from builder.build import BuildOptions, build_engine
 from builder.errors import BuildError
 from builder.export import DTYPES
+from builder.regate import regate_engine
 from calibration.data import DataConfig
+from calibration.job import CalibrationJobError
 from calibration.quantize import QUANT_METHODS
+from engine_format import TARGETS, EngineLoadError
 
 console = Console(stderr=True)
 
@@ -84,11 +87,13 @@ a failed build leaves an existing engine directory at --output untouched.""",
     help="Weight and activation precision of the engine.",
 )
 @click.option(
+    "--target",
     "--backend",
-    default=BACKENDS[0],
+    "target",
+    default=TARGETS[0],
     show_default=True,
-    type=click.Choice(BACKENDS),
-    help="Runtime the engine is built for.",
+    type=click.Choice(TARGETS),
+    help="What the engine is compiled for (--backend is the older name).",
 )
 @click.option(
     "--quantize",
@@ -111,7 +116,7 @@ a failed build leaves an existing engine directory at --output untouched.""",
     help="Promote the engine even when the quality gate fails (the manifest records the override).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout when done.")
-def main(model, output, max_batch_size, max_seq_len, block_size, dtype, backend, quantize, int4_block_size,
+def main(model, output, max_batch_size, max_seq_len, block_size, dtype, target, quantize, int4_block_size,
          calib_samples, heldout_samples, calib_seed, gate_config, accept_gate_failure, as_json) -> None:  # fmt: skip
     """Export a decoder LLM to an ONNX graph with a paged KV-cache interface, verify it
     against the Hugging Face eager model, and write an engine directory (graph, weights,
@@ -123,7 +128,7 @@ def main(model, output, max_batch_size, max_seq_len, block_size, dtype, backend,
     transformers_logging.disable_progress_bar()
     transformers_logging.set_verbosity_error()
     options = BuildOptions(
-        model, output, max_batch_size, max_seq_len, block_size, dtype, backend, quantize, int4_block_size,
+        model, output, max_batch_size, max_seq_len, block_size, dtype, target, quantize, int4_block_size,
         DataConfig(calib_samples, heldout_samples, DataConfig.seq_len, calib_seed), gate_config, accept_gate_failure,
     )  # fmt: skip
     try:
@@ -140,3 +145,29 @@ def main(model, output, max_batch_size, max_seq_len, block_size, dtype, backend,
         console.print((output / "gate_report.md").read_text(), markup=False)
     if as_json:
         click.echo(json.dumps(manifest, indent=2))
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--engine",
+    "engine_dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="A quantized engine directory (build-engine --quantize ...).",
+)
+@click.option("--gate-config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Gate thresholds (default: calibration/gate_v1.json).")  # fmt: skip
+def calibrate(engine_dir: Path, gate_config: Path | None) -> None:
+    """Calibration job: re-run the deploy quality gate of a quantized engine.
+
+    Rebuilds the unquantized reference from the source the manifest records, scores both on
+    the same held-out text (checked by hash), prints the report, rewrites gate_report.json /
+    .md in the engine directory, and exits 1 when the gate fails. (`trtserve calibrate`.)
+    """
+    try:
+        report = regate_engine(engine_dir, gate_config)
+    except (CalibrationJobError, EngineLoadError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(report.table())
+    if not report.passed:
+        raise SystemExit(1)

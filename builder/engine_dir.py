@@ -13,6 +13,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from builder.sources import sha256_file
+from engine_format.files import MANIFEST
 
 VERSIONED_PACKAGES = ("trtserve", "torch", "transformers", "onnx", "onnxruntime", "numpy", "tokenizers")
 
@@ -52,7 +53,7 @@ def package_versions() -> dict[str, str | None]:
     return found
 
 
-def files_sha256(directory: Path, exclude: tuple[str, ...] = ("manifest.json",)) -> dict[str, str]:
+def files_sha256(directory: Path, exclude: tuple[str, ...] = (MANIFEST,)) -> dict[str, str]:
     return {p.name: sha256_file(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name not in exclude}
 
 
@@ -63,4 +64,4 @@ def write_manifest(directory: Path, manifest: dict) -> None:
         "versions": package_versions(),
         "files_sha256": files_sha256(directory),
     }
-    (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

@@ -21,13 +21,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from builder.model_spec import ModelSpec
 from builder.onnx_graph import GraphBuilder
+from engine_format import ModelSpec
+from engine_format.files import GRAPH_FILE, WEIGHTS_FILE, segment_file
 
 if TYPE_CHECKING:
     from calibration.quantize import QuantizedLinear
 
-WEIGHTS_FILE = "model.onnx.data"
 DTYPES = {"float32": (np.float32, TensorProto.FLOAT), "float16": (np.float16, TensorProto.FLOAT16)}
 
 
@@ -38,17 +38,13 @@ class ExportOptions:
     dtype: str = "float32"
 
 
-def segment_file(index: int) -> str:
-    return f"segment.{index:02d}.onnx"
-
-
 def export_onnx(
     model, spec: ModelSpec, options: ExportOptions, out_dir: Path, quantized: dict[str, QuantizedLinear] | None = None
 ) -> list[str]:
     """Write model.onnx + weights, and the CPU segments for float32; returns the graph files.
     `quantized`: calibrated weights per MatMul name (calibration.quantize), emitted as Q/DQ."""
     parts = _DecoderParts(model, spec, options, quantized or {})
-    path = out_dir / "model.onnx"
+    path = out_dir / GRAPH_FILE
     onnx.save_model(
         parts.paged_graph(), path, save_as_external_data=True, all_tensors_to_one_file=True,
         location=WEIGHTS_FILE, size_threshold=1024,

@@ -27,9 +27,9 @@ from onnx import helper, numpy_helper
 
 from builder.errors import BuildError
 from builder.plugin_functions import ATTENTION, DOMAIN, KV_WRITE, PROLOGUE, reference_functions
+from engine_format.files import GRAPH_FILE, PLUGIN_GRAPH_FILE
 
-PLUGIN_FILE = "model.plugins.onnx"
-__all__ = ["ATTENTION", "DOMAIN", "KV_WRITE", "PLUGIN_FILE", "PROLOGUE", "rewrite_to_plugins"]
+__all__ = ["ATTENTION", "DOMAIN", "KV_WRITE", "PROLOGUE", "rewrite_to_plugins"]
 
 
 class _Graph:
@@ -196,9 +196,9 @@ def strip_reference_functions(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def write_plugin_graph(engine_dir: Path) -> Path:
     """engine_dir/model.onnx -> engine_dir/model.plugins.onnx (same weights file)."""
-    portable = onnx.load(engine_dir / "model.onnx", load_external_data=False)
+    portable = onnx.load(engine_dir / GRAPH_FILE, load_external_data=False)
     rewritten = rewrite_to_plugins(portable)
-    path = engine_dir / PLUGIN_FILE
+    path = engine_dir / PLUGIN_GRAPH_FILE
     onnx.save_model(rewritten, path)
     onnx.checker.check_model(str(path))
     return path

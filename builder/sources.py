@@ -18,6 +18,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from builder import tiny
 from builder.errors import ModelSourceError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -51,12 +52,11 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 def resolve_model(spec: str) -> ModelSource:
     """Turn the `--model` argument into a validated local checkpoint."""
-    from builder import tiny
-
     if spec == "smollm2-135m":
         return _smollm2_source()
     if spec in tiny.TINY_MODELS:
-        return tiny.tiny_source(spec, cache_root() / "models")
+        origin = {"kind": "tiny_random", "config": spec, "seed": 0}
+        return ModelSource(spec, tiny.cached_tiny_checkpoint(spec, cache_root() / "models"), origin)
     path = Path(spec).expanduser()
     if not path.exists():
         known = ", ".join(["smollm2-135m", *tiny.TINY_MODELS])

@@ -9,22 +9,21 @@ is UNVERIFIED (never run, no GPU here), written against the TensorRT 10.x Python
 - strongly typed network (the graph's dtypes are the engine's; no precision flags), aliased
   plugin I/O preview feature, two optimization profiles (decode: step 1; prefill chunks:
   step up to `max_step`), a timing cache kept across builds;
-- `model.plan` plus the manifest's `tensorrt` section, read by runtime/trt_backend.py.
+- `model.plan` plus the manifest's `tensorrt` section, read by runtime/backends/tensorrt.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
 from onnx import helper
 
 from builder.errors import BuildError
-from builder.plugin_graph import DOMAIN, PLUGIN_FILE, strip_reference_functions
+from builder.plugin_graph import DOMAIN, strip_reference_functions
+from engine_format import EngineConfig, TensorRTLimits
+from engine_format.files import PLAN_FILE, PLUGIN_GRAPH_FILE, TRT_GRAPH_FILE
 
-PLAN_FILE, TRT_GRAPH_FILE = "model.plan", "model.trt.onnx"
 TIMING_CACHE = Path.home() / ".cache" / "trtserve" / "tensorrt-timing.cache"
 GPU_EXTRA = "pip install 'trtserve[gpu]'"
 
@@ -50,33 +49,21 @@ def cuda_device_count() -> int:
     return int(count) if err == cudart.cudaError_t.cudaSuccess else 0
 
 
-@dataclass(frozen=True)
-class ProfileLimits:
-    max_batch: int
-    max_step: int  # longest prefill chunk
-    max_table_blocks: int  # blocks per sequence
-    max_num_blocks: int  # pool size the engine accepts
-
-    @classmethod
-    def from_options(cls, max_batch_size: int, max_seq_len: int, block_size: int, max_step: int = 512):
-        blocks = -(-max_seq_len // block_size)
-        return cls(max_batch_size, min(max_step, max_seq_len), blocks, max_batch_size * blocks)
-
-    def profiles(self) -> list[dict[str, tuple[tuple[int, ...], ...]]]:
-        """Per profile: input name prefix -> (min, opt, max) shapes, KV width and block size left as -1."""
-        b, m, n = self.max_batch, self.max_table_blocks, self.max_num_blocks
-        out = []
-        for steps in ((1, 1, 1), (1, min(128, self.max_step), self.max_step)):  # decode, prefill chunks
-            batch = (1, b, b) if steps[2] == 1 else (1, 1, b)
-            out.append({
-                "input_ids": tuple((bb, s) for bb, s in zip(batch, steps, strict=True)),
-                "positions": tuple((bb, s) for bb, s in zip(batch, steps, strict=True)),
-                "seq_lens": tuple((bb,) for bb in batch), "past_lens": tuple((bb,) for bb in batch),
-                "block_tables": tuple((bb, t) for bb, t in zip(batch, (1, m, m), strict=True)),
-                "key_cache": ((1, -1, -1), (n, -1, -1), (n, -1, -1)),
-                "value_cache": ((1, -1, -1), (n, -1, -1), (n, -1, -1)),
-            })  # fmt: skip
-        return out
+def profiles(limits: TensorRTLimits) -> list[dict[str, tuple[tuple[int, ...], ...]]]:
+    """Per profile: input name prefix -> (min, opt, max) shapes, KV width and block size left as -1."""
+    b, m, n = limits.max_batch, limits.max_table_blocks, limits.max_num_blocks
+    out = []
+    for steps in ((1, 1, 1), (1, min(128, limits.max_step), limits.max_step)):  # decode, prefill chunks
+        batch = (1, b, b) if steps[2] == 1 else (1, 1, b)
+        out.append({
+            "input_ids": tuple((bb, s) for bb, s in zip(batch, steps, strict=True)),
+            "positions": tuple((bb, s) for bb, s in zip(batch, steps, strict=True)),
+            "seq_lens": tuple((bb,) for bb in batch), "past_lens": tuple((bb,) for bb in batch),
+            "block_tables": tuple((bb, t) for bb, t in zip(batch, (1, m, m), strict=True)),
+            "key_cache": ((1, -1, -1), (n, -1, -1), (n, -1, -1)),
+            "value_cache": ((1, -1, -1), (n, -1, -1), (n, -1, -1)),
+        })  # fmt: skip
+    return out
 
 
 def tensorrt_graph(plugin_model: onnx.ModelProto) -> onnx.ModelProto:
@@ -99,14 +86,15 @@ def tensorrt_graph(plugin_model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def build_plan(engine_dir: Path, limits: ProfileLimits, block_size: int, kv_width: int) -> dict:
-    """Compile engine_dir/model.plugins.onnx into engine_dir/model.plan; returns the manifest section."""
+def build_plan(engine_dir: Path, config: EngineConfig) -> dict:
+    """Compile engine_dir/model.plugins.onnx into engine_dir/model.plan; returns the manifest's
+    `tensorrt` fields beyond the limits (config.tensorrt, which the format writes)."""
     import tensorrt as trt
 
     from plugins_cuda.trt_plugins import register_plugins
 
     register_plugins()
-    graph = tensorrt_graph(onnx.load(engine_dir / PLUGIN_FILE, load_external_data=False))
+    graph = tensorrt_graph(onnx.load(engine_dir / PLUGIN_GRAPH_FILE, load_external_data=False))
     onnx.save_model(graph, engine_dir / TRT_GRAPH_FILE)  # next to model.onnx.data, which it references
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -117,7 +105,9 @@ def build_plan(engine_dir: Path, limits: ProfileLimits, block_size: int, kv_widt
         raise BuildError(f"TensorRT could not parse {TRT_GRAPH_FILE}: {errors}")
     config = builder.create_builder_config()
     config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
-    for shapes in limits.profiles():
+    assert config.tensorrt is not None, "a tensorrt target has limits"
+    block_size, kv_width = config.block_size, config.model.kv_width
+    for shapes in profiles(config.tensorrt):
         profile = builder.create_optimization_profile()
         for i in range(network.num_inputs):
             name = network.get_input(i).name
@@ -136,11 +126,5 @@ def build_plan(engine_dir: Path, limits: ProfileLimits, block_size: int, kv_widt
     TIMING_CACHE.write_bytes(bytes(config.get_timing_cache().serialize()))
     return {
         "plan": PLAN_FILE, "graph": TRT_GRAPH_FILE, "tensorrt_version": trt.__version__,
-        "profiles": ["decode", "prefill"], "limits": dataclasses.asdict(limits),
+        "profiles": ["decode", "prefill"],
     }  # fmt: skip
-
-
-def build_tensorrt_engine(engine_dir: Path, max_batch_size: int, max_seq_len: int, block_size: int, kv_width: int):
-    """build-engine's entry: profiles from the build limits, then the plan; returns the manifest section."""
-    return build_plan(engine_dir, ProfileLimits.from_options(max_batch_size, max_seq_len, block_size), block_size,
-                      kv_width)  # fmt: skip

@@ -10,8 +10,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from builder.sources import ModelSource
-
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -109,7 +107,8 @@ def make_tiny_checkpoint(name: str, out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
-def tiny_source(name: str, models_dir: Path, seed: int = 0) -> ModelSource:
+def cached_tiny_checkpoint(name: str, models_dir: Path, seed: int = 0) -> Path:
+    """The checkpoint directory of tiny model `name`, made once under models_dir."""
     target = models_dir / f"{name}-seed{seed}"
     if not (target / "config.json").is_file():
         models_dir.mkdir(parents=True, exist_ok=True)
@@ -119,4 +118,4 @@ def tiny_source(name: str, models_dir: Path, seed: int = 0) -> ModelSource:
             staging.rename(target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    return ModelSource(name=name, checkpoint_dir=target, origin={"kind": "tiny_random", "config": name, "seed": seed})
+    return target

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from calibration.data import TextSets
-from runtime.backend import SequenceChunk
+from runtime.backends.base import SequenceChunk
 
 DEFAULT_GATE_CONFIG = Path(__file__).with_name("gate_v1.json")
 ANSWER_TOKENS = 32

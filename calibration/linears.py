@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from builder.model_spec import ModelSpec
+from engine_format import ModelSpec
 
 
 @dataclass(frozen=True)

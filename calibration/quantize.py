@@ -14,12 +14,12 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from builder.model_spec import ModelSpec
 from calibration import awq
 from calibration.activations import InputStats, collect_input_stats
 from calibration.gptq import gptq_int4
 from calibration.linears import LinearGroup, fused_weight, linear_groups, set_fused_weight
 from calibration.numerics import FP8_MAX, fp8_dequantize, fp8_quantize, int4_dequantize, int4_quantize
+from engine_format import ModelSpec
 
 QUANT_METHODS = ("fp8", "int4-awq", "int4-rtn")
 INT4_BLOCK_SIZES = (16, 32, 64, 128, 256)

@@ -1,7 +1,7 @@
 """Paged KV write as a Triton-language GPU kernel (the `trtserve::PagedKVWrite` plugin).
 
 Writes this step's K/V rows into the paged pool in place, over the plugin graph's padded
-[batch, step] layout (builder/INTERFACE.md): row `[b, i]` with `i < seq_lens[b]` goes to slot
+[batch, step] layout (engine_format/INTERFACE.md): row `[b, i]` with `i < seq_lens[b]` goes to slot
 `block_tables[b, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE`, `p = positions[b, i]`;
 padding rows write nothing. One program per row. The argument order is TensorRT's AOT plugin
 convention: the node's inputs (the pool inputs too, which the outputs alias), then int32

@@ -1,7 +1,7 @@
 """Paged attention as a Triton-language GPU kernel (the TensorRT plugin's implementation).
 
-Same contract as the CPU kernel (runtime/kernels/paged_attention.c) and the segment
-interface (builder/INTERFACE.md): a flat ragged batch of query tokens, each attending to its
+Same contract as the CPU kernel (runtime/backends/kernels/paged_attention.c) and the segment
+interface (engine_format/INTERFACE.md): a flat ragged batch of query tokens, each attending to its
 own sequence's keys at positions [max(0, pos - window + 1), pos] through a block table, K/V
 read in place from the paged pool. One program per (query token, kv head); the query heads
 sharing the kv head (GQA) are one tile, so K/V blocks are loaded once per group.

@@ -6,11 +6,11 @@ llm = LLM("engines/smollm2-135m")
 """
 
 from runtime.async_llm import AsyncLLM
-from runtime.errors import InvalidRequest, Overloaded
+from runtime.engine.errors import InvalidRequest, Overloaded
+from runtime.engine.llm_engine import EngineArgs, LLMEngine
+from runtime.engine.outputs import CompletionOutput, RequestOutput
+from runtime.engine.sampling_params import SamplingParams
 from runtime.llm import LLM
-from runtime.llm_engine import EngineArgs, LLMEngine
-from runtime.outputs import CompletionOutput, RequestOutput
-from runtime.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",

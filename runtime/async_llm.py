@@ -18,11 +18,11 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from runtime.admission import Prompt
-from runtime.errors import InvalidRequest
-from runtime.llm_engine import EngineArgs, LLMEngine
-from runtime.outputs import RequestOutput
-from runtime.sampling_params import SamplingParams
+from runtime.engine.admission import Prompt
+from runtime.engine.errors import InvalidRequest
+from runtime.engine.llm_engine import EngineArgs, LLMEngine
+from runtime.engine.outputs import RequestOutput
+from runtime.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -5,15 +5,37 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 
 import click
 
-from runtime.engine_config import EngineConfig, EngineLoadError
-from runtime.errors import InvalidRequest
+from engine_format import EngineConfig, EngineLoadError
+from runtime.engine.errors import InvalidRequest
+
+COMMAND_ENTRY_POINTS = "trtserve.commands"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Commands(click.Group):
+    """trtserve's own commands plus those other packages register under the `trtserve.commands`
+    entry-point group (pyproject.toml): `calibrate` (builder + calibration) and `kernels`
+    (plugins_cuda). They load when used, so the runtime imports neither package."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *_registered_commands()})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        command = super().get_command(ctx, name)
+        if command is None and (entry := _registered_commands().get(name)):
+            command = entry.load()
+        return command
+
+
+def _registered_commands() -> dict[str, EntryPoint]:
+    return {e.name: e for e in entry_points(group=COMMAND_ENTRY_POINTS)}
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 def main() -> None:
     """trtserve: compiled-engine LLM runtime (ONNX Runtime CPU today, TensorRT on GPU)."""
 
@@ -51,8 +73,8 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
     """Generate an answer to --prompt and stream it to stdout."""
     from transformers.utils import logging as transformers_logging
 
-    from runtime.llm_engine import LLMEngine
-    from runtime.sampling_params import SamplingParams
+    from runtime.engine.llm_engine import LLMEngine
+    from runtime.engine.sampling_params import SamplingParams
 
     logging.basicConfig(level=logging.WARNING)
     transformers_logging.set_verbosity_error()
@@ -142,88 +164,3 @@ def serve(engine_dir: Path, host: str, http_port: int, grpc_port: int, metrics_p
     finally:
         click.echo("stopping tritonserver ...", err=True)
         server.stop()
-
-
-@main.command()
-@click.option(
-    "--engine",
-    "engine_dir",
-    required=True,
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    help="A quantized engine directory (build-engine --quantize ...).",
-)
-@click.option("--gate-config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Gate thresholds (default: calibration/gate_v1.json).")  # fmt: skip
-def calibrate(engine_dir: Path, gate_config: Path | None) -> None:
-    """Calibration job: re-run the deploy quality gate of a quantized engine.
-
-    Rebuilds the unquantized reference from the source the manifest records, scores both on
-    the same held-out text (checked by hash), prints the report, rewrites gate_report.json /
-    .md in the engine directory, and exits 1 when the gate fails.
-    """
-    from calibration.job import CalibrationJobError, regate_engine
-
-    try:
-        report = regate_engine(engine_dir, gate_config)
-    except (CalibrationJobError, EngineLoadError, ValueError) as exc:
-        raise click.ClickException(str(exc)) from None
-    click.echo(report.table())
-    if not report.passed:
-        sys.exit(1)
-
-
-@main.command()
-@click.option(
-    "--arch",
-    "archs",
-    multiple=True,
-    required=True,
-    type=click.Choice(["sm_80", "sm_89", "sm_90"]),
-    help="GPU architecture (repeatable).",
-)
-@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Directory to write.")
-@click.option("--dtype", default="float16", show_default=True, type=click.Choice(["float16", "bfloat16", "float32"]))
-@click.option("--hidden", default=576, show_default=True, type=click.IntRange(min=16))
-@click.option("--num-heads", default=9, show_default=True, type=click.IntRange(min=1))
-@click.option("--num-kv-heads", default=3, show_default=True, type=click.IntRange(min=1))
-@click.option("--head-dim", default=64, show_default=True, type=click.IntRange(min=32))
-@click.option("--block-size", default=64, show_default=True, type=click.IntRange(min=16))
-@click.option("--qkv-bias", is_flag=True, help="Compile the prologue with a QKV bias (Qwen2).")
-def kernels(archs, out_dir: Path, dtype: str, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
-            block_size: int, qkv_bias: bool) -> None:  # fmt: skip
-    """AOT-compile the GPU kernels (Triton language) to PTX and cubin, with launch metadata.
-
-    Kernels: paged attention, and fused RMSNorm -> QKV -> RoPE. Needs no GPU: proves they
-    compile for each architecture and lets a GPU user inspect them. Defaults are
-    SmolLM2-135M's shapes.
-    """
-    import json
-
-    try:
-        from plugins_cuda import fused_qkv, paged_attention
-    except ImportError as exc:
-        raise click.ClickException(f"{exc}: install the kernels extra (pip install 'trtserve[kernels]')") from None
-    if num_heads % num_kv_heads:
-        raise click.ClickException(f"--num-heads ({num_heads}) must be a multiple of --num-kv-heads ({num_kv_heads})")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    shapes = {"hidden": hidden, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-              "block_size": block_size, "qkv_bias": qkv_bias}  # fmt: skip
-    for arch in archs:
-        sm = int(arch[3:])
-        builds = {
-            "paged_attention": paged_attention.compile_for_arch(
-                sm, dtype, num_kv_heads, num_heads // num_kv_heads, head_dim, block_size
-            ),
-            "fused_rmsnorm_qkv_rope": fused_qkv.compile_for_arch(
-                sm, dtype, hidden, num_heads, num_kv_heads, head_dim, qkv_bias
-            ),
-        }
-        for name, compiled in builds.items():
-            stem, meta = f"{name}.{arch}", compiled.metadata
-            (out_dir / f"{stem}.ptx").write_text(compiled.asm["ptx"])
-            (out_dir / f"{stem}.cubin").write_bytes(compiled.asm["cubin"])
-            info = {"kernel": meta.name, "arch": arch, "dtype": dtype, "num_warps": meta.num_warps,
-                    "shared_memory_bytes": meta.shared, "global_scratch_bytes": meta.global_scratch_size,
-                    "shapes": shapes}  # fmt: skip
-            (out_dir / f"{stem}.json").write_text(json.dumps(info, indent=2) + "\n")
-            click.echo(f"{arch}: {out_dir / stem}.{{ptx,cubin,json}} ({meta.shared} B shared, {meta.num_warps} warps)")

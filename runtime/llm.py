@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from runtime.admission import Prompt
-from runtime.llm_engine import EngineArgs, LLMEngine
-from runtime.outputs import CompletionOutput
-from runtime.sampling_params import SamplingParams
+from runtime.engine.admission import Prompt
+from runtime.engine.llm_engine import EngineArgs, LLMEngine
+from runtime.engine.outputs import CompletionOutput
+from runtime.engine.sampling_params import SamplingParams
 
 
 class LLM:

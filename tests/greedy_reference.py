@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.backend import EngineBackend, SequenceChunk
+from runtime.backends.base import EngineBackend, SequenceChunk
 
 
 class OutOfBlocks(RuntimeError):

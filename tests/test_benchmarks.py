@@ -88,7 +88,7 @@ def test_client_against_tritonserver(llama_engine):
     closed loop and Poisson arrivals, and every metric computed from what streamed back."""
     from benchmarks import client, datasets
     from benchmarks.servers import ServingSettings, trtserve
-    from runtime.text import load_tokenizer
+    from runtime.engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(llama_engine)
     requests = datasets.fixed(tok, 6, input_len=24, output_len=6, seed=1)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.kv_cache_manager import KVCacheManager
-from runtime.request import Request
-from runtime.sampler import SamplingState
-from runtime.sampling_params import SamplingParams
+from runtime.engine.kv_cache_manager import KVCacheManager
+from runtime.engine.request import Request
+from runtime.engine.sampler import SamplingState
+from runtime.engine.sampling_params import SamplingParams
 
 BS = 4
 

@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop strings (runtime/detokenizer.py).
+"""Incremental detokenization and stop strings (runtime/engine/detokenizer.py).
 
 The detokenizer's contract: the concatenated deltas equal a one-shot `tokenizer.decode` of the
 generated ids, and no delta carries U+FFFD from a character split across tokens. The texts
@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from builder.tiny import _CORPUS, make_tokenizer
-from runtime.detokenizer import DetokenizedStream, IncrementalDetokenizer, StopStringMatcher
-from runtime.text import encode_prompt
+from runtime.engine.detokenizer import DetokenizedStream, IncrementalDetokenizer, StopStringMatcher
+from runtime.engine.tokenizer import encode_prompt
 
 TEXTS = [
     "Hello, world! How are you today? I'm fine -- thanks.",

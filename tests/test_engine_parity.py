@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.backend import SequenceChunk
+from engine_format import EngineConfig
 from runtime.backends import create_backend
-from runtime.engine_config import EngineConfig
+from runtime.backends.base import SequenceChunk
 from tests.conftest import TINY_BLOCK_SIZE
 from tests.greedy_reference import greedy_generate
 from tests.helpers import hf_greedy, hf_logits, random_prompts

@@ -9,10 +9,10 @@ import time
 import numpy as np
 import pytest
 
+from engine_format import EngineConfig
 from runtime import LLM, EngineArgs, InvalidRequest, LLMEngine, Overloaded, SamplingParams
 from runtime.backends import create_backend
-from runtime.engine_config import EngineConfig
-from runtime.text import load_tokenizer, stop_token_ids
+from runtime.engine.tokenizer import load_tokenizer, stop_token_ids
 from tests.greedy_reference import greedy_generate
 from tests.helpers import random_prompts
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from runtime.paged_attention import AttentionShape, paged_attention
+from runtime.backends.cpu_attention import AttentionShape, paged_attention
 
 
 def reference(q, k_cache, v_cache, tables, seq_of_token, positions, shape, window=None):

@@ -13,19 +13,19 @@ from builder.plugin_graph import (
     ATTENTION,
     DOMAIN,
     KV_WRITE,
-    PLUGIN_FILE,
     PROLOGUE,
     rewrite_to_plugins,
     strip_reference_functions,
 )
-from runtime.backend import SequenceChunk
+from engine_format import EngineConfig
+from engine_format.files import PLUGIN_GRAPH_FILE
 from runtime.backends import create_backend
-from runtime.engine_config import EngineConfig
+from runtime.backends.base import SequenceChunk
 
 
 def test_every_layer_is_rewritten(tiny_engine):
     config = EngineConfig.load(tiny_engine)
-    model = onnx.load(tiny_engine / PLUGIN_FILE, load_external_data=False)
+    model = onnx.load(tiny_engine / PLUGIN_GRAPH_FILE, load_external_data=False)
     ops = collections.Counter(n.op_type for n in model.graph.node)
     layers = config.model.num_layers
     assert ops[PROLOGUE] == ops[KV_WRITE] == ops[ATTENTION] == layers
@@ -36,7 +36,7 @@ def test_every_layer_is_rewritten(tiny_engine):
 
 def test_plugin_nodes_carry_their_shapes(tiny_engine):
     spec = EngineConfig.load(tiny_engine).model
-    model = onnx.load(tiny_engine / PLUGIN_FILE, load_external_data=False)
+    model = onnx.load(tiny_engine / PLUGIN_GRAPH_FILE, load_external_data=False)
     for node in model.graph.node:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == PROLOGUE:
@@ -65,7 +65,7 @@ def test_a_wrong_plugin_attribute_is_caught(tiny_engine, tmp_path):
             for attr in node.attribute:
                 if attr.name == "scale":
                     attr.f *= 2
-    onnx.save_model(broken, engine / PLUGIN_FILE)
+    onnx.save_model(broken, engine / PLUGIN_GRAPH_FILE)
     config = EngineConfig.load(engine)
     chunk = [SequenceChunk(list(range(3, 30)), 0, [0, 1, 2, 3])]
     good = create_backend(config, num_blocks=8, kind="graph").step(chunk)

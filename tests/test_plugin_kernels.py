@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 
 from plugins_cuda.kv_write import paged_kv_write  # noqa: E402
 from plugins_cuda.paged_attention import paged_attention_padded  # noqa: E402
-from runtime.paged_attention import AttentionShape  # noqa: E402
+from runtime.backends.cpu_attention import AttentionShape  # noqa: E402
 from tests.test_paged_attention import reference  # noqa: E402
 
 

@@ -23,8 +23,8 @@ from calibration.gate import run_gate
 from calibration.gptq import gptq_int4
 from calibration.linears import fused_weight, linear_groups
 from calibration.numerics import block_amax, fp8_dequantize, fp8_quantize, int4_dequantize, int4_quantize
+from engine_format import EngineConfig
 from runtime import LLM, SamplingParams
-from runtime.engine_config import EngineConfig
 from tests.conftest import TINY_BLOCK_SIZE, TINY_MAX_SEQ_LEN
 from tests.helpers import corrupt_scales
 
@@ -139,9 +139,9 @@ def test_awq_scale_folding_keeps_the_fp32_function():
 
 
 def linear_groups_of(model):
-    from builder.model_spec import ModelSpec
+    from builder.hf_config import model_spec_from_hf_config
 
-    return linear_groups(ModelSpec.from_hf_config(model.config))
+    return linear_groups(model_spec_from_hf_config(model.config))
 
 
 # ---- the Q/DQ graph TensorRT consumes ------------------------------------------------------

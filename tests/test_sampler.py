@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 
-from runtime.sampler import Sampler, SamplingState, apply_penalties
-from runtime.sampling_params import SamplingParams
+from runtime.engine.sampler import Sampler, SamplingState, apply_penalties
+from runtime.engine.sampling_params import SamplingParams
 
 V = 64
 

@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from runtime.engine_config import EngineConfig
-from runtime.text import encode_prompt, stop_token_ids
+from engine_format import EngineConfig
+from runtime.engine.tokenizer import encode_prompt, stop_token_ids
 from tests.helpers import hf_greedy
 from tests.triton_helpers import grpc_inputs, grpc_stream, ignore_eos, metric, metrics, post, running_server, wait_for
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine_format import EngineConfig
 from runtime import LLM, SamplingParams
-from runtime.backend import SequenceChunk
 from runtime.backends import create_backend
-from runtime.engine_config import EngineConfig
-from runtime.text import encode_prompt, stop_token_ids
+from runtime.backends.base import SequenceChunk
+from runtime.engine.tokenizer import encode_prompt, stop_token_ids
 from tests.greedy_reference import greedy_generate
 from tests.helpers import hf_greedy, hf_logits
 

@@ -18,8 +18,8 @@ import pytest
 from builder.build import BuildOptions, build_engine
 from calibration.data import DataConfig, load_text_sets
 from calibration.gate import run_gate
+from engine_format import EngineConfig
 from runtime import LLM, SamplingParams
-from runtime.engine_config import EngineConfig
 from tests.helpers import corrupt_scales
 
 # The fixture's build calibrates, quantizes and gates the real model: ~5 minutes on 2 idle cores.

@@ -14,11 +14,12 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-from builder.plugin_graph import DOMAIN, PLUGIN_FILE
+from builder.plugin_graph import DOMAIN
 from builder.tensorrt_build import cuda_device_count, tensorrt_graph
-from runtime.backend import SequenceChunk
+from engine_format import EngineConfig, EngineLoadError
+from engine_format.files import MANIFEST, PLUGIN_GRAPH_FILE
 from runtime.backends import create_backend
-from runtime.engine_config import MANIFEST, EngineConfig, EngineLoadError
+from runtime.backends.base import SequenceChunk
 
 
 def has_tensorrt_gpu() -> bool:
@@ -65,14 +66,14 @@ def test_a_tensorrt_engine_gives_a_clear_load_error_here(llama_engine, tmp_path)
 
 
 def test_trt_modules_import_without_tensorrt():
-    modules = "plugins_cuda.trt_plugins, builder.tensorrt_build, runtime.trt_backend"
+    modules = "plugins_cuda.trt_plugins, builder.tensorrt_build, runtime.backends.tensorrt"
     code = f"import sys, {modules}; print('tensorrt' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr[-2000:]
 
 
 def test_tensorrt_graph_maps_plugin_nodes_and_drops_new_kv(llama_engine):
-    plugin = onnx.load(llama_engine / PLUGIN_FILE, load_external_data=False)
+    plugin = onnx.load(llama_engine / PLUGIN_GRAPH_FILE, load_external_data=False)
     model = tensorrt_graph(plugin)
     graph = model.graph
     assert not model.functions and [o.name for o in graph.output] == ["logits"]
@@ -110,7 +111,7 @@ def test_tensorrt_engine_matches_hf(tmp_path):
     from builder.build import BuildOptions, build_engine
 
     out = tmp_path / "trt"
-    build_engine(BuildOptions("tiny-llama", out, max_batch_size=4, max_seq_len=256, block_size=16, backend="tensorrt"))
+    build_engine(BuildOptions("tiny-llama", out, max_batch_size=4, max_seq_len=256, block_size=16, target="tensorrt"))
     config = EngineConfig.load(out)
     trt_backend, ort_backend = (
         create_backend(config, num_blocks=16),

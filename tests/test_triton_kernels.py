@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 torch = pytest.importorskip("torch")
 
 from plugins_cuda.paged_attention import paged_attention  # noqa: E402
-from runtime.paged_attention import AttentionShape  # noqa: E402
+from runtime.backends.cpu_attention import AttentionShape  # noqa: E402
 from tests.test_paged_attention import make_case, reference  # noqa: E402
 
 CASES = [

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import threading
 
-from runtime.outputs import FINISH_REASONS, RequestOutput
-from runtime.stats import EngineStats
+from runtime.engine.outputs import FINISH_REASONS, RequestOutput
+from runtime.engine.stats import EngineStats
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5]

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from runtime.admission import Prompt
-from runtime.errors import InvalidRequest
-from runtime.sampling_params import SamplingParams
+from runtime.engine.admission import Prompt
+from runtime.engine.errors import InvalidRequest
+from runtime.engine.sampling_params import SamplingParams
 
 # Triton input name -> SamplingParams field, for scalar inputs.
 SCALAR_PARAMS = {

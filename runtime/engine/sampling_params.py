@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.errors import InvalidRequest
+from runtime.engine.errors import InvalidRequest
 
 MAX_LOGPROBS = 20
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.sampling_params import SamplingParams
+from runtime.engine.sampling_params import SamplingParams
 
 # Read once at import: ONNX Runtime flushes denormals on the engine thread, where numpy would
 # warn that "the smallest subnormal is zero" when it first builds float32's finfo.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from runtime.engine_config import EngineLoadError
+from engine_format import EngineLoadError
 
 
 def create_session(

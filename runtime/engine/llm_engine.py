@@ -18,20 +18,20 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.admission import Admission, Prompt
-from runtime.backend import EngineBackend, SequenceChunk
+from engine_format import EngineConfig
 from runtime.backends import create_backend
-from runtime.detokenizer import DetokenizedStream
-from runtime.engine_config import EngineConfig
-from runtime.errors import InvalidRequest, Overloaded
-from runtime.kv_cache_manager import KVCacheManager
-from runtime.outputs import RequestOutput
-from runtime.request import Request, RequestStatus
-from runtime.sampler import Sampler, SamplingState
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.stats import EngineCounters, EngineStats
-from runtime.text import load_tokenizer, stop_token_ids
+from runtime.backends.base import EngineBackend, SequenceChunk
+from runtime.engine.admission import Admission, Prompt
+from runtime.engine.detokenizer import DetokenizedStream
+from runtime.engine.errors import InvalidRequest, Overloaded
+from runtime.engine.kv_cache_manager import KVCacheManager
+from runtime.engine.outputs import RequestOutput
+from runtime.engine.request import Request, RequestStatus
+from runtime.engine.sampler import Sampler, SamplingState
+from runtime.engine.sampling_params import SamplingParams
+from runtime.engine.scheduler import Scheduler, SchedulerConfig
+from runtime.engine.stats import EngineCounters, EngineStats
+from runtime.engine.tokenizer import load_tokenizer, stop_token_ids
 
 log = logging.getLogger(__name__)
 

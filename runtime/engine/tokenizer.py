@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.engine_config import EngineConfig
+from engine_format import EngineConfig
 
 
 def load_tokenizer(engine_dir: str | Path):

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from runtime.errors import InvalidRequest
-from runtime.sampling_params import SamplingParams
+from runtime.engine.errors import InvalidRequest
+from runtime.engine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]  # text, token ids, or chat messages
 ROLES = ("system", "user", "assistant", "tool")

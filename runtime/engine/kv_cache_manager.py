@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from runtime.block_pool import BlockPool, KVBlock
-from runtime.request import Request
+from runtime.engine.block_pool import BlockPool, KVBlock
+from runtime.engine.request import Request
 
 log = logging.getLogger(__name__)
 

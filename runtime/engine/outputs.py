@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.sampler import TokenLogprobs
+from runtime.engine.sampler import TokenLogprobs
 
 FINISH_REASONS = ("stop", "length", "abort", "deadline", "error")
 

@@ -1,4 +1,4 @@
-"""Python entry to the CPU paged-attention kernel (runtime/kernels/paged_attention.c)."""
+"""Python entry to the CPU paged-attention kernel (runtime/backends/kernels/paged_attention.c)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ if (_policy_before or "").upper() != "PASSIVE" and _libgomp_loaded():
     )
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from runtime import _paged_attention  # noqa: E402 - after the policy is set
+from runtime.backends import _paged_attention  # noqa: E402 - after the policy is set
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import logging
 
 import numpy as np
 
-from runtime.engine_config import EngineConfig
+from engine_format import EngineConfig
 
 log = logging.getLogger(__name__)
 

@@ -2,9 +2,9 @@
 
 Per step, tokens of all sequences (decodes and prefill chunks alike) are laid out flat,
 with no padding, and run through the engine's segments (`segment.NN.onnx`, see
-builder/INTERFACE.md): segment i does layer i-1's o_proj + MLP and layer i's norm + QKV +
+engine_format/INTERFACE.md): segment i does layer i-1's o_proj + MLP and layer i's norm + QKV +
 RoPE; between segments the runtime writes the new K/V rows into the pool and the C kernel
-(runtime/kernels/paged_attention.c) attends over each sequence's blocks in place. A step of
+(runtime/backends/kernels/paged_attention.c) attends over each sequence's blocks in place. A step of
 a single sequence runs the whole-graph session on the same pool instead (see SMALL_BATCH).
 """
 
@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from builder.export import segment_file
-from runtime.backend import SequenceChunk
-from runtime.engine_config import EngineConfig, EngineLoadError
-from runtime.kv_pool import allocate_pool, pool_rows
-from runtime.ort_graph_backend import OrtGraphBackend
-from runtime.ort_session import create_session
-from runtime.paged_attention import AttentionShape, paged_attention
+from engine_format import EngineConfig, EngineLoadError
+from engine_format.files import segment_file
+from runtime.backends.base import SequenceChunk
+from runtime.backends.cpu_attention import AttentionShape, paged_attention
+from runtime.backends.kv_pool import allocate_pool, pool_rows
+from runtime.backends.ort_graph import OrtGraphBackend
+from runtime.backends.ort_session import create_session
 
 
 @dataclass(frozen=True)

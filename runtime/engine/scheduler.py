@@ -20,8 +20,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from runtime.kv_cache_manager import KVCacheManager
-from runtime.request import Request, RequestStatus
+from runtime.engine.kv_cache_manager import KVCacheManager
+from runtime.engine.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 import numpy as np
 import onnxruntime as ort
 
-from runtime.backend import SequenceChunk, StepTensors
-from runtime.engine_config import EngineConfig, EngineLoadError
-from runtime.kv_pool import allocate_pool, pool_rows
-from runtime.ort_session import create_session
+from engine_format import EngineConfig, EngineLoadError
+from runtime.backends.base import SequenceChunk, StepTensors
+from runtime.backends.kv_pool import allocate_pool, pool_rows
+from runtime.backends.ort_session import create_session
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 STEP_INPUTS = ("input_ids", "positions", "seq_lens", "past_lens", "block_tables")

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from runtime.engine_config import EngineConfig
+from engine_format import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class SequenceChunk:
 
 @dataclass(frozen=True)
 class StepTensors:
-    """A step packed into the graph's padded [batch, step] layout (see builder/INTERFACE.md)."""
+    """A step packed into the graph's padded [batch, step] layout (see engine_format/INTERFACE.md)."""
 
     input_ids: np.ndarray  # [B, S] int64
     positions: np.ndarray  # [B, S] int64

@@ -6,8 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from runtime.sampler import SamplingState
-from runtime.sampling_params import SamplingParams
+from runtime.engine.sampler import SamplingState
+from runtime.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -3,7 +3,7 @@
 The KV pool is one device allocation `[layers, 2, num_blocks, block_size, kv_width]`; each
 layer's K and V views are bound once as the `key_cache.{l}`/`value_cache.{l}` inputs, and the
 engine's PagedKVWrite plugins write each step's rows into them in place. Per step the packed
-host tensors (builder/INTERFACE.md; block tables cover the step) are copied to device
+host tensors (engine_format/INTERFACE.md; block tables cover the step) are copied to device
 buffers sized for the build limits, the profile is chosen (0: decodes, 1: prefill chunks),
 the engine runs on one CUDA stream (cuda-python), and the logits are copied back.
 
@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from runtime.backend import SequenceChunk, StepTensors
-from runtime.engine_config import EngineConfig, EngineLoadError
+from engine_format import EngineConfig, EngineLoadError
+from engine_format.files import PLAN_FILE
+from runtime.backends.base import SequenceChunk, StepTensors
 
-PLAN_FILE = "model.plan"  # builder/tensorrt_build.py
 STEP_INPUTS = ("input_ids", "positions", "seq_lens", "past_lens", "block_tables")
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -52,9 +52,17 @@ class TrtBackend:
         self.trt, self.cudart = trt, cudart = _load_gpu_modules()
         plan = config.engine_dir / PLAN_FILE
         if not plan.is_file():
-            raise EngineLoadError(f"{config.engine_dir}: {PLAN_FILE} is missing; rebuild with --backend tensorrt")
-        self.config, spec = config, config.model
-        self.num_blocks = num_blocks or config.max_batch_size * config.max_blocks_per_seq
+            raise EngineLoadError(f"{config.engine_dir}: {PLAN_FILE} is missing; rebuild with --target tensorrt")
+        if config.tensorrt is None:
+            raise EngineLoadError(
+                f"{config.engine_dir}: the manifest has no TensorRT limits; rebuild with --target tensorrt"
+            )
+        self.config, spec, limits = config, config.model, config.tensorrt
+        self.num_blocks = num_blocks or limits.max_num_blocks
+        if self.num_blocks > limits.max_num_blocks:
+            raise EngineLoadError(
+                f"{self.num_blocks} KV blocks exceed the {limits.max_num_blocks} the plan was built for"
+            )
         self.runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         self.engine = self.runtime.deserialize_cuda_engine(plan.read_bytes())
         if self.engine is None:
@@ -72,8 +80,8 @@ class TrtBackend:
                 address = int(self.pool) + (2 * layer + kind) * self.pool_bytes_per_cache
                 self.context.set_tensor_address(f"{name}.{layer}", address)
         # Step inputs: int64 device buffers for the largest shapes the profiles allow.
-        batch, tokens = config.max_batch_size, config.max_batch_size * config.max_seq_len
-        tables = batch * config.max_blocks_per_seq
+        batch, tokens = limits.max_batch, limits.max_batch * limits.max_step
+        tables = batch * limits.max_table_blocks
         sizes = {
             "input_ids": tokens,
             "positions": tokens,
@@ -82,7 +90,7 @@ class TrtBackend:
             "block_tables": tables,
         }
         self.buffers = {n: _check(cudart.cudaMalloc(8 * sizes[n])) for n in STEP_INPUTS if n in self.inputs}
-        self.logits = _check(cudart.cudaMalloc(4 * config.max_batch_size * spec.vocab_size))
+        self.logits = _check(cudart.cudaMalloc(4 * limits.max_batch * spec.vocab_size))
         self.context.set_tensor_address("logits", int(self.logits))
         for name, buffer in self.buffers.items():
             self.context.set_tensor_address(name, int(buffer))

@@ -1,0 +1,139 @@
+"""The engine manifest: what the builder writes and every reader (runtime, calibration) loads.
+
+`EngineConfig.manifest_fields()` and `EngineConfig.load()` are the two halves of one schema;
+the builder adds provenance (source, versions, hashes, verification) around these fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine_format.files import GRAPH_FILE, MANIFEST, PLUGIN_GRAPH_FILE, WEIGHTS_FILE, segment_file
+from engine_format.model_spec import ModelSpec
+
+FORMAT = "trtserve-engine"
+FORMAT_VERSION = 2  # 2: CPU segments take tokens as [tokens, 1]
+# What an engine is compiled for (the manifest's "backend" key). The runtime's executors are
+# "backends" (runtime.backends.BACKENDS); a target decides which of them can run an engine.
+TARGETS = ("onnxruntime-cpu", "tensorrt")
+DEFAULT_MAX_STEP = 512  # longest prefill chunk a TensorRT profile accepts
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class EngineLoadError(Exception):
+    """The engine directory is missing, incomplete or from an incompatible build."""
+
+
+@dataclass(frozen=True)
+class TensorRTLimits:
+    """The shapes a TensorRT plan accepts (its optimization profiles are built from these)."""
+
+    max_batch: int
+    max_step: int  # longest prefill chunk
+    max_table_blocks: int  # block-table width: blocks per sequence
+    max_num_blocks: int  # pool size
+
+    @classmethod
+    def from_build(cls, max_batch_size: int, max_seq_len: int, block_size: int,
+                   max_step: int = DEFAULT_MAX_STEP) -> TensorRTLimits:  # fmt: skip
+        blocks = ceil_div(max_seq_len, block_size)
+        return cls(max_batch_size, min(max_step, max_seq_len), blocks, max_batch_size * blocks)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    engine_dir: Path
+    target: str  # one of TARGETS
+    dtype: str
+    block_size: int
+    max_batch_size: int
+    max_seq_len: int
+    model: ModelSpec
+    graph_file: str = GRAPH_FILE
+    cpu_segments: int = 0  # segment.NN.onnx files for the CPU kernel backend (float32 engines)
+    quantization: str | None = None  # calibration method (fp8, int4-awq, int4-rtn) or None
+    tensorrt: TensorRTLimits | None = None  # target "tensorrt" only
+
+    @property
+    def has_cpu_segments(self) -> bool:
+        return self.cpu_segments > 0
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return ceil_div(self.max_seq_len, self.block_size)
+
+    def with_graph(self, graph_file: str) -> EngineConfig:
+        return dataclasses.replace(self, graph_file=graph_file)
+
+    def manifest_fields(self) -> dict[str, Any]:
+        """The manifest keys `load` reads back."""
+        fields: dict[str, Any] = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "backend": self.target,
+            "dtype": self.dtype,
+            "model": self.model.to_dict(),
+            "limits": {
+                "max_batch_size": self.max_batch_size,
+                "max_seq_len": self.max_seq_len,
+                "block_size": self.block_size,
+            },
+            "graph": {
+                "file": self.graph_file,
+                "weights": WEIGHTS_FILE,
+                "interface": f"engine_format/INTERFACE.md (paged-KV step interface, format v{FORMAT_VERSION})",
+                "cpu_segments": [segment_file(i) for i in range(self.cpu_segments)],
+                "plugin_graph": PLUGIN_GRAPH_FILE,
+            },
+        }
+        if self.quantization:
+            fields["quantization"] = {"method": self.quantization}
+        if self.tensorrt:
+            fields["tensorrt"] = {"limits": dataclasses.asdict(self.tensorrt)}
+        return fields
+
+    @classmethod
+    def load(cls, engine_dir: str | Path) -> EngineConfig:
+        engine_dir = Path(engine_dir)
+        path = engine_dir / MANIFEST
+        if not path.is_file():
+            raise EngineLoadError(
+                f"{engine_dir} is not an engine directory (no {MANIFEST}); "
+                "build one with: build-engine --model ... --output DIR"
+            )
+        try:
+            manifest = json.loads(path.read_text())
+            if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+                raise EngineLoadError(
+                    f"{path}: format {manifest.get('format')!r} v{manifest.get('format_version')} "
+                    f"is not {FORMAT!r} v{FORMAT_VERSION}; rebuild the engine"
+                )
+            limits = manifest["limits"]
+            trt = manifest.get("tensorrt")
+            config = cls(
+                engine_dir=engine_dir,
+                target=manifest["backend"],
+                dtype=manifest["dtype"],
+                block_size=limits["block_size"],
+                max_batch_size=limits["max_batch_size"],
+                max_seq_len=limits["max_seq_len"],
+                graph_file=manifest["graph"]["file"],
+                model=ModelSpec.from_dict(manifest["model"]),
+                cpu_segments=len(manifest["graph"].get("cpu_segments", [])),
+                quantization=(manifest.get("quantization") or {}).get("method"),
+                tensorrt=TensorRTLimits(**trt["limits"]) if trt else None,
+            )
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise EngineLoadError(f"{path} is malformed ({type(exc).__name__}: {exc}); rebuild") from None
+        if config.target not in TARGETS:
+            raise EngineLoadError(f"{path}: target {config.target!r} is not one of {', '.join(TARGETS)}; rebuild")
+        if not (engine_dir / config.graph_file).is_file():
+            raise EngineLoadError(f"{engine_dir}: graph file {config.graph_file} is missing; rebuild")
+        return config
