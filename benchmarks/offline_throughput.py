@@ -24,7 +24,7 @@ import torch
 from benchmarks import hf_baseline, metrics
 from benchmarks.report import write_results
 from builder.sources import load_checkpoint, resolve_model
-from engine_format import EngineConfig
+from engine_format import EngineConfig, ceil_div
 from runtime import EngineArgs, LLMEngine, SamplingParams
 
 
@@ -89,7 +89,7 @@ def main(engine_dir, model, requests, input_len, output_len, max_num_seqs, max_n
     rng = np.random.default_rng(0)
     config = EngineConfig.load(engine_dir)
     prompts = [rng.integers(3, config.model.vocab_size, input_len).tolist() for _ in range(requests)]
-    per_seq_blocks = -(-(input_len + output_len) // config.block_size)
+    per_seq_blocks = ceil_div(input_len + output_len, config.block_size)
     args = EngineArgs(
         num_kv_blocks=kv_blocks or requests * per_seq_blocks + 8,
         max_num_seqs=max_num_seqs,

@@ -14,33 +14,26 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from pathlib import Path
 
 import click
-import numpy as np
 
 from benchmarks.report import write_results
-from engine_format import EngineConfig
+from engine_format import EngineConfig, ceil_div
 from runtime.backends import create_backend
-from runtime.backends.base import EngineBackend, SequenceChunk
+from runtime.backends.base import EngineBackend
+from runtime.backends.greedy import GreedyStep, greedy_generate, phase_seconds
 from runtime.engine.tokenizer import encode_prompt, load_tokenizer
 
 PROMPT = "Explain how a paged KV cache works in an LLM serving system."
 
 
 def decode_tok_s(backend: EngineBackend, prompt: list[int], batch: int, new_tokens: int) -> float:
-    """Prefill `batch` copies of the prompt, then time `new_tokens - 1` greedy decode steps of
-    all of them together; -> output tokens per second of the decode phase."""
-    blocks = -(-(len(prompt) + new_tokens) // backend.config.block_size)
-    tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(batch)]
-    logits = np.concatenate([backend.step([SequenceChunk(prompt, 0, t)]) for t in tables])
-    tokens, pos = logits.argmax(-1), len(prompt)
-    start = time.perf_counter()
-    for _ in range(new_tokens - 1):
-        logits = backend.step([SequenceChunk([int(t)], pos, table) for t, table in zip(tokens, tables, strict=True)])
-        tokens, pos = logits.argmax(-1), pos + 1
-    return batch * (new_tokens - 1) / (time.perf_counter() - start)
+    """Prefill `batch` copies of the prompt (one call each), then time `new_tokens - 1` greedy
+    decode steps of all of them together; -> output tokens per second of the decode phase."""
+    steps: list[GreedyStep] = []
+    greedy_generate(backend, [prompt] * batch, new_tokens, prefill_batch=1, max_batch_size=batch, on_step=steps.append)
+    return batch * (new_tokens - 1) / phase_seconds(steps, "decode")
 
 
 def engine_size_mb(engine_dir: Path) -> float:
@@ -88,7 +81,7 @@ def main(engine_args: tuple[str, ...], new_tokens: int, batch: int, repeats: int
     for label, engine_dir in engines.items():
         config = EngineConfig.load(engine_dir)
         prompt = encode_prompt(load_tokenizer(engine_dir), PROMPT, chat=True)
-        blocks = batch * -(-(len(prompt) + new_tokens) // config.block_size)
+        blocks = batch * ceil_div(len(prompt) + new_tokens, config.block_size)
         backend = create_backend(config, num_blocks=blocks, threads=threads, kind="cpu")
         speeds = {}
         for size in (1, batch):

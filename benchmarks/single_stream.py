@@ -14,31 +14,25 @@ import time
 from pathlib import Path
 
 import click
-import numpy as np
 import torch
 
 from benchmarks.report import write_results
 from builder.sources import load_checkpoint, resolve_model
 from engine_format import EngineConfig
 from runtime.backends import create_backend
-from runtime.backends.base import EngineBackend, SequenceChunk
+from runtime.backends.base import EngineBackend
+from runtime.backends.greedy import GreedyStep, greedy_generate, phase_seconds
 from runtime.engine.tokenizer import encode_prompt, load_tokenizer
 
 PROMPT = "Explain how a paged KV cache works in an LLM serving system."
 
 
 def time_engine(backend: EngineBackend, prompt: list[int], new_tokens: int) -> tuple[float, float]:
-    """(ttft_s, decode_s) for one greedy run straight on the backend."""
-    table = list(range(-(-(len(prompt) + new_tokens) // backend.config.block_size)))
-    start = time.perf_counter()
-    logits = backend.step([SequenceChunk(prompt, 0, table)])[0]
-    ttft = time.perf_counter() - start
-    token, pos = int(np.argmax(logits)), len(prompt)
-    start = time.perf_counter()
-    for _ in range(new_tokens - 1):
-        logits = backend.step([SequenceChunk([token], pos, table)])[0]
-        token, pos = int(np.argmax(logits)), pos + 1
-    return ttft, time.perf_counter() - start
+    """(ttft_s, decode_s) for one greedy run straight on the backend: the prompt in one call,
+    then `new_tokens - 1` decode steps (EOS ignored)."""
+    steps: list[GreedyStep] = []
+    greedy_generate(backend, [prompt], new_tokens, on_step=steps.append)
+    return phase_seconds(steps, "prefill"), phase_seconds(steps, "decode")
 
 
 def time_hf(model, prompt: list[int], new_tokens: int) -> tuple[float, float]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from calibration.linears import LinearGroup
+from engine_format import ceil_div
 
 
 @dataclass
@@ -47,7 +48,7 @@ def collect_input_stats(
     modules = dict(model.named_modules())
     stats: dict[str, InputStats] = {}
     batches = [sequences[i : i + batch_size] for i in range(0, len(sequences), batch_size)]
-    per_batch = -(-sample_rows // len(batches))
+    per_batch = ceil_div(sample_rows, len(batches))
     generator = torch.Generator().manual_seed(seed)
     picks: list[torch.Tensor] = []
 

@@ -19,9 +19,12 @@ from pathlib import Path
 import numpy as np
 
 from calibration.data import TextSets
+from engine_format import ceil_div
 from runtime.backends.base import SequenceChunk
+from runtime.backends.greedy import greedy_generate
 
 DEFAULT_GATE_CONFIG = Path(__file__).with_name("gate_v1.json")
+QUESTION_TOKENS = 128  # a question's prompt is cut to this many tokens
 ANSWER_TOKENS = 32
 
 
@@ -78,14 +81,14 @@ def run_gate(reference_config, quantized_config, texts: TextSets, tokenizer, con
     block = reference_config.block_size
     longest = max(len(s) for s in texts.heldout)
     # Greedy answers hold every question at once; held-out scoring one sequence at a time.
-    num_blocks = max(-(-longest // block), len(texts.qa_prompts) * -(-(128 + ANSWER_TOKENS) // block))
+    num_blocks = max(ceil_div(longest, block), len(texts.qa_prompts) * ceil_div(QUESTION_TOKENS + ANSWER_TOKENS, block))
     reference = create_backend(reference_config, num_blocks=num_blocks, kind="cpu")
     quantized = create_backend(quantized_config, num_blocks=num_blocks, kind="cpu")
     return evaluate_gate(reference, quantized, quantized_config.quantization, texts, tokenizer, config)
 
 
 def evaluate_gate(reference, quantized, method: str, texts: TextSets, tokenizer, config: dict) -> GateReport:
-    """`reference`, `quantized`: OrtCpuBackend-like objects (prompt_logits, step, config)."""
+    """`reference`, `quantized`: OrtCpuBackend-like objects (prompt_logits, step, config, num_blocks)."""
     thresholds = config["thresholds"].get(method)
     if thresholds is None:
         raise ValueError(f"gate config v{config['version']} has no thresholds for {method!r}")
@@ -115,7 +118,7 @@ def _heldout_metrics(reference, quantized, sequences: list[list[int]]) -> dict:
     nll = {"reference": 0.0, "quantized": 0.0}
     kl_sum, agree, count = 0.0, 0, 0
     for tokens in sequences:
-        table = list(range(-(-len(tokens) // reference.config.block_size)))
+        table = list(range(ceil_div(len(tokens), reference.config.block_size)))
         chunk = SequenceChunk(tokens, 0, table)
         ref = _log_softmax(reference.prompt_logits(chunk)[:-1].astype(np.float64))
         qnt = _log_softmax(quantized.prompt_logits(chunk)[:-1].astype(np.float64))
@@ -136,29 +139,6 @@ def _heldout_metrics(reference, quantized, sequences: list[list[int]]) -> dict:
     }
 
 
-def greedy_answers(backend, prompts: list[list[int]], max_tokens: int, eos: set[int]) -> list[list[int]]:
-    """Greedy decoding of all prompts as one batch (prefill each, then batched decode steps)."""
-    block = backend.config.block_size
-    tables, start = [], 0
-    for prompt in prompts:
-        blocks = -(-(len(prompt) + max_tokens) // block)
-        tables.append(list(range(start, start + blocks)))
-        start += blocks
-    outputs: list[list[int]] = [[] for _ in prompts]
-    last = [int(backend.step([SequenceChunk(p, 0, t)])[0].argmax()) for p, t in zip(prompts, tables, strict=True)]
-    live = list(range(len(prompts)))
-    for _ in range(max_tokens):
-        for i in live:
-            outputs[i].append(last[i])
-        live = [i for i in live if last[i] not in eos]
-        if not live or _ == max_tokens - 1:
-            break
-        chunks = [SequenceChunk([last[i]], len(prompts[i]) + len(outputs[i]) - 1, tables[i]) for i in live]
-        for i, logits in zip(live, backend.step(chunks), strict=True):
-            last[i] = int(logits.argmax())
-    return outputs
-
-
 def _question_tokens(tokenizer, question: str) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": question}]
@@ -169,11 +149,13 @@ def _question_tokens(tokenizer, question: str) -> list[int]:
 
 
 def _answer_metrics(reference, quantized, qa_prompts: list[dict], tokenizer) -> dict:
-    prompts = [_question_tokens(tokenizer, q["question"])[:128] for q in qa_prompts]
+    prompts = [_question_tokens(tokenizer, q["question"])[:QUESTION_TOKENS] for q in qa_prompts]
     eos = set(reference.config.model.eos_token_ids)
     texts = {}
     for name, backend in (("reference", reference), ("quantized", quantized)):
-        answers = greedy_answers(backend, prompts, ANSWER_TOKENS, eos)
+        # Every question in one batch (beyond the engine's max_batch_size: the CPU backend takes
+        # any batch), each prompt prefilled on its own, then batched decode steps.
+        answers = greedy_generate(backend, prompts, ANSWER_TOKENS, eos, prefill_batch=1, max_batch_size=len(prompts))
         texts[name] = [tokenizer.decode(t, skip_special_tokens=True) for t in answers]
     pairs = list(zip(qa_prompts, texts["reference"], texts["quantized"], strict=True))
 

@@ -5,7 +5,11 @@ extra arguments, the output pointers. Triton (3.x) appends two hidden pointer pa
 (global and profile scratch) to every kernel; with both scratch sizes 0 the kernel never
 reads them, so they are removed from the PTX entry here rather than launched with arguments
 TensorRT does not pass. Verified on CPU: the stripped PTX assembles with `ptxas`
-(tests/test_trt_plugins.py). Whether TensorRT then runs it correctly is unverified (no GPU).
+(tests/test_tensorrt.py, tests/test_plugin_kernels.py). Whether TensorRT then runs it
+correctly is unverified (no GPU).
+
+Also the two things every kernel's AOT compilation shares: the dtype -> Triton pointer type
+map and the `triton.compile` call.
 """
 
 from __future__ import annotations
@@ -13,6 +17,34 @@ from __future__ import annotations
 import re
 
 HIDDEN_PARAMS = 2
+POINTERS = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}  # the kernels' float dtypes
+DTYPES = tuple(POINTERS)
+
+
+def triton_pointer(dtype: str) -> str:
+    """Triton's signature type for a pointer to `dtype` ("float16" -> "*fp16")."""
+    if dtype not in POINTERS:
+        raise ValueError(f"the GPU kernels support {', '.join(DTYPES)}, not {dtype!r}")
+    return POINTERS[dtype]
+
+
+def compile_kernel(fn, signature: dict[str, str], constexprs: dict, arch: int):
+    """AOT-compile the `@triton.jit` kernel `fn` for one GPU architecture (80, 89, 90, ...);
+    needs no GPU. Returns Triton's CompiledKernel: `.asm["ptx"]`, `.asm["cubin"]`, `.metadata`.
+
+    FP fusion (FMA contraction) is pinned on, Triton 3.9's default, which Triton 3.10 turns
+    off: the PTX does not change with the Triton version's default."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(fn, JITFunction):
+        raise RuntimeError(
+            f"cannot AOT-compile {getattr(fn, '__name__', fn)}: its module was imported with TRITON_INTERPRET=1"
+        )
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": True})
 
 
 def plugin_ptx(compiled, plugin_params: int) -> str:

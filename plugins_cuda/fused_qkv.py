@@ -18,6 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from plugins_cuda.aot import compile_kernel, triton_pointer
+
 MIN_DOT = 16
 
 
@@ -134,10 +136,7 @@ def compile_for_arch(arch: int, dtype: str, hidden: int, num_q_heads: int, num_k
                      cos_sin: str = "*fp32"):  # fmt: skip
     """AOT-compile for one GPU architecture (80, 89, 90); needs no GPU. The plugin passes
     int64 positions and cos/sin in the model dtype (`positions="*i64"`, `cos_sin=pointer`)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    pointer = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}[dtype]
+    pointer = triton_pointer(dtype)
     block_t, block_k = tile_sizes(hidden)
     signature = {
         "x_ptr": pointer, "norm_ptr": pointer, "w_ptr": pointer, "bias_ptr": pointer,
@@ -150,5 +149,4 @@ def compile_for_arch(arch: int, dtype: str, hidden: int, num_q_heads: int, num_k
         "EPS": eps, "HIDDEN": hidden, "NUM_Q_HEADS": num_q_heads, "NUM_KV_HEADS": num_kv_heads, "HEAD_DIM": head_dim,
         "BLOCK_T": block_t, "BLOCK_K": block_k, "HAS_BIAS": has_bias,
     }  # fmt: skip
-    source = ASTSource(fn=fused_rmsnorm_qkv_rope_kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32))
+    return compile_kernel(fused_rmsnorm_qkv_rope_kernel, signature, constexprs, arch)

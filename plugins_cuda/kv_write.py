@@ -16,6 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from plugins_cuda.aot import compile_kernel, triton_pointer
+
 
 @triton.jit
 def paged_kv_write_kernel(
@@ -62,10 +64,7 @@ def paged_kv_write(k, v, k_cache, v_cache, block_tables, positions, seq_lens) ->
 def compile_for_arch(arch: int, dtype: str, kv_width: int, block_size: int):
     """AOT-compile for one GPU architecture (80, 89, 90); needs no GPU. Returns Triton's
     CompiledKernel: `.asm["ptx"]`, `.asm["cubin"]`, `.metadata`."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    pointer = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}[dtype]
+    pointer = triton_pointer(dtype)
     signature = {
         "k_ptr": pointer, "v_ptr": pointer, "k_cache_in_ptr": pointer, "v_cache_in_ptr": pointer,
         "block_tables_ptr": "*i64", "positions_ptr": "*i64", "seq_lens_ptr": "*i64", "step": "i32",
@@ -73,5 +72,4 @@ def compile_for_arch(arch: int, dtype: str, kv_width: int, block_size: int):
         "KV_WIDTH": "constexpr", "KV_PAD": "constexpr", "BLOCK_SIZE": "constexpr",
     }  # fmt: skip
     constexprs = {"KV_WIDTH": kv_width, "KV_PAD": triton.next_power_of_2(kv_width), "BLOCK_SIZE": block_size}
-    source = ASTSource(fn=paged_kv_write_kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32))
+    return compile_kernel(paged_kv_write_kernel, signature, constexprs, arch)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from plugins_cuda.aot import compile_kernel, triton_pointer
+
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
 
@@ -140,10 +142,7 @@ def compile_for_arch(arch: int, dtype: str, num_kv_heads: int, group: int, head_
     """AOT-compile the kernel for one GPU architecture (80, 89, 90); needs no GPU.
 
     Returns Triton's CompiledKernel: `.asm["ptx"]`, `.asm["cubin"]`, `.metadata`."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    pointer = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}[dtype]
+    pointer = triton_pointer(dtype)
     signature = {
         "q_ptr": pointer, "k_cache_ptr": pointer, "v_cache_ptr": pointer, "out_ptr": pointer,
         "block_tables_ptr": "*i32", "seq_of_token_ptr": "*i32", "positions_ptr": "*i32",
@@ -155,8 +154,7 @@ def compile_for_arch(arch: int, dtype: str, num_kv_heads: int, group: int, head_
         "NUM_KV_HEADS": num_kv_heads, "GROUP": group, "GROUP_PAD": group_pad(group),
         "HEAD_DIM": head_dim, "BLOCK_SIZE": block_size,
     }  # fmt: skip
-    source = ASTSource(fn=paged_attention_kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32))
+    return compile_kernel(paged_attention_kernel, signature, constexprs, arch)
 
 
 def paged_attention_padded(q, k_cache, v_cache, block_tables, positions, num_kv_heads: int, scale: float,
@@ -181,7 +179,7 @@ PADDED_CONSTEXPRS = ("SCALE", "WINDOW", "NUM_KV_HEADS", "GROUP", "GROUP_PAD", "H
 
 
 def padded_signature(dtype: str) -> dict[str, str]:
-    pointer = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}[dtype]
+    pointer = triton_pointer(dtype)
     return {
         "q_ptr": pointer, "k_cache_ptr": pointer, "v_cache_ptr": pointer, "block_tables_ptr": "*i64",
         "positions_ptr": "*i64", "step": "i32", "table_width": "i32", "out_ptr": pointer,
@@ -192,12 +190,8 @@ def padded_signature(dtype: str) -> dict[str, str]:
 def compile_padded_for_arch(arch: int, dtype: str, num_kv_heads: int, group: int, head_dim: int, block_size: int,
                             scale: float, window: int = 0):  # fmt: skip
     """AOT-compile the plugin entry (padded layout) for one architecture; needs no GPU."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     constexprs = {
         "SCALE": scale, "WINDOW": window, "NUM_KV_HEADS": num_kv_heads, "GROUP": group,
         "GROUP_PAD": group_pad(group), "HEAD_DIM": head_dim, "BLOCK_SIZE": block_size,
     }  # fmt: skip
-    source = ASTSource(fn=paged_attention_padded_kernel, signature=padded_signature(dtype), constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32))
+    return compile_kernel(paged_attention_padded_kernel, padded_signature(dtype), constexprs, arch)

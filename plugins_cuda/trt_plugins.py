@@ -5,7 +5,8 @@ Registered through `tensorrt.plugin` (TensorRT >= 10.9 for AOT): a shape/dtype d
 implementation (`aot_impl`) returning one Triton kernel compiled for the build GPU: its name,
 its PTX (Triton's hidden scratch parameters removed, plugins_cuda/aot.py), the launch grid as
 symbolic expressions of the input shapes, and the int32 extra arguments. The kernel is
-embedded in the engine, so the runtime needs neither Python plugins nor Triton.
+embedded in the engine, so the runtime needs neither Python plugins nor Triton. The kernels
+come from plugins_cuda/plugin_kernels.py, which `trtserve kernels` compiles too.
 
 PagedKVWrite's outputs alias its pool inputs (`.aliased()`, which needs the builder preview
 feature ALIASED_PLUGIN_IO_10_03): the kernel writes this step's rows into the pool in place.
@@ -16,10 +17,10 @@ UNVERIFIED: written against the TensorRT 10.x `tensorrt.plugin` API and its samp
 the decorated functions' annotations as objects.
 """
 
-from plugins_cuda import fused_qkv, kv_write, paged_attention
-from plugins_cuda.aot import current_arch, plugin_ptx
+from plugins_cuda import plugin_kernels
+from plugins_cuda.aot import current_arch
+from plugins_cuda.plugin_kernels import NAMESPACE, PluginKernel
 
-NAMESPACE = "trtserve"
 FLOATS = "FP32|FP16|BF16"  # one float type for every float I/O of a node (dependent combination)
 _registered = False
 
@@ -37,16 +38,16 @@ def _static(expr, what: str) -> int:
     return int(expr.constant_value)
 
 
-def _launch(trtp, compiled, grid_x, grid_y=1):
+def _launch(trtp, kernel: PluginKernel, grid_x):
     params = trtp.KernelLaunchParams()
-    params.grid_x, params.grid_y = grid_x, grid_y
-    params.block_x = compiled.metadata.num_warps * 32
-    params.shared_mem = compiled.metadata.shared
+    params.grid_x, params.grid_y = grid_x, kernel.grid_y
+    params.block_x = kernel.threads
+    params.shared_mem = kernel.compiled.metadata.shared
     return params
 
 
-def _result(compiled, plugin_params: int, launch, extra):
-    return compiled.metadata.name.encode(), plugin_ptx(compiled, plugin_params).encode(), launch, extra
+def _result(kernel: PluginKernel, launch, extra):
+    return kernel.compiled.metadata.name.encode(), kernel.ptx().encode(), launch, extra
 
 
 def register_plugins() -> None:
@@ -82,16 +83,14 @@ def register_plugins() -> None:
         epsilon: float, split_sizes: int64, num_heads: int, num_kv_heads: int,
         outputs: tuple[trtp.TensorDesc], tactic: int,
     ) -> tuple[bytes, bytes, trtp.KernelLaunchParams, trtp.SymExprs]:  # fmt: skip
-        dtype = _dtype_name(trt, x.dtype)
-        hidden, head_dim = _static(x.shape_expr[2], "hidden size"), int(split_sizes[0]) // num_heads
-        compiled = fused_qkv.compile_for_arch(
-            current_arch(), dtype, hidden, num_heads, num_kv_heads, head_dim, has_bias=True, eps=float(epsilon),
-            positions="*i64", cos_sin={"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}[dtype],
+        head_dim = plugin_kernels.prologue_head_dim(split_sizes, num_heads, num_kv_heads)
+        kernel = plugin_kernels.prologue_kernel(
+            current_arch(), _dtype_name(trt, x.dtype), _static(x.shape_expr[2], "hidden size"), num_heads,
+            num_kv_heads, head_dim, float(epsilon),
         )  # fmt: skip
         tokens = x.shape_expr[0] * x.shape_expr[1]
-        block_t, _ = fused_qkv.tile_sizes(hidden)
-        launch = _launch(trtp, compiled, trtp.cdiv(tokens, block_t), num_heads + 2 * num_kv_heads)
-        return _result(compiled, 7 + 1 + 3, launch, trtp.SymIntExprs.from_tuple([trtp.SymInt32(tokens)]))
+        launch = _launch(trtp, kernel, trtp.cdiv(tokens, kernel.rows_per_program))
+        return _result(kernel, launch, trtp.SymIntExprs.from_tuple([trtp.SymInt32(tokens)]))
 
     # ---- PagedKVWrite(k, v, key_cache, value_cache, block_tables, positions, seq_lens) -> pools ----
     @trtp.register(f"{NAMESPACE}::PagedKVWrite")
@@ -112,11 +111,11 @@ def register_plugins() -> None:
         outputs: tuple[trtp.TensorDesc], tactic: int,
     ) -> tuple[bytes, bytes, trtp.KernelLaunchParams, trtp.SymExprs]:  # fmt: skip
         kv_width = _static(key_cache.shape_expr[2], "KV width")
-        compiled = kv_write.compile_for_arch(current_arch(), _dtype_name(trt, k.dtype), kv_width, block_size)
+        kernel = plugin_kernels.kv_write_kernel(current_arch(), _dtype_name(trt, k.dtype), kv_width, block_size)
         step, width = positions.shape_expr[1], block_tables.shape_expr[1]
-        launch = _launch(trtp, compiled, positions.shape_expr[0] * step)
+        launch = _launch(trtp, kernel, positions.shape_expr[0] * step)
         extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(step), trtp.SymInt32(width)])
-        return _result(compiled, 7 + 2 + 2, launch, extra)
+        return _result(kernel, launch, extra)
 
     # ---- PagedAttention(q, key_cache, value_cache, block_tables, positions) -> ctx ----
     @trtp.register(f"{NAMESPACE}::PagedAttention")
@@ -138,14 +137,14 @@ def register_plugins() -> None:
         cached_shape: int64, num_heads: int, num_kv_heads: int, scale: float, window: int,
         outputs: tuple[trtp.TensorDesc], tactic: int,
     ) -> tuple[bytes, bytes, trtp.KernelLaunchParams, trtp.SymExprs]:  # fmt: skip
-        kv_width = int(cached_shape[-1])
-        compiled = paged_attention.compile_padded_for_arch(
-            current_arch(), _dtype_name(trt, q.dtype), num_kv_heads, num_heads // num_kv_heads,
-            kv_width // num_kv_heads, _static(key_cache.shape_expr[1], "block size"), float(scale), int(window),
+        head_dim = plugin_kernels.head_dim_of(int(cached_shape[-1]), num_kv_heads, "cached_shape")
+        kernel = plugin_kernels.attention_kernel(
+            current_arch(), _dtype_name(trt, q.dtype), num_heads, num_kv_heads, head_dim,
+            _static(key_cache.shape_expr[1], "block size"), float(scale), int(window),
         )  # fmt: skip
         step, width = positions.shape_expr[1], block_tables.shape_expr[1]
-        launch = _launch(trtp, compiled, positions.shape_expr[0] * step, num_kv_heads)
+        launch = _launch(trtp, kernel, positions.shape_expr[0] * step)
         extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(step), trtp.SymInt32(width)])
-        return _result(compiled, 5 + 2 + 1, launch, extra)
+        return _result(kernel, launch, extra)
 
     _registered = True

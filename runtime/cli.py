@@ -96,10 +96,15 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
     if stats and final is not None:
         elapsed = time.perf_counter() - start
         s = final.stats
+        ttft, e2e = (s["ttft_s"], s["e2e_s"]) if s is not None else (None, None)
+        timing = (
+            f"; TTFT {1000 * ttft:.0f} ms, {(final.num_output_tokens - 1) / max(e2e - ttft, 1e-9):.1f} tok/s decode"
+            if ttft is not None and e2e is not None
+            else ""  # no token came (the request failed first)
+        )
         print(
             f"prompt {final.num_prompt_tokens} tokens, generated {final.num_output_tokens} "
-            f"({final.finish_reason}) in {elapsed:.2f} s; TTFT {1000 * s['ttft_s']:.0f} ms, "
-            f"{(final.num_output_tokens - 1) / max(s['e2e_s'] - s['ttft_s'], 1e-9):.1f} tok/s decode",
+            f"({final.finish_reason}) in {elapsed:.2f} s{timing}",
             file=sys.stderr,
         )
 
@@ -121,8 +126,9 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
 @click.option("--num-kv-blocks", type=click.IntRange(min=1), help="KV cache size in blocks (default: engine's).")
 @click.option("--max-waiting", type=click.IntRange(min=1), help="Waiting-queue bound before 'overloaded' errors.")
 @click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
-def serve(engine_dir: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, max_num_seqs,
-          max_num_batched_tokens, num_kv_blocks, max_waiting, no_prefix_caching: bool) -> None:  # fmt: skip
+def serve(engine_dir: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, max_num_seqs: int | None,
+          max_num_batched_tokens: int | None, num_kv_blocks: int | None, max_waiting: int | None,
+          no_prefix_caching: bool) -> None:  # fmt: skip
     """Serve an engine with NVIDIA Triton Inference Server (HTTP, gRPC, Prometheus metrics).
 
     Starts the real tritonserver with the trtserve `llm` model, waits until it is ready,
@@ -141,7 +147,7 @@ def serve(engine_dir: Path, host: str, http_port: int, grpc_port: int, metrics_p
     engine_params = {k: str(v) for k, v in params.items() if v is not None}
     engine_params["enable_prefix_caching"] = "false" if no_prefix_caching else "true"
     config = ServerConfig(engine_dir, host, http_port, grpc_port, metrics_port, engine_params)
-    stop = []
+    stop: list[bool] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.append(True))
     try:

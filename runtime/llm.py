@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, cast
 
 from runtime.engine.admission import Prompt
 from runtime.engine.llm_engine import EngineArgs, LLMEngine
@@ -12,11 +13,11 @@ from runtime.engine.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, engine_dir: str | Path, **engine_args):
+    def __init__(self, engine_dir: str | Path, **engine_args: Any):
         self.engine = LLMEngine(engine_dir, EngineArgs(**engine_args))
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Any:  # a Hugging Face tokenizer
         return self.engine.tokenizer
 
     def generate(
@@ -29,15 +30,16 @@ class LLM:
         A prompt is text, a list of token ids, or a list of chat messages
         ({"role": ..., "content": ...}); a bare string is one prompt.
         """
-        if isinstance(prompts, str) or _is_single_list_prompt(prompts):
-            prompts = [prompts]
+        # A prompt may itself be a sequence, so which one `prompts` is is decided at run time.
+        single = isinstance(prompts, str) or _is_single_list_prompt(prompts)
+        batch = [cast(Prompt, prompts)] if single else list(cast(Sequence[Prompt], prompts))
         if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+            params = [params or SamplingParams()] * len(batch)
+        if len(params) != len(batch):
+            raise ValueError(f"{len(params)} SamplingParams for {len(batch)} prompts")
         engine, results = self.engine, {}
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p in zip(batch, params, strict=True):
                 request_id = engine.add_request(prompt, p)
                 results[request_id] = CompletionOutput(request_id, engine.requests[request_id].prompt_token_ids)
             while any(c.finish_reason is None for c in results.values()):
@@ -51,6 +53,6 @@ class LLM:
         return list(results.values())
 
 
-def _is_single_list_prompt(prompts) -> bool:
+def _is_single_list_prompt(prompts: Prompt | Sequence[Prompt]) -> bool:
     """A flat token-id list or a flat message list is one prompt, not a batch."""
     return bool(prompts) and all(isinstance(x, int | dict) for x in prompts)

@@ -22,7 +22,16 @@ ALLOWED: dict[str, set[str]] = {
     "runtime.engine": {"runtime.backends", "engine_format"},
     "runtime.api": {"runtime.engine", "runtime.backends", "engine_format"},
     "runtime.serve": {"runtime.api", "runtime.engine", "engine_format"},
-    "runtime.cli": {"runtime.serve", "runtime.api", "runtime.engine", "runtime.backends", "engine_format"},
+    # The OpenAI gateway runs as its own light process: it talks to tritonserver, not to the engine.
+    "runtime.gateway": {"runtime.serve", "engine_format"},
+    "runtime.cli": {
+        "runtime.gateway",
+        "runtime.serve",
+        "runtime.api",
+        "runtime.engine",
+        "runtime.backends",
+        "engine_format",
+    },
     "calibration": {"runtime.api", "runtime.engine", "runtime.backends", "engine_format"},
     "builder": {"calibration", "runtime.api", "runtime.engine", "runtime.backends", "plugins_cuda", "engine_format"},
     "model_repository": {"runtime.api", "runtime.engine", "runtime.serve", "engine_format"},
@@ -34,7 +43,7 @@ def layer_of(module: str) -> str | None:
     """The layer a dotted module name belongs to (None: not trtserve's)."""
     parts = module.split(".")
     if parts[0] == "runtime":
-        if len(parts) > 1 and parts[1] in ("engine", "backends", "serve", "cli"):
+        if len(parts) > 1 and parts[1] in ("engine", "backends", "serve", "gateway", "cli"):
             return f"runtime.{parts[1]}"
         return "runtime.api"  # runtime/__init__.py, llm.py, async_llm.py
     return parts[0] if parts[0] in ALLOWED else None

@@ -1,8 +1,15 @@
-"""The async engine: streaming deltas, cancellation that frees blocks, errors up front."""
+"""The async engine: streaming deltas, cancellation that frees blocks, errors up front.
+
+The engine loop runs ahead of the stream's reader on its own thread (the tiny engine makes
+hundreds of tokens in the time a reader takes to wake), so a test that acts mid-stream first
+holds the loop (`hold_after`): what it does then cannot race the rest of the generation.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 
 import pytest
 
@@ -22,6 +29,29 @@ def engine(llama_engine):
 
 async def collect(engine: AsyncLLM, prompt, params=GREEDY, request_id=None):
     return [d async for d in engine.generate(prompt, params, request_id)]
+
+
+@contextlib.contextmanager
+def hold_after(engine: AsyncLLM, request_id: str, num_tokens: int):
+    """Once `request_id` has `num_tokens` output tokens, the engine loop takes no further step
+    until the block exits (its deltas so far are delivered; the next step waits)."""
+    real_step = engine.engine.step
+    reached, release = threading.Event(), threading.Event()
+
+    def step():
+        if reached.is_set():
+            release.wait(timeout=60)  # bounded: a failing test must not hang the engine thread
+        outputs = real_step()
+        if any(o.request_id == request_id and o.num_output_tokens >= num_tokens for o in outputs):
+            reached.set()
+        return outputs
+
+    engine.engine.step = step
+    try:
+        yield
+    finally:
+        release.set()
+        del engine.engine.step  # the class's method again
 
 
 def test_stream_concatenates_to_the_full_completion(engine):
@@ -56,7 +86,8 @@ def test_leaving_the_stream_early_aborts_and_frees_blocks(engine):
                 break
         await stream.aclose()
 
-    asyncio.run(main())
+    with hold_after(engine, "quitter", 3):  # still running when the stream is left
+        asyncio.run(main())
     assert "quitter" not in engine.engine.requests
     assert engine.engine.kv.pool.counts()["used"] == 0
     assert [o.finish_reason for o in engine.finished_outputs if o.request_id == "quitter"] == ["abort"]
@@ -72,8 +103,9 @@ def test_abort_by_id_ends_the_stream(engine):
                 assert engine.abort("by-id")
         return deltas
 
-    deltas = asyncio.run(main())
-    assert deltas[-1].finish_reason == "abort"
+    with hold_after(engine, "by-id", 2):  # still running when it is aborted
+        deltas = asyncio.run(main())
+    assert [(d.num_output_tokens, d.finish_reason) for d in deltas] == [(1, None), (2, None), (2, "abort")]
     assert engine.engine.kv.pool.counts()["used"] == 0
 
 

@@ -33,10 +33,10 @@ def test_allocation_on_demand_and_free_in_reverse():
     assert admit(kv, a) == 0
     assert a.block_ids == [0, 1, 2]
     # Decode: token 11 fits in block 2; token 13 needs a new block.
-    a.output_token_ids += [50, 51]
+    a.all_token_ids += [50, 51]
     assert kv.allocate_slots(a, 2) and a.block_ids == [0, 1, 2]
     a.num_computed_tokens = 12
-    a.output_token_ids.append(52)
+    a.append_output_token(52)
     assert kv.allocate_slots(a, 1) and a.block_ids == [0, 1, 2, 3]
     kv.free(a)
     kv.check_invariants([])
@@ -114,10 +114,92 @@ def test_no_prefix_caching_means_no_hits():
     assert kv.pool.counts()["cached"] == 0
 
 
-def test_invariant_check_catches_corruption():
-    kv = KVCacheManager(num_blocks=4, block_size=BS)
-    a = make_request(list(range(6)))
+def test_request_keeps_one_token_list():
+    prompt = [5, 6, 7]
+    r = make_request(prompt)
+    r.append_output_token(8)
+    r.append_output_token(9)
+    assert prompt == [5, 6, 7]  # the caller's list is copied, never grown
+    assert r.all_token_ids == [5, 6, 7, 8, 9] and r.num_prompt_tokens == 3
+    assert r.prompt_token_ids == [5, 6, 7] and r.output_token_ids == [8, 9]
+    assert (r.num_tokens, r.num_output_tokens, r.max_total_tokens) == (5, 2, 3 + 8)
+    assert r.all_token_ids is r.all_token_ids  # an attribute, not rebuilt per access
+
+
+def test_counts_are_read_from_the_structures():
+    kv = KVCacheManager(num_blocks=6, block_size=BS)
+    a = make_request(list(range(10)))  # blocks 0, 1 full (cached once computed), 2 partial
     admit(kv, a)
-    kv.pool.blocks[a.block_ids[0]].ref_cnt += 1  # a leaked reference
-    with pytest.raises(AssertionError):
+    assert kv.pool.counts() == {"free": 3, "cached": 0, "used": 3}
+    kv.free(a)
+    assert kv.pool.counts() == {"free": 4, "cached": 2, "used": 0}
+    kv.check_invariants([])
+
+
+def pool_with_cached_and_used() -> tuple[KVCacheManager, Request]:
+    """6 blocks: a holds 0, 1, 2 (0 and 1 cached); b's freed 3, 4 are cached; 5 is free."""
+    kv = KVCacheManager(num_blocks=6, block_size=BS)
+    a = make_request(list(range(10)), order=0)
+    admit(kv, a)
+    b = make_request(list(range(50, 58)), order=1)
+    admit(kv, b)
+    assert b.block_ids == [3, 4]
+    kv.free(b)
+    assert kv.pool.counts() == {"free": 1, "cached": 2, "used": 3}
+    kv.check_invariants([a])
+    return kv, a
+
+
+def test_invariant_check_catches_a_leaked_reference():
+    kv, a = pool_with_cached_and_used()
+    kv.pool.blocks[a.block_ids[0]].ref_cnt += 1
+    with pytest.raises(AssertionError, match="ref counts != block tables"):
+        kv.check_invariants([a])
+
+
+def test_invariant_check_catches_a_free_block_dropped_from_the_free_queue():
+    kv, a = pool_with_cached_and_used()
+    del kv.pool._free[5]  # ref_cnt 0, yet neither free nor cached: lost forever
+    assert kv.pool.counts() == {"free": 0, "cached": 2, "used": 3}  # sums to 5, not 6
+    with pytest.raises(AssertionError, match=r"blocks in no category: \[5\]"):
+        kv.check_invariants([a])
+
+
+def test_invariant_check_catches_a_cached_block_dropped_from_the_free_queue():
+    kv, a = pool_with_cached_and_used()
+    del kv.pool._free[3]
+    with pytest.raises(AssertionError, match=r"blocks in no category: \[3\]"):
+        kv.check_invariants([a])
+
+
+def test_invariant_check_catches_a_used_block_in_the_free_queue():
+    kv, a = pool_with_cached_and_used()
+    kv.pool._free[a.block_ids[2]] = None  # block 2 could be handed out while a writes it
+    assert kv.pool.counts() == {"free": 2, "cached": 2, "used": 3}  # sums to 7, not 6
+    with pytest.raises(AssertionError, match=r"blocks in more than one category: \[2\]"):
+        kv.check_invariants([a])
+
+
+def test_invariant_check_catches_a_stale_hash_index_entry():
+    kv, a = pool_with_cached_and_used()
+    block = kv.pool.blocks[3]  # cached: its hash dropped without leaving the index
+    stale_hash, block.block_hash = block.block_hash, None
+    assert kv.pool.counts() == {"free": 2, "cached": 1, "used": 3}  # the counts alone look fine
+    # A lookup would still hit block 3, which may be rewritten at any time as a free block.
+    assert kv.pool.lookup(stale_hash) is block
+    with pytest.raises(AssertionError, match="hash index entries for blocks not carrying that hash"):
+        kv.check_invariants([a])
+
+
+def test_invariant_check_catches_a_hashed_block_missing_from_the_index():
+    kv, a = pool_with_cached_and_used()
+    del kv.pool._by_hash[kv.pool.blocks[1].block_hash]
+    with pytest.raises(AssertionError, match=r"hashed blocks missing from the hash index: \[1\]"):
+        kv.check_invariants([a])
+
+
+def test_invariant_check_catches_a_negative_ref_cnt():
+    kv, a = pool_with_cached_and_used()
+    kv.pool.blocks[5].ref_cnt = -1
+    with pytest.raises(AssertionError, match=r"negative ref_cnt: blocks \[5\]"):
         kv.check_invariants([a])

@@ -3,7 +3,6 @@ parser and check that every path it copies and every command it runs exists."""
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 
 import pytest
@@ -31,6 +30,16 @@ def test_copied_paths_exist(commands):
             assert (ROOT / source).exists(), source
 
 
+def test_every_installed_package_is_copied(commands):
+    """`pip install -e .` in the image installs what pyproject's package find lists: each of
+    those packages must have been copied in, or the console scripts fail on import."""
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    copied = {source.rstrip("/") for c in commands if c.cmd == "COPY" for source in c.value[:-1]}
+    assert include
+    for pattern in include:
+        assert pattern.removesuffix("*") in copied, pattern
+
+
 def test_commands_are_the_projects_console_scripts(commands):
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     entrypoint = next(c for c in commands if c.cmd == "ENTRYPOINT")
@@ -51,14 +60,30 @@ def test_exposed_ports_are_the_serve_defaults(commands):
     assert exposed == {defaults.http_port, defaults.grpc_port, defaults.metrics_port}
 
 
-def test_container_tritonserver_layout_is_what_the_launcher_expects(tmp_path, monkeypatch):
-    """With TRTSERVE_TRITONSERVER_DIR (set in the image) the launcher uses that install."""
-    from runtime.serve.launcher import ServerConfig, prepare
+def test_container_tritonserver_command_is_what_the_image_needs(commands, tmp_path, monkeypatch):
+    """With TRTSERVE_TRITONSERVER_DIR (set in the image) the launcher runs that install's
+    tritonserver with its backends, on the ENTRYPOINT's host and the EXPOSEd ports, over a
+    model repository holding the `llm` model."""
+    from runtime.serve.launcher import MODEL_NAME, ServerConfig, prepare
 
-    env_line = next(c for c in dockerfile.parse_file(str(ROOT / "docker" / "Dockerfile")) if c.cmd == "ENV")
-    assert "TRTSERVE_TRITONSERVER_DIR" in env_line.value
-    monkeypatch.setenv("TRTSERVE_TRITONSERVER_DIR", "/opt/tritonserver")
-    command, _ = prepare(ServerConfig(engine_dir=tmp_path), tmp_path / "work")
-    assert command[0] == "/opt/tritonserver/bin/tritonserver"
-    assert "--backend-directory=/opt/tritonserver/backends" in command
-    assert shlex.join(command)  # a well-formed command line
+    env = next(c for c in commands if c.cmd == "ENV").value
+    install = env[env.index("TRTSERVE_TRITONSERVER_DIR") + 1]
+    monkeypatch.setenv("TRTSERVE_TRITONSERVER_DIR", install)
+    entrypoint = next(c for c in commands if c.cmd == "ENTRYPOINT").value
+    host = entrypoint[entrypoint.index("--host") + 1]
+    work = tmp_path / "work"
+    command, _ = prepare(ServerConfig(engine_dir=tmp_path, host=host), work)
+
+    assert command[0] == f"{install}/bin/tritonserver"
+    options = [arg.removeprefix("--").split("=", 1) for arg in command[1:]]
+    assert all(arg.startswith("--") and len(kv) == 2 for arg, kv in zip(command[1:], options, strict=True)), command
+    flags = dict(options)
+    assert len(flags) == len(options), "an option given twice"
+    assert flags["backend-directory"] == f"{install}/backends"
+    assert not (work / "backends").exists()  # nothing of nvidia-pytriton's is set up
+    assert {flags[f"{e}-address"] for e in ("http", "grpc", "metrics")} == {host}
+    exposed = {int(p) for c in commands if c.cmd == "EXPOSE" for p in c.value}
+    assert {int(flags[f"{e}-port"]) for e in ("http", "grpc", "metrics")} == exposed
+    model = Path(flags["model-repository"]) / MODEL_NAME
+    assert (model / "1" / "model.py").is_file()
+    assert f'string_value: "{tmp_path.resolve()}"' in (model / "config.pbtxt").read_text()

@@ -8,14 +8,17 @@ mask, position or KV-slot error moves logits by O(0.1..1), see test_wrong_block_
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
+from builder.sources import load_checkpoint, resolve_model
 from engine_format import EngineConfig
 from runtime.backends import create_backend
 from runtime.backends.base import SequenceChunk
+from runtime.backends.greedy import GreedyStep, OutOfBlocks, greedy_generate, phase_seconds
 from tests.conftest import TINY_BLOCK_SIZE
-from tests.greedy_reference import greedy_generate
 from tests.helpers import hf_greedy, hf_logits, random_prompts
 
 ATOL = 1e-4
@@ -116,6 +119,40 @@ def test_greedy_generate_matches_hf_generate(tiny_engine, tiny_hf, kind):
     want = [hf_greedy(model, p, 16, stop) for p in prompts]
     assert got == want
     assert all(len(g) > 0 for g in got)
+
+
+def test_greedy_call_split_and_step_records(llama_engine):
+    """prefill_batch and max_batch_size change only how the work is split into backend calls
+    (reported in order through on_step), not the tokens."""
+    model, tokenizer = load_checkpoint(resolve_model("tiny-llama"))
+    config = EngineConfig.load(llama_engine)
+    backend = create_backend(config, num_blocks=64, kind="graph")
+    prompts = random_prompts(config.model.vocab_size, [5, 30, 12], seed=19)
+    stop = (tokenizer.eos_token_id,)
+    steps: list[GreedyStep] = []
+    got = greedy_generate(backend, prompts, 6, stop, prefill_batch=1, max_batch_size=2, on_step=steps.append)
+    assert got == [hf_greedy(model, p, 6, stop) for p in prompts]
+    assert all(len(g) == 6 for g in got)  # no stop token met: the call pattern below is exact
+    # Prompts 0 and 1 run together (one prefill call each, then 5 decodes of both); prompt 2 after.
+    first, second = [("prefill", 1, 5), ("prefill", 1, 30)] + [("decode", 2, 2)] * 5, [("prefill", 1, 12)]
+    assert [(s.kind, s.sequences, s.tokens) for s in steps] == first + second + [("decode", 1, 1)] * 5
+    assert all(a.start <= a.end <= b.start for a, b in itertools.pairwise(steps))
+    assert phase_seconds(steps, "decode") == steps[-1].end - steps[2].start
+    # The default split: both prompts' first chunks in one call, then decodes and prefill chunks.
+    steps.clear()
+    assert greedy_generate(backend, prompts[:2], 6, stop, prefill_chunk=16, on_step=steps.append) == got[:2]
+    assert [(s.kind, s.sequences, s.tokens) for s in steps][:3] == [("prefill", 2, 21), ("decode", 1, 1),
+                                                                   ("prefill", 1, 14)]  # fmt: skip
+
+
+def test_greedy_refuses_what_the_pool_or_engine_cannot_hold(llama_engine):
+    config = EngineConfig.load(llama_engine)
+    backend = create_backend(config, num_blocks=3, kind="graph")
+    with pytest.raises(OutOfBlocks):
+        greedy_generate(backend, [list(range(3, 30))], 4)  # 27 tokens need 4 blocks of 8
+    for prompt, new in (([], 4), ([5] * config.max_seq_len, 1), ([5], 0)):
+        with pytest.raises(ValueError):
+            greedy_generate(backend, [prompt], new)
 
 
 def test_step_with_more_tokens_than_max_seq_len(backend, tiny_hf):

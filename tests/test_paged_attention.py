@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from engine_format import ceil_div
 from runtime.backends.cpu_attention import AttentionShape, paged_attention
 
 
@@ -34,7 +35,7 @@ def make_case(rng, shape: AttentionShape, seqs: list[tuple[int, int]], num_block
     width = shape.num_kv_heads * shape.head_dim
     k_cache = rng.standard_normal((num_blocks, shape.block_size, width), dtype=np.float32)
     v_cache = rng.standard_normal((num_blocks, shape.block_size, width), dtype=np.float32)
-    need = [-(-(past + new) // shape.block_size) for past, new in seqs]
+    need = [ceil_div(past + new, shape.block_size) for past, new in seqs]
     ids = rng.permutation(num_blocks)[: sum(need)]
     tables = np.zeros((len(seqs), max(need)), np.int64)
     start = 0

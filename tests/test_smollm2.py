@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_format import EngineConfig
+from engine_format import EngineConfig, ceil_div
 from runtime import LLM, SamplingParams
 from runtime.backends import create_backend
 from runtime.backends.base import SequenceChunk
+from runtime.backends.greedy import greedy_generate
 from runtime.engine.tokenizer import encode_prompt, stop_token_ids
-from tests.greedy_reference import greedy_generate
 from tests.helpers import hf_greedy, hf_logits
 
 pytestmark = pytest.mark.slow
@@ -99,7 +99,7 @@ def test_logits_chunked_and_prefix_reuse_match_hf(setup, kind):
     tokens = prompts[18]
     ref = hf_logits(model, tokens)
     n, bs = len(tokens), config.block_size
-    need = -(-n // bs)
+    need = ceil_div(n, bs)
     one_shot = backend.step([SequenceChunk(tokens, 0, list(range(need)))])[0]
     np.testing.assert_allclose(one_shot, ref[-1], atol=ATOL)
     table = list(range(need, 2 * need))

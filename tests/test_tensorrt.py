@@ -105,20 +105,31 @@ def test_plugin_ptx_drops_triton_hidden_params_and_assembles(tmp_path):
 
 @gpu
 @pytest.mark.skipif(no_gpu, reason="needs an NVIDIA GPU with TensorRT and cuda-python (run with -m gpu there)")
-def test_tensorrt_engine_matches_hf(tmp_path):
-    """Build a tiny TensorRT engine (its build verifies it against HF eager, like every build)
-    and check a prefill + decode against the ONNX Runtime plugin graph."""
-    from builder.build import BuildOptions, build_engine
+def test_tensorrt_engine_matches_hf_eager(tmp_path):
+    """Build a tiny TensorRT engine, then run a 37-token prefill over three blocks and one
+    decode step on its TensorRT backend and compare the logits with HF eager on the same
+    checkpoint (tests/helpers.hf_logits): within the build's float32 verification tolerance
+    (VERIFY_TOLERANCE, relative to the largest reference logit)."""
+    import numpy as np
 
-    out = tmp_path / "trt"
-    build_engine(BuildOptions("tiny-llama", out, max_batch_size=4, max_seq_len=256, block_size=16, target="tensorrt"))
-    config = EngineConfig.load(out)
-    trt_backend, ort_backend = (
-        create_backend(config, num_blocks=16),
-        create_backend(config, num_blocks=16, kind="plugin"),
-    )
-    prompt = list(range(3, 40))
-    for chunks in ([SequenceChunk(prompt, 0, [0, 1, 2])], [SequenceChunk([41], len(prompt), [0, 1, 2])]):
-        import numpy as np
+    from builder.build import VERIFY_TOLERANCE, BuildOptions, build_engine
+    from builder.sources import load_checkpoint, resolve_model
+    from tests.helpers import hf_logits
 
-        np.testing.assert_allclose(trt_backend.step(chunks), ort_backend.step(chunks), atol=1e-3)
+    options = BuildOptions("tiny-llama", tmp_path / "trt", max_batch_size=4, max_seq_len=256, block_size=16,
+                           target="tensorrt")  # fmt: skip
+    build_engine(options)
+    config = EngineConfig.load(options.output)
+    model, _ = load_checkpoint(resolve_model(options.model))
+    prompt, next_token = list(range(3, 40)), 41
+    ref = hf_logits(model, [*prompt, next_token])  # [38, vocab]: row i predicts token i + 1
+    atol = VERIFY_TOLERANCE[options.dtype] * float(np.abs(ref).max())
+    backend = create_backend(config, num_blocks=16, kind="tensorrt")
+    table = [0, 1, 2]
+    steps = {
+        "prefill": (SequenceChunk(prompt, 0, table), ref[len(prompt) - 1]),
+        "decode": (SequenceChunk([next_token], len(prompt), table), ref[len(prompt)]),
+    }
+    for name, (chunk, want) in steps.items():
+        (got,) = backend.step([chunk])
+        np.testing.assert_allclose(got, want, atol=atol, rtol=0, err_msg=name)

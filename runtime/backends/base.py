@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from engine_format import EngineConfig
+from engine_format import EngineConfig, ceil_div
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class StepTensors:
         batch = len(chunks)
         step = max(len(c.token_ids) for c in chunks)
         extra = 1 if cover_step else 0
-        table_blocks = max(1, max(-(-(c.past_len + extra * len(c.token_ids)) // block_size) for c in chunks))
+        table_blocks = max(1, max(ceil_div(c.past_len + extra * len(c.token_ids), block_size) for c in chunks))
         input_ids = np.zeros((batch, step), np.int64)
         positions = np.zeros((batch, step), np.int64)
         block_tables = np.zeros((batch, table_blocks), np.int64)

@@ -31,7 +31,7 @@ if (_policy_before or "").upper() != "PASSIVE" and _libgomp_loaded():
     )
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from runtime.backends import _paged_attention  # noqa: E402 - after the policy is set
+import runtime.backends._paged_attention as _paged_attention  # noqa: E402 - after the policy is set
 
 
 @dataclass(frozen=True)

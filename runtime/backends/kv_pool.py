@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import numpy.typing as npt
 
 from engine_format import EngineConfig
 
 log = logging.getLogger(__name__)
 
 
-def allocate_pool(config: EngineConfig, num_blocks: int, dtype) -> np.ndarray:
+def allocate_pool(config: EngineConfig, num_blocks: int, dtype: npt.DTypeLike) -> np.ndarray:
     spec = config.model
     pool = np.zeros((spec.num_layers, 2, num_blocks, config.block_size, spec.kv_width), dtype)
     log.info(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,6 +24,9 @@ from runtime.backends.cpu_attention import AttentionShape, paged_attention
 from runtime.backends.kv_pool import allocate_pool, pool_rows
 from runtime.backends.ort_graph import OrtGraphBackend
 from runtime.backends.ort_session import create_session
+
+if TYPE_CHECKING:  # at run time onnxruntime loads after the kernel (OpenMP policy, see cpu_attention)
+    import onnxruntime as ort
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,7 @@ SMALL_BATCH = 1
 
 
 class OrtCpuBackend:
-    def __init__(self, config: EngineConfig, num_blocks: int | None = None, threads: int | None = None):
+    def __init__(self, config: EngineConfig, num_blocks: int | None = None, threads: int | None = None) -> None:
         if config.dtype != "float32":
             raise EngineLoadError(f"the CPU kernel backend needs a float32 engine (got {config.dtype})")
         spec = config.model
@@ -73,7 +77,7 @@ class OrtCpuBackend:
         self.threads = threads or os.cpu_count() or 1
         self.num_blocks = num_blocks or config.max_batch_size * config.max_blocks_per_seq
         self.shape = AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, config.block_size)
-        self.segments = []
+        self.segments: list[ort.InferenceSession] = []
         for index in range(spec.num_layers + 1):
             path = config.engine_dir / segment_file(index)
             if not path.is_file():

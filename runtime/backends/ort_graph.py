@@ -27,7 +27,7 @@ class OrtGraphBackend:
     def __init__(
         self, config: EngineConfig, num_blocks: int | None = None, threads: int | None = None,
         pool: np.ndarray | None = None, cover_step: bool = False,
-    ):  # fmt: skip
+    ) -> None:  # fmt: skip
         """`pool`: share another backend's KV pool (same layout) instead of allocating one.
         `cover_step`: block tables also cover the step's new rows (the plugin graph needs it)."""
         self.cover_step = cover_step
@@ -39,7 +39,7 @@ class OrtGraphBackend:
         self.session = create_session(config.engine_dir / config.graph_file, threads, quantization=config.quantization)
         self.pool = pool if pool is not None else allocate_pool(config, self.num_blocks, NP_DTYPES[config.dtype])
         # Bound once: ORT reads these views in place on every run.
-        self._pool_values = []
+        self._pool_values: list[ort.OrtValue] = []
         self.binding = self.session.io_binding()
         for layer in range(spec.num_layers):
             for kind, name in ((0, "key_cache"), (1, "value_cache")):

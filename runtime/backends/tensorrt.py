@@ -14,6 +14,7 @@ Without TensorRT, cuda-python or a GPU, construction raises EngineLoadError (tes
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -25,7 +26,8 @@ STEP_INPUTS = ("input_ids", "positions", "seq_lens", "past_lens", "block_tables"
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-def _load_gpu_modules():
+def _load_gpu_modules() -> tuple[Any, Any]:
+    """(tensorrt, cuda.bindings.runtime): both untyped."""
     try:
         import tensorrt as trt
         from cuda.bindings import runtime as cudart
@@ -40,7 +42,8 @@ def _load_gpu_modules():
     return trt, cudart
 
 
-def _check(result):
+def _check(result: Any) -> Any:
+    """The value(s) of a cuda-python call's (error, *values) result; raises on an error."""
     err, *rest = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
         raise RuntimeError(f"CUDA error {err}")
@@ -48,7 +51,7 @@ def _check(result):
 
 
 class TrtBackend:
-    def __init__(self, config: EngineConfig, num_blocks: int | None = None):
+    def __init__(self, config: EngineConfig, num_blocks: int | None = None) -> None:
         self.trt, self.cudart = trt, cudart = _load_gpu_modules()
         plan = config.engine_dir / PLAN_FILE
         if not plan.is_file():

@@ -7,7 +7,7 @@ is queued and never disturbs requests already running.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from runtime.engine.errors import InvalidRequest
 from runtime.engine.sampling_params import SamplingParams
@@ -16,8 +16,17 @@ Prompt = str | Sequence[int] | Sequence[dict[str, Any]]  # text, token ids, or c
 ROLES = ("system", "user", "assistant", "tool")
 
 
+def _all_messages(prompt: Sequence[object]) -> TypeGuard[Sequence[dict[str, Any]]]:
+    return all(isinstance(m, dict) for m in prompt)
+
+
+def _all_token_ids(prompt: Sequence[object]) -> TypeGuard[Sequence[int]]:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+
+
 class Admission:
-    def __init__(self, tokenizer, vocab_size: int, max_seq_len: int, max_tokens_in_pool: int):
+    def __init__(self, tokenizer: Any, vocab_size: int, max_seq_len: int, max_tokens_in_pool: int) -> None:
+        """`tokenizer`: the engine's Hugging Face tokenizer."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
@@ -30,9 +39,9 @@ class Admission:
             return self.tokenizer.encode(prompt)
         if not isinstance(prompt, Sequence) or not prompt:
             raise InvalidRequest("prompt", "must be a non-empty string, token id list or message list")
-        if all(isinstance(m, dict) for m in prompt):
+        if _all_messages(prompt):
             return self._chat(prompt)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not _all_token_ids(prompt):
             raise InvalidRequest("prompt", "a list prompt must hold only token ids or only messages")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:

@@ -2,7 +2,8 @@
 
 Invariants (checked by `check_invariants`, called by the tests):
 - every block is exactly one of: used (ref_cnt > 0), cached (ref_cnt == 0, has a hash,
-  evictable), free (ref_cnt == 0, no hash): free + cached + used == total;
+  evictable), free (ref_cnt == 0, no hash): free + cached + used == total, where free and
+  cached are counted from the free queue and used from the reference counts;
 - the free queue holds exactly the blocks with ref_cnt == 0 (free and cached alike), in
   eviction order: least recently freed first;
 - the hash index maps each hash to one block carrying that hash, and every hashed block
@@ -11,7 +12,7 @@ Invariants (checked by `check_invariants`, called by the tests):
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -84,16 +85,37 @@ class BlockPool:
             block.block_hash = block_hash
             self._by_hash[block_hash] = block
 
+    def _categories(self) -> tuple[list[int], list[int], list[int]]:
+        """(free, cached, used) block ids, each read from its own structure: free and cached
+        from the free queue (without / with a hash), used from the reference counts."""
+        free = [i for i in self._free if self.blocks[i].block_hash is None]
+        cached = [i for i in self._free if self.blocks[i].block_hash is not None]
+        used = [b.block_id for b in self.blocks if b.ref_cnt > 0]
+        return free, cached, used
+
     def counts(self) -> dict[str, int]:
-        used = sum(b.ref_cnt > 0 for b in self.blocks)
-        cached = sum(b.ref_cnt == 0 and b.block_hash is not None for b in self.blocks)
-        return {"free": self.num_blocks - used - cached, "cached": cached, "used": used}
+        free, cached, used = self._categories()
+        return {"free": len(free), "cached": len(cached), "used": len(used)}
 
     def check_invariants(self) -> None:
-        c = self.counts()
-        assert c["free"] + c["cached"] + c["used"] == self.num_blocks, c
-        assert set(self._free) == {b.block_id for b in self.blocks if b.ref_cnt == 0}
-        assert all(b.ref_cnt >= 0 for b in self.blocks)
-        hashed = {b.block_hash: b for b in self.blocks if b.block_hash is not None}
-        assert hashed.keys() == self._by_hash.keys()
-        assert all(self._by_hash[h] is b for h, b in hashed.items())
+        bad = [b.block_id for b in self.blocks if b.ref_cnt < 0]
+        assert not bad, f"negative ref_cnt: blocks {bad}"
+        bogus = [i for i in self._free if not (isinstance(i, int) and 0 <= i < self.num_blocks)]
+        assert not bogus, f"free queue holds unknown block ids {bogus}"
+        free, cached, used = self._categories()
+        # Exactly one category per block: none counted twice, none missing, so the counts sum
+        # to the total (each is counted from its own structure, so the sum can be wrong).
+        seen = Counter(free + cached + used)
+        doubled = sorted(i for i, n in seen.items() if n > 1)
+        assert not doubled, f"blocks in more than one category: {doubled}"
+        missing = sorted(set(range(self.num_blocks)) - seen.keys())
+        assert not missing, f"blocks in no category: {missing}"
+        assert len(free) + len(cached) + len(used) == self.num_blocks, self.counts()
+        unreferenced = {b.block_id for b in self.blocks if b.ref_cnt == 0}
+        assert set(self._free) == unreferenced, "free queue != blocks with ref_cnt 0"
+        stale = [h.hex() for h, b in self._by_hash.items() if b.block_hash != h]
+        assert not stale, f"hash index entries for blocks not carrying that hash: {stale}"
+        unindexed = [
+            b.block_id for b in self.blocks if b.block_hash is not None and self._by_hash.get(b.block_hash) is not b
+        ]
+        assert not unindexed, f"hashed blocks missing from the hash index: {unindexed}"

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from engine_format import ceil_div
 from runtime.engine.block_pool import BlockPool, KVBlock
 from runtime.engine.request import Request
 
@@ -39,7 +40,7 @@ class KVCacheManager:
         return self.pool.num_blocks * self.block_size
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return ceil_div(num_tokens, self.block_size)
 
     def _hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """The request's chained hashes of its first `num_blocks` full blocks (memoized)."""

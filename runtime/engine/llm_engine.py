@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,9 +26,9 @@ from runtime.engine.admission import Admission, Prompt
 from runtime.engine.detokenizer import DetokenizedStream
 from runtime.engine.errors import InvalidRequest, Overloaded
 from runtime.engine.kv_cache_manager import KVCacheManager
-from runtime.engine.outputs import RequestOutput
-from runtime.engine.request import Request, RequestStatus
-from runtime.engine.sampler import Sampler, SamplingState
+from runtime.engine.outputs import RequestOutput, RequestStats
+from runtime.engine.request import Request, RequestStatus, RequestTiming
+from runtime.engine.sampler import Sampler, SamplingState, TokenLogprobs
 from runtime.engine.sampling_params import SamplingParams
 from runtime.engine.scheduler import Scheduler, SchedulerConfig
 from runtime.engine.stats import EngineCounters, EngineStats
@@ -54,8 +55,17 @@ class EngineArgs:
 
 
 class LLMEngine:
-    def __init__(self, engine_dir: str | Path, args: EngineArgs | None = None, backend: EngineBackend | None = None):
+    def __init__(
+        self,
+        engine_dir: str | Path,
+        args: EngineArgs | None = None,
+        backend: EngineBackend | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """`clock` (seconds, monotonic) stamps arrivals, scheduling, tokens and finishes: deadlines
+        and the timing stats are read from it. Tests pass a fake clock they advance by hand."""
         args = args or EngineArgs()
+        self.clock = clock
         self.config = config = EngineConfig.load(engine_dir)
         # The backend before the tokenizer: the tokenizer loads transformers and with it torch's
         # libgomp, which must come after the attention kernel sets its OpenMP wait policy.
@@ -101,16 +111,19 @@ class LLMEngine:
         with self._lock:
             if request_id in self.requests:
                 raise InvalidRequest("request_id", f"{request_id!r} is already in use")
-            if self.scheduler.num_waiting >= self.scheduler.config.max_waiting:
-                self.counters.rejected_overloaded += 1
-                raise Overloaded(f"overloaded: {self.scheduler.num_waiting} requests already waiting; retry later")
             request = Request(
                 request_id=request_id,
-                prompt_token_ids=prompt_ids,
+                all_token_ids=prompt_ids,
                 params=params,
                 sampling=SamplingState(params, prompt_ids, self.config.model.vocab_size),
                 arrival_order=next(self._arrivals),
+                timing=RequestTiming(arrival=self.clock()),
             )
+            try:
+                self.scheduler.add(request)  # raises Overloaded while max_waiting requests wait
+            except Overloaded:
+                self.counters.rejected_overloaded += 1
+                raise
             self.requests[request_id] = request
             self.streams[request_id] = DetokenizedStream(
                 self.tokenizer,
@@ -119,7 +132,6 @@ class LLMEngine:
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 skip_special_tokens=params.skip_special_tokens,
             )
-            self.scheduler.add(request)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -139,7 +151,7 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if batch.is_empty:
                 return outputs
-            now = time.monotonic()
+            now = self.clock()
             scheduled = list(batch.num_tokens.items())
             chunks = []
             for request, n in scheduled:
@@ -162,7 +174,7 @@ class LLMEngine:
         for row, (request, n) in enumerate(scheduled):
             if request.is_finished:  # aborted while the backend ran
                 continue
-            if request.num_computed_tokens < len(request.prompt_token_ids):
+            if request.num_computed_tokens < request.num_prompt_tokens:
                 self.counters.prompt_tokens += n
             request.num_computed_tokens += n
             self.kv.cache_computed_blocks(request)
@@ -172,14 +184,14 @@ class LLMEngine:
             return []
         requests = [r for r, _ in to_sample]
         result = self.sampler.sample(logits[[row for _, row in to_sample]], [r.sampling for r in requests])
-        now = time.monotonic()
+        now = self.clock()
         return [
             self._append_token(request, int(token), logprobs, now)
             for request, token, logprobs in zip(requests, result.token_ids, result.logprobs, strict=True)
         ]
 
-    def _append_token(self, request: Request, token: int, logprobs, now: float) -> RequestOutput:
-        request.output_token_ids.append(token)
+    def _append_token(self, request: Request, token: int, logprobs: TokenLogprobs | None, now: float) -> RequestOutput:
+        request.append_output_token(token)
         request.sampling.append(token)
         request.timing.on_token(now)
         self.counters.generation_tokens += 1
@@ -189,33 +201,41 @@ class LLMEngine:
         text, stopped = self.streams[request.request_id].add(token)
         if stopped:
             return self._finish(request, "stop", text, [token], lp)
-        if len(request.output_token_ids) >= params.max_tokens:
+        if request.num_output_tokens >= params.max_tokens:
             return self._finish(request, "length", text, [token], lp)
         return self._output(request, text, [token], lp)
 
     def _finish(
-        self, request: Request, reason: str, text: str, token_ids: list[int], lp, error: str | None = None
+        self,
+        request: Request,
+        reason: str,
+        text: str,
+        token_ids: list[int],
+        lp: list[TokenLogprobs] | None,
+        error: str | None = None,
     ) -> RequestOutput:
         stream = self.streams.pop(request.request_id)
         text += stream.finish()
         self.scheduler.remove(request)
         del self.requests[request.request_id]
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
-        request.timing.finished = time.monotonic()
+        request.timing.finished = self.clock()
         self.counters.finished[reason] += 1
         out = self._output(request, text, token_ids, lp)
         out.finished, out.finish_reason, out.error = True, reason, error
-        out.stats = {**request.timing.summary(), "num_preemptions": request.num_preemptions}
+        out.stats = RequestStats(**request.timing.summary(), num_preemptions=request.num_preemptions)
         return out
 
-    def _output(self, request: Request, text: str, token_ids: list[int], lp) -> RequestOutput:
+    def _output(
+        self, request: Request, text: str, token_ids: list[int], lp: list[TokenLogprobs] | None
+    ) -> RequestOutput:
         return RequestOutput(
             request.request_id, text, token_ids, logprobs=lp,
-            num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=len(request.output_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
         )  # fmt: skip
 
     def _expire_deadlines(self) -> list[RequestOutput]:
-        now = time.monotonic()
+        now = self.clock()
         expired = [
             r for r in self.requests.values()
             if r.params.deadline_s is not None and now - r.timing.arrival > r.params.deadline_s

@@ -3,10 +3,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from runtime.engine.sampler import TokenLogprobs
 
 FINISH_REASONS = ("stop", "length", "abort", "deadline", "error")
+
+
+class RequestTimingStats(TypedDict):
+    """Seconds from a request's arrival; None when the mark was never reached."""
+
+    queue_time_s: float | None  # until first scheduled
+    ttft_s: float | None  # until the first token
+    e2e_s: float | None  # until finished
+    inter_token_latencies_s: list[float]  # between consecutive output tokens
+
+
+class RequestStats(RequestTimingStats):
+    """A finished request's stats (RequestOutput.stats)."""
+
+    num_preemptions: int
 
 
 @dataclass
@@ -21,7 +37,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    stats: dict | None = None  # per-request timing, on the final output
+    stats: RequestStats | None = None  # per-request timing, on the final output
     error: str | None = None  # why, when finish_reason is "error" (the engine failed the step)
 
 
@@ -35,7 +51,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None
-    stats: dict | None = None
+    stats: RequestStats | None = None
     error: str | None = None
 
     def add(self, delta: RequestOutput) -> None:

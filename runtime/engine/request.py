@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from runtime.engine.outputs import RequestTimingStats
 from runtime.engine.sampler import SamplingState
 from runtime.engine.sampling_params import SamplingParams
 
@@ -29,33 +30,37 @@ class RequestTiming:
     inter_token_latencies: list[float] = field(default_factory=list)
 
     def on_token(self, now: float) -> None:
-        if self.first_token is None:
+        if self.last_token is None:
             self.first_token = now
         else:
             self.inter_token_latencies.append(now - self.last_token)
         self.last_token = now
 
-    def summary(self) -> dict:
+    def summary(self) -> RequestTimingStats:
         def since(mark: float | None, start: float | None) -> float | None:
             return None if mark is None or start is None else mark - start
 
-        return {
-            "queue_time_s": since(self.first_scheduled, self.arrival),
-            "ttft_s": since(self.first_token, self.arrival),
-            "e2e_s": since(self.finished, self.arrival),
-            "inter_token_latencies_s": list(self.inter_token_latencies),
-        }
+        return RequestTimingStats(
+            queue_time_s=since(self.first_scheduled, self.arrival),
+            ttft_s=since(self.first_token, self.arrival),
+            e2e_s=since(self.finished, self.arrival),
+            inter_token_latencies_s=list(self.inter_token_latencies),
+        )
 
 
 @dataclass(eq=False)
 class Request:
+    """One request. Its tokens live in ONE list, `all_token_ids`: the prompt (given at
+    construction, copied) followed by each sampled token as it is appended. The engine reads
+    it every step (a chunk's tokens, block hashes), so nothing per step rebuilds it;
+    `prompt_token_ids` and `output_token_ids` are slices (copies) for the rare reader."""
+
     request_id: str
-    prompt_token_ids: list[int]
+    all_token_ids: list[int]  # the prompt at construction; sampled tokens are appended
     params: SamplingParams
     sampling: SamplingState
     arrival_order: int  # FCFS tie-break within a priority class
     timing: RequestTiming = field(default_factory=lambda: RequestTiming(arrival=time.monotonic()))
-    output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V sit in the pool
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
@@ -63,18 +68,31 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_prompt_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.all_token_ids)  # never grow the caller's prompt list
+        self.num_prompt_tokens = len(self.all_token_ids)
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
     def num_tokens_to_compute(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.all_token_ids) - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -82,7 +100,10 @@ class Request:
 
     @property
     def max_total_tokens(self) -> int:
-        return len(self.prompt_token_ids) + self.params.max_tokens
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
 
     def sort_key(self) -> tuple[int, int]:
         """Lower runs first: priority class, then arrival (FCFS)."""

@@ -13,6 +13,9 @@ recompute: the victim is the running request that is lowest priority, latest arr
 (`max(sort_key)`); its blocks are freed (full ones stay in the prefix cache, so a resumed
 request often recomputes little) and it goes back to the waiting queue, where its original
 arrival keeps it ahead of newer requests. The scheduler never touches tensors.
+
+Admission control: `add` rejects a new request with Overloaded while `max_waiting`
+requests wait; a preempted request always goes back to the queue, whatever its length.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from runtime.engine.errors import Overloaded
 from runtime.engine.kv_cache_manager import KVCacheManager
 from runtime.engine.request import Request, RequestStatus
 
@@ -57,6 +61,12 @@ class Scheduler:
         return len(self.waiting)
 
     def add(self, request: Request) -> None:
+        """Queue a new request; raises Overloaded, queueing nothing, if the queue is full."""
+        if self.num_waiting >= self.config.max_waiting:
+            raise Overloaded(f"overloaded: {self.num_waiting} requests already waiting; retry later")
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
         heapq.heappush(self.waiting, (request.sort_key(), request))
 
     def remove(self, request: Request) -> None:
@@ -102,7 +112,7 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions += 1
         batch.preempted.append(victim)
-        self.add(victim)
+        self._enqueue(victim)  # never rejected: it was admitted once
 
     def _admit_waiting(self, batch: ScheduledBatch) -> None:
         while self.waiting and batch.budget > 0 and len(self.running) < self.config.max_num_seqs:

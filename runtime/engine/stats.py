@@ -11,7 +11,7 @@ class EngineCounters:
     prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
     generation_tokens: int = 0
     steps: int = 0
-    finished: Counter = field(default_factory=Counter)  # by finish reason
+    finished: Counter[str] = field(default_factory=Counter)  # by finish reason
     rejected_overloaded: int = 0
     rejected_invalid: int = 0
 

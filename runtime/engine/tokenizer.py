@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from engine_format import EngineConfig
 
 
-def load_tokenizer(engine_dir: str | Path):
+def load_tokenizer(engine_dir: str | Path) -> Any:
+    """The engine's Hugging Face tokenizer (typed Any: the Auto class picks the concrete one)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(Path(engine_dir), local_files_only=True)
 
 
-def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+def encode_prompt(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
     """Token ids for a user prompt; with `chat`, wrapped in the model's chat template."""
     if chat:
         if not tokenizer.chat_template:
@@ -25,7 +27,7 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     return tokenizer.encode(prompt)
 
 
-def stop_token_ids(tokenizer, config: EngineConfig) -> tuple[int, ...]:
+def stop_token_ids(tokenizer: Any, config: EngineConfig) -> tuple[int, ...]:
     ids = set(config.model.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)

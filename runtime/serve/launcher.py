@@ -23,8 +23,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 MODEL_NAME = "llm"
 ADAPTER_MODELS = ("llm_infer",)  # forward to MODEL_NAME; copied as they are
@@ -50,7 +52,7 @@ class ServerConfig:
         return f"http://{self.host}:{self.http_port}"
 
     @classmethod
-    def on_free_ports(cls, engine_dir: Path, **kwargs) -> ServerConfig:
+    def on_free_ports(cls, engine_dir: Path, **kwargs: Any) -> ServerConfig:
         """Ports the OS reports free now (tests, benchmarks, examples: several servers side by side)."""
         return cls(engine_dir, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), **kwargs)
 
@@ -135,8 +137,13 @@ def fill_parameters(template: str, params: dict[str, str]) -> str:
         pattern = re.compile(r'(key: "' + re.escape(key) + r'", value: \{ string_value: )"[^"]*"')
         if not pattern.search(template):
             raise ServerError(f"config.pbtxt template has no parameter {key!r}")
-        template = pattern.sub(lambda m, v=value: f'{m.group(1)}"{v}"', template)
+        template = pattern.sub(_quoted_value(value), template)
     return template
+
+
+def _quoted_value(value: str) -> Callable[[re.Match[str]], str]:
+    """A re.sub replacement keeping the matched prefix and quoting `value` (taken literally)."""
+    return lambda m: f'{m.group(1)}"{value}"'
 
 
 class TritonServer:
@@ -189,5 +196,5 @@ class TritonServer:
     def __enter__(self) -> TritonServer:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

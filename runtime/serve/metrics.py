@@ -8,6 +8,8 @@ end-to-end); gauges and counters are refreshed from the engine's stats by a smal
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from runtime.engine.outputs import FINISH_REASONS, RequestOutput
 from runtime.engine.stats import EngineStats
@@ -16,14 +18,14 @@ LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5]
 
 # name -> (description, how to read it from EngineStats)
-GAUGES = {
+GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
     "trtserve_num_requests_running": ("Requests in the running batch.", lambda s: s.running),
     "trtserve_num_requests_waiting": ("Requests waiting to be scheduled.", lambda s: s.waiting),
     "trtserve_kv_cache_usage_ratio": ("Fraction of KV blocks held by requests.", lambda s: s.kv_usage),
     "trtserve_kv_cache_used_blocks": ("KV blocks held by requests.", lambda s: s.kv_blocks["used"]),
     "trtserve_kv_cache_cached_blocks": ("Free KV blocks holding a cached prefix.", lambda s: s.kv_blocks["cached"]),
 }
-COUNTERS = {
+COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
     "trtserve_prefix_cache_queries_total": ("Prompt tokens looked up in the cache.", lambda s: s.prefix_cache_queries),
     "trtserve_prefix_cache_hits_total": ("Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache_hits),
     "trtserve_preemptions_total": ("Requests preempted for lack of KV blocks.", lambda s: s.preemptions),
@@ -41,11 +43,12 @@ HISTOGRAMS = {
 
 
 class TritonMetrics:
-    def __init__(self, pb_utils, labels: dict[str, str]):
+    def __init__(self, pb_utils: Any, labels: dict[str, str]) -> None:
+        """`pb_utils`: Triton's triton_python_backend_utils module (untyped; only inside the stub)."""
         kinds = pb_utils.MetricFamily
-        self._families = []  # must outlive their metrics
+        self._families: list[Any] = []  # must outlive their metrics
 
-        def family(name: str, description: str, kind):
+        def family(name: str, description: str, kind: Any) -> Any:
             self._families.append(kinds(name=name, description=description, kind=kind))
             return self._families[-1]
 
@@ -62,17 +65,18 @@ class TritonMetrics:
         self._lock = threading.Lock()
 
     def observe_finished(self, out: RequestOutput) -> None:
-        stats = out.stats or {}
+        stats = out.stats
         with self._lock:
-            for name, key in (
-                ("trtserve_time_to_first_token_seconds", "ttft_s"),
-                ("trtserve_queue_time_seconds", "queue_time_s"),
-                ("trtserve_e2e_request_latency_seconds", "e2e_s"),
-            ):
-                if stats.get(key) is not None:
-                    self.histograms[name].observe(stats[key])
-            for itl in stats.get("inter_token_latencies_s", []):
-                self.histograms["trtserve_inter_token_latency_seconds"].observe(itl)
+            if stats is not None:
+                for name, value in (
+                    ("trtserve_time_to_first_token_seconds", stats.get("ttft_s")),
+                    ("trtserve_queue_time_seconds", stats.get("queue_time_s")),
+                    ("trtserve_e2e_request_latency_seconds", stats.get("e2e_s")),
+                ):
+                    if value is not None:
+                        self.histograms[name].observe(value)
+                for itl in stats.get("inter_token_latencies_s", []):
+                    self.histograms["trtserve_inter_token_latency_seconds"].observe(itl)
             if out.finish_reason in self.finished:
                 self.finished[out.finish_reason].increment(1)
 

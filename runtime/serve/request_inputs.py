@@ -46,9 +46,13 @@ def parse_request(inputs: Mapping[str, np.ndarray]) -> ParsedRequest:
     """`inputs`: input name -> numpy array as Triton delivers it (strings as bytes objects)."""
     text = _text(inputs, "text_input")
     messages = _text(inputs, "messages")
-    if (text is None) == (messages is None):
+    prompt: Prompt
+    if text is not None and messages is None:
+        prompt = text
+    elif messages is not None and text is None:
+        prompt = _messages(messages)
+    else:
         raise InvalidRequest("text_input", "give exactly one of 'text_input' (a string) or 'messages' (JSON)")
-    prompt: Prompt = text if text is not None else _messages(messages)
     values: dict[str, Any] = dict(DEFAULTS)
     for name, field in SCALAR_PARAMS.items():
         if name in inputs:
@@ -79,7 +83,7 @@ def _decode(value: Any, name: str) -> str:
     raise InvalidRequest(name, f"must be a string (got {type(value).__name__})")
 
 
-def _messages(raw: str) -> list[dict]:
+def _messages(raw: str) -> list[dict[str, Any]]:
     try:
         messages = json.loads(raw)
     except json.JSONDecodeError as exc:

@@ -3,8 +3,14 @@
 Decoupled: each request gets its responses through its response sender, streamed (one
 response per delta) or whole, the last one flagged FINAL. An asyncio loop runs on its own
 thread; the engine loop runs on another (inside AsyncLLM). A request whose client cancels
-(`is_cancelled()`, polled every CANCEL_POLL_S) is aborted and its KV blocks freed. On
-unload, in-flight requests are drained (up to a timeout) before the engine stops.
+(`is_cancelled()`, asked every `cancel_poll_s` seconds) is aborted and its KV blocks freed.
+On unload, in-flight requests are drained (up to a timeout) before the engine stops.
+
+config.pbtxt parameters: `engine_dir` (required); the EngineArgs `max_num_seqs`,
+`max_num_batched_tokens`, `num_kv_blocks`, `max_waiting` (empty: the engine's default) and
+`enable_prefix_caching` ("true"/"false"); `cancel_poll_s`, the seconds between a request's
+`is_cancelled()` checks (empty: CANCEL_POLL_S = 0.5; "0": before every response is sent, one
+IPC round trip per token, which tests use so that a cancel is seen by the next token).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from runtime import AsyncLLM, CompletionOutput, EngineArgs, InvalidRequest, Over
 from runtime.serve.metrics import TritonMetrics
 from runtime.serve.request_inputs import SCALAR_PARAMS, parse_request
 
-CANCEL_POLL_S = 0.5
+CANCEL_POLL_S = 0.5  # default of the `cancel_poll_s` parameter
 METRICS_INTERVAL_S = 0.5
 INT_ARGS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_waiting")
 
@@ -35,6 +41,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("config parameter 'engine_dir' is empty: point it at an engine")
         engine_args = {k: int(params[k]) for k in INT_ARGS if params.get(k)}
         engine_args["enable_prefix_caching"] = params.get("enable_prefix_caching", "true").lower() == "true"
+        self.cancel_poll_s = _cancel_poll_s(params.get("cancel_poll_s", ""))
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.metrics = TritonMetrics(pb_utils, labels)
         try:
@@ -71,7 +78,7 @@ class TritonPythonModel:
             stream = self.engine.generate(parsed.prompt, parsed.params, request.request_id() or None)
             whole = CompletionOutput(request.request_id(), [])
             finished = False
-            async for delta in _until_cancelled(stream, request):
+            async for delta in _until_cancelled(stream, request, self.cancel_poll_s):
                 finished = delta.finished
                 if delta.error is not None:
                     _send_error(sender, f"engine error: {delta.error}", pb_utils.TritonError.INTERNAL)
@@ -108,25 +115,41 @@ class TritonPythonModel:
         self.loop_thread.join(timeout=5)
 
 
-async def _until_cancelled(stream, request):
+def _cancel_poll_s(value: str) -> float:
+    if not value.strip():
+        return CANCEL_POLL_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 <= seconds < float("inf"):
+        raise pb_utils.TritonModelException(f"config parameter 'cancel_poll_s' must be seconds >= 0 (got {value!r})")
+    return seconds
+
+
+async def _until_cancelled(stream, request, poll_s: float = CANCEL_POLL_S):
     """Yield the stream's deltas; stop (aborting the request) once the client cancels.
 
     `is_cancelled()` is an IPC round trip to the Triton process, so it is asked at most once
-    per CANCEL_POLL_S per request, whether deltas are flowing or not. Asking on every delta
+    per `poll_s` per request, whether deltas are flowing or not. Asking on every delta
     woke Triton hundreds of times a second under load, and each wake-up stalls one of ONNX
     Runtime's two kernel threads on a 2-core machine (c32: 67-68 -> 72 tok/s without them).
+    With `poll_s` 0 it is asked before each delta is passed on (and every CANCEL_POLL_S while
+    none comes, e.g. while the request waits to be scheduled).
     It must not be asked once the final response is sent (Triton frees the response factory
     then), so this returns right after yielding the finished delta."""
     loop = asyncio.get_running_loop()
-    next_check = loop.time() + CANCEL_POLL_S
+    next_check = loop.time() + poll_s
     while True:
         next_delta = asyncio.ensure_future(stream.__anext__())
         cancelled = False
         while not cancelled:
-            await asyncio.wait({next_delta}, timeout=max(0.0, next_check - loop.time()))
+            # poll_s 0: a check per delta, and every CANCEL_POLL_S while none comes (no busy loop).
+            timeout = max(0.0, next_check - loop.time()) if poll_s > 0 else CANCEL_POLL_S
+            await asyncio.wait({next_delta}, timeout=timeout)
             if loop.time() < next_check:
                 break  # the delta came before the next check is due
-            next_check = loop.time() + CANCEL_POLL_S
+            next_check = loop.time() + poll_s
             cancelled = request.is_cancelled()
             if next_delta.done():
                 break

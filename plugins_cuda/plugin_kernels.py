@@ -1,0 +1,210 @@
+"""The kernel each TensorRT plugin embeds, compiled from plain static shapes, a dtype and an arch.
+
+One place for both callers, so the PTX `trtserve kernels` writes is the PTX TensorRT embeds:
+the plugins' `aot_impl`s (plugins_cuda/trt_plugins.py, shapes read from the network) and
+`trtserve kernels` (plugins_cuda/cli.py, shapes from its options). Each function checks its
+shapes before compiling (ShapeError names the offending parameter) and returns a
+PluginKernel: the compiled kernel, the plugin's launch arguments in TensorRT's AOT order
+(inputs, int32 extras, outputs) and its grid. Needs no GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from plugins_cuda import fused_qkv, kv_write, paged_attention
+from plugins_cuda.aot import DTYPES, plugin_ptx, triton_pointer
+
+NAMESPACE = "trtserve"
+PROLOGUE = f"{NAMESPACE}::FusedRMSNormQKVRoPE"
+KV_WRITE = f"{NAMESPACE}::PagedKVWrite"
+ATTENTION = f"{NAMESPACE}::PagedAttention"
+
+
+class ShapeError(ValueError):
+    """Shapes a plugin kernel cannot take; `name` is the parameter at fault."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"{name}: {message}")
+        self.name, self.message = name, message
+
+
+@dataclass(frozen=True)
+class PluginKernel:
+    """One plugin's compiled kernel and how TensorRT launches it."""
+
+    plugin: str  # "trtserve::PagedAttention"
+    compiled: Any  # Triton's CompiledKernel: .asm["ptx"], .asm["cubin"], .metadata
+    inputs: tuple[str, ...]  # the launch arguments, in order: inputs, int32 extras, outputs
+    extras: tuple[str, ...]
+    outputs: tuple[str, ...]
+    rows_per_program: int  # grid x = ceil(batch * step / rows_per_program)
+    grid_y: int
+    shapes: dict = field(default_factory=dict)  # the static arguments it was compiled for
+
+    @property
+    def plugin_params(self) -> int:
+        """Parameters of the PTX entry TensorRT launches (Triton's hidden ones removed)."""
+        return len(self.inputs) + len(self.extras) + len(self.outputs)
+
+    @property
+    def threads(self) -> int:
+        return self.compiled.metadata.num_warps * 32
+
+    def ptx(self) -> str:
+        """The PTX exactly as the plugin embeds it (aot.plugin_ptx)."""
+        return plugin_ptx(self.compiled, self.plugin_params)
+
+    def launch_info(self) -> dict:
+        meta = self.compiled.metadata
+        rows = "batch * step" if self.rows_per_program == 1 else f"ceil(batch * step / {self.rows_per_program})"
+        return {
+            "plugin": self.plugin,
+            "kernel": meta.name,
+            "plugin_params": self.plugin_params,
+            "params": {"inputs": list(self.inputs), "int32": list(self.extras), "outputs": list(self.outputs)},
+            "grid": [rows, self.grid_y],
+            "block_threads": self.threads,
+            "num_warps": meta.num_warps,
+            "shared_memory_bytes": meta.shared,
+            "global_scratch_bytes": meta.global_scratch_size,
+            "shapes": self.shapes,
+        }
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ShapeError(name, message)
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def check_dtype(dtype: str) -> None:
+    _require(dtype in DTYPES, "dtype", f"the kernels support {', '.join(DTYPES)}, not {dtype!r}")
+
+
+def check_heads(num_heads: int, num_kv_heads: int) -> None:
+    _require(num_kv_heads >= 1, "num_kv_heads", f"must be >= 1, got {num_kv_heads}")
+    _require(num_heads >= 1, "num_heads", f"must be >= 1, got {num_heads}")
+    _require(num_heads % num_kv_heads == 0, "num_heads",
+             f"{num_heads} is not a multiple of the KV head count ({num_kv_heads})")  # fmt: skip
+
+
+def check_head_dim(head_dim: int) -> None:
+    # The prologue's RoPE halves are tl.dot tiles (>= 16 wide, power of two); attention's
+    # head tile is tl.arange(0, head_dim).
+    _require(_power_of_two(head_dim) and head_dim >= 2 * paged_attention.MIN_DOT, "head_dim",
+             f"must be a power of two >= {2 * paged_attention.MIN_DOT}, got {head_dim}")  # fmt: skip
+
+
+def check_block_size(block_size: int) -> None:
+    _require(_power_of_two(block_size) and block_size >= paged_attention.MIN_DOT, "block_size",
+             f"must be a power of two >= {paged_attention.MIN_DOT} (a tl.dot tile), got {block_size}")  # fmt: skip
+
+
+def head_dim_of(width: int, heads: int, name: str) -> int:
+    """`width // heads`, refusing a width that does not split into `heads` equal heads."""
+    _require(heads >= 1 and width % heads == 0, name, f"width {width} does not split into {heads} heads")
+    return width // heads
+
+
+def prologue_kernel(arch: int, dtype: str, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                    eps: float) -> PluginKernel:  # fmt: skip
+    """`trtserve::FusedRMSNormQKVRoPE`: always with a bias input (zeros when the model has none),
+    int64 positions and cos/sin tables in the model dtype."""
+    check_dtype(dtype)
+    _require(hidden >= 1, "hidden", f"must be >= 1, got {hidden}")
+    check_heads(num_heads, num_kv_heads)
+    check_head_dim(head_dim)
+    _require(eps >= 0, "eps", f"must be >= 0, got {eps}")
+    compiled = fused_qkv.compile_for_arch(
+        arch, dtype, hidden, num_heads, num_kv_heads, head_dim, has_bias=True, eps=float(eps),
+        positions="*i64", cos_sin=triton_pointer(dtype),
+    )  # fmt: skip
+    shapes = {"hidden": hidden, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+              "eps": float(eps)}  # fmt: skip
+    return PluginKernel(
+        PROLOGUE, compiled, ("x", "norm_weight", "w_qkv", "bias", "cos", "sin", "positions"), ("tokens",),
+        ("q", "k", "v"), fused_qkv.tile_sizes(hidden)[0], num_heads + 2 * num_kv_heads, shapes,
+    )  # fmt: skip
+
+
+def prologue_head_dim(split_sizes, num_heads: int, num_kv_heads: int) -> int:
+    """The head size from the prologue node's `split_sizes` (q, k, v widths), checked."""
+    check_heads(num_heads, num_kv_heads)
+    sizes = [int(n) for n in split_sizes]
+    head_dim = head_dim_of(sizes[0], num_heads, "split_sizes") if len(sizes) == 3 else 0
+    want = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    _require(head_dim > 0 and sizes == want, "split_sizes",
+             f"{sizes} are not q, k, v widths for {num_heads} and {num_kv_heads} heads")  # fmt: skip
+    return head_dim
+
+
+def kv_write_kernel(arch: int, dtype: str, kv_width: int, block_size: int) -> PluginKernel:
+    """`trtserve::PagedKVWrite`: the outputs are the pool inputs, written in place."""
+    check_dtype(dtype)
+    _require(kv_width >= 1, "kv_width", f"must be >= 1, got {kv_width}")
+    _require(block_size >= 1, "block_size", f"must be >= 1, got {block_size}")
+    compiled = kv_write.compile_for_arch(arch, dtype, kv_width, block_size)
+    return PluginKernel(
+        KV_WRITE, compiled, ("k", "v", "key_cache", "value_cache", "block_tables", "positions", "seq_lens"),
+        ("step", "table_width"), ("key_cache_out", "value_cache_out"), 1, 1,
+        {"kv_width": kv_width, "block_size": block_size},
+    )  # fmt: skip
+
+
+def attention_kernel(arch: int, dtype: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                     scale: float | None = None, window: int = 0) -> PluginKernel:  # fmt: skip
+    """`trtserve::PagedAttention` (padded [batch, step] layout); `scale` defaults to
+    head_dim ** -0.5, `window` 0 is full attention."""
+    check_dtype(dtype)
+    check_heads(num_heads, num_kv_heads)
+    check_head_dim(head_dim)
+    check_block_size(block_size)
+    _require(window >= 0, "window", f"must be >= 0 (0 = full attention), got {window}")
+    scale = head_dim**-0.5 if scale is None else float(scale)
+    compiled = paged_attention.compile_padded_for_arch(
+        arch, dtype, num_kv_heads, num_heads // num_kv_heads, head_dim, block_size, scale, int(window)
+    )
+    shapes = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+              "block_size": block_size, "scale": scale, "window": int(window)}  # fmt: skip
+    return PluginKernel(
+        ATTENTION, compiled, ("q", "key_cache", "value_cache", "block_tables", "positions"),
+        ("step", "table_width"), ("ctx",), 1, num_kv_heads, shapes,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """A decoder's shapes, as `trtserve kernels` takes them; checked on construction."""
+
+    dtype: str
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    window: int = 0
+    eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        check_dtype(self.dtype)
+        _require(self.hidden >= 1, "hidden", f"must be >= 1, got {self.hidden}")
+        check_heads(self.num_heads, self.num_kv_heads)
+        check_head_dim(self.head_dim)
+        check_block_size(self.block_size)
+        _require(self.window >= 0, "window", f"must be >= 0 (0 = full attention), got {self.window}")
+        _require(self.eps >= 0, "eps", f"must be >= 0, got {self.eps}")
+
+    def kernels(self, arch: int) -> dict[str, PluginKernel]:
+        """The three plugin kernels of one decoder layer, by file stem, compiled for `arch`."""
+        return {
+            "fused_rmsnorm_qkv_rope": prologue_kernel(arch, self.dtype, self.hidden, self.num_heads,
+                                                      self.num_kv_heads, self.head_dim, self.eps),
+            "paged_kv_write": kv_write_kernel(arch, self.dtype, self.num_kv_heads * self.head_dim, self.block_size),
+            "paged_attention": attention_kernel(arch, self.dtype, self.num_heads, self.num_kv_heads,
+                                                self.head_dim, self.block_size, window=self.window),
+        }  # fmt: skip
