@@ -119,19 +119,19 @@ class LLMEngine:
                 arrival_order=next(self._arrivals),
                 timing=RequestTiming(arrival=self.clock()),
             )
-            try:
-                self.scheduler.add(request)  # raises Overloaded while max_waiting requests wait
-            except Overloaded:
-                self.counters.rejected_overloaded += 1
-                raise
-            self.requests[request_id] = request
-            self.streams[request_id] = DetokenizedStream(
+            stream = DetokenizedStream(
                 self.tokenizer,
                 prompt_ids,
                 stops=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 skip_special_tokens=params.skip_special_tokens,
             )
+            try:
+                self.scheduler.add(request)  # raises Overloaded while max_waiting requests wait
+            except Overloaded:
+                self.counters.rejected_overloaded += 1
+                raise
+            self.requests[request_id], self.streams[request_id] = request, stream
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
