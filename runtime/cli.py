@@ -12,6 +12,8 @@ import click
 
 from engine_format import EngineConfig, EngineLoadError
 from runtime.engine.errors import InvalidRequest
+from runtime.gateway.cli import API_KEY_ENV, DEFAULT_PORT
+from runtime.gateway.cli import gateway as gateway_command
 
 COMMAND_ENTRY_POINTS = "trtserve.commands"
 
@@ -38,6 +40,9 @@ def _registered_commands() -> dict[str, EntryPoint]:
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 def main() -> None:
     """trtserve: compiled-engine LLM runtime (ONNX Runtime CPU today, TensorRT on GPU)."""
+
+
+main.add_command(gateway_command)
 
 
 @main.command()
@@ -126,16 +131,33 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
 @click.option("--num-kv-blocks", type=click.IntRange(min=1), help="KV cache size in blocks (default: engine's).")
 @click.option("--max-waiting", type=click.IntRange(min=1), help="Waiting-queue bound before 'overloaded' errors.")
 @click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
+@click.option(
+    "--openai-port",
+    default=DEFAULT_PORT,
+    show_default=True,
+    type=click.IntRange(1, 65535),
+    help="Port of the OpenAI-compatible endpoint (`trtserve gateway`, started alongside).",
+)
+@click.option("--no-openai", is_flag=True, help="Do not start the OpenAI-compatible endpoint.")
+@click.option(
+    "--api-key",
+    envvar=API_KEY_ENV,
+    show_envvar=True,
+    default=None,
+    help="Require 'Authorization: Bearer <key>' on the OpenAI endpoint.",
+)
 def serve(engine_dir: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, max_num_seqs: int | None,
           max_num_batched_tokens: int | None, num_kv_blocks: int | None, max_waiting: int | None,
-          no_prefix_caching: bool) -> None:  # fmt: skip
+          no_prefix_caching: bool, openai_port: int, no_openai: bool, api_key: str | None) -> None:  # fmt: skip
     """Serve an engine with NVIDIA Triton Inference Server (HTTP, gRPC, Prometheus metrics).
 
     Starts the real tritonserver with the trtserve `llm` model, waits until it is ready,
-    prints the endpoints, and shuts down cleanly on Ctrl-C or SIGTERM.
+    starts the OpenAI endpoint next to it (model name: the engine directory's), prints the
+    endpoints, and shuts down cleanly on Ctrl-C or SIGTERM.
     """
     import signal
 
+    from runtime.gateway.process import GatewayProcess, GatewayProcessError, start_beside_triton
     from runtime.serve.launcher import MODEL_NAME, ServerConfig, ServerError, TritonServer
 
     try:
@@ -154,19 +176,30 @@ def serve(engine_dir: Path, host: str, http_port: int, grpc_port: int, metrics_p
         server = TritonServer(config)
     except ServerError as exc:
         raise click.ClickException(str(exc)) from None
+    openai: GatewayProcess | None = None
+    served_name = engine_dir.resolve().name
     try:
         click.echo(f"starting tritonserver (log: {server.log_path}) ...", err=True)
         server.wait_ready()
+        if not no_openai:
+            openai = start_beside_triton(f"{host}:{grpc_port}", served_name, host, openai_port, api_key)
         click.echo(f"ready: model '{MODEL_NAME}'\n"
                    f"  HTTP     http://{host}:{http_port}/v2/models/{MODEL_NAME}/generate (and generate_stream)\n"
                    f"  gRPC     {host}:{grpc_port}\n"
                    f"  metrics  http://{host}:{metrics_port}/metrics")  # fmt: skip
-        while not stop and server.process.poll() is None:
+        if openai is not None:
+            click.echo(f"  OpenAI   http://{host}:{openai_port}/v1 (model '{served_name}'; log: {openai.log_path})")
+        while not stop and server.process.poll() is None and (openai is None or openai.process.poll() is None):
             time.sleep(0.2)
         if server.process.poll() is not None and not stop:
             raise ServerError(f"tritonserver exited unexpectedly:\n{server.log_tail()}")
-    except ServerError as exc:
+        if openai is not None and openai.process.poll() is not None and not stop:
+            raise ServerError(f"the OpenAI gateway exited unexpectedly:\n{openai.log_tail()}")
+    except (ServerError, GatewayProcessError) as exc:
         raise click.ClickException(str(exc)) from None
     finally:
+        if openai is not None:
+            click.echo("stopping the OpenAI gateway ...", err=True)
+            openai.stop()
         click.echo("stopping tritonserver ...", err=True)
         server.stop()

@@ -1,0 +1,1 @@
+"""OpenAI-compatible gateway in front of tritonserver."""

@@ -1,0 +1,88 @@
+"""Errors in OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}}.
+
+Every failure a client can see is a GatewayError; pydantic's validation errors are turned
+into 400s naming the parameter, so no upstream 500 ever reaches a client for bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+from starlette.responses import JSONResponse
+
+# Parameters of OpenAI's API this server does not implement: named as unsupported, not unknown.
+UNSUPPORTED = frozenset({
+    "audio", "best_of", "echo", "function_call", "functions", "logit_bias", "metadata", "modalities",
+    "parallel_tool_calls", "prediction", "prompt_cache_key", "reasoning_effort", "response_format",
+    "safety_identifier", "service_tier", "store", "suffix", "tool_choice", "tools", "verbosity",
+    "web_search_options",
+})  # fmt: skip
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+@dataclass
+class GatewayError(Exception):
+    status: int
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+    retry_after_s: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+
+    @classmethod
+    def invalid(cls, message: str, param: str | None = None, code: str | None = None) -> GatewayError:
+        return cls(400, message, "invalid_request_error", param, code)
+
+    @classmethod
+    def overloaded(cls, message: str, retry_after_s: float | None = None) -> GatewayError:
+        return cls(429, message, "rate_limit_error", code="overloaded", retry_after_s=retry_after_s)
+
+    @classmethod
+    def unavailable(cls, message: str) -> GatewayError:
+        return cls(503, message, "service_unavailable", code="no_healthy_backend")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {}
+        if self.retry_after_s is not None:  # whole seconds (RFC 9110), and milliseconds as the openai SDK reads
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+            headers["retry-after-ms"] = str(max(1, round(self.retry_after_s * 1000)))
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+    def sse(self) -> str:
+        """The error as a server-sent event, for failures after a stream's 200 went out."""
+        return f"data: {json.dumps(self.body())}\n\n"
+
+
+def from_validation(exc: ValidationError) -> GatewayError:
+    """A problem pydantic found, with the parameter named: the most specific one (for a union, the
+    member that got furthest into the value: a list with one bad element names that element)."""
+    error = max(exc.errors(include_url=False), key=lambda e: len(e["loc"]))
+    path = _path(error["loc"])
+    top = str(error["loc"][0]) if error["loc"] else None
+    if error["type"] == "extra_forbidden":
+        if len(error["loc"]) == 1 and top in UNSUPPORTED:
+            return GatewayError.invalid(f"'{top}' is not supported by this server", top, "unsupported_parameter")
+        return GatewayError.invalid(f"unknown parameter '{path}'", path, "unknown_parameter")
+    if error["type"] == "missing":
+        return GatewayError.invalid(f"'{path}' is required", path, "missing_required_parameter")
+    return GatewayError.invalid(f"'{path}': {error['msg']}", path, "invalid_value")
+
+
+def _path(loc: tuple) -> str:
+    """('messages', 0, 'content', 'str') -> 'messages[0].content' (union-member tags dropped)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier() and part[0].islower() and part not in _TYPE_TAGS:
+            out += f".{part}" if out else part
+    return out

@@ -1,0 +1,149 @@
+"""One client request's upstream work: an admission slot, n choices fanned out, cascade, cleanup.
+
+Each choice runs as a task feeding one event queue (streams interleave as tokens arrive).
+`close()` is called from wherever the request ends first: the response is done, the client
+disconnected (the disconnect watcher, or Starlette cancelling a stream), or an error. It
+cancels unfinished upstream calls (Triton aborts those requests) and releases the queue slot;
+the cleanup runs in its own task, so it completes even when the caller is being cancelled
+(anyio cancels every await inside a cancelled stream's scope).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, replace
+
+from runtime.gateway.errors import GatewayError
+from runtime.gateway.routing import RouteDecision, Router
+from runtime.gateway.upstream import Delta, GenerateRequest, Upstream
+
+log = logging.getLogger(__name__)
+
+
+def client_gone() -> GatewayError:
+    return GatewayError(499, "the client closed the request", "client_closed")
+
+
+@dataclass(frozen=True)
+class Event:
+    index: int  # the choice
+    delta: Delta
+
+
+class Exchange:
+    def __init__(self, decision: RouteDecision, upstreams: dict[str, Upstream], router: Router,
+                 requests: list[GenerateRequest], stream: bool, want_logprobs: bool,
+                 on_client_left: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+        self.decision = decision
+        self._upstreams, self._router = upstreams, router
+        self.requests, self._stream, self._want_logprobs = requests, stream, want_logprobs
+        self._on_client_left = on_client_left  # called once if a leaving client cut upstream work short
+        self._events: asyncio.Queue[Event | GatewayError] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing = asyncio.Event()
+        self._closer: asyncio.Future[None] | None = None
+        self._slot: AbstractAsyncContextManager[float] | None = None
+        self._pending = set(range(len(requests)))  # choices not finished yet
+        self.escalated = False
+        self.closed = False
+
+    @property
+    def model(self) -> str:
+        """The model named in the response: the strong one once any choice escalated."""
+        return self.decision.escalate_to if self.escalated and self.decision.escalate_to else self.decision.model
+
+    @property
+    def finished(self) -> bool:
+        return not self._pending
+
+    async def start(self, slot: AbstractAsyncContextManager[float]) -> float:
+        """Take the admission slot (FairQueue.slot; its QueueFull propagates), then start every choice.
+        A close() while still queued ends the wait with the 499 error."""
+        admission = asyncio.ensure_future(slot.__aenter__())
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            await asyncio.wait({admission, closing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+            if not admission.done():  # closed, or this handler cancelled: leave the queue
+                admission.cancel()
+        if admission.cancelled() or not admission.done():
+            raise client_gone()
+        waited = admission.result()
+        self._slot = slot
+        if self.closed:  # closed as the slot was granted
+            await self._release()
+            raise client_gone()
+        self._tasks = [asyncio.create_task(self._pump(i, r)) for i, r in enumerate(self.requests)]
+        return waited
+
+    async def next(self) -> Event:
+        """The next event of any choice; raises the first GatewayError a choice hits."""
+        item = await self._events.get()
+        if isinstance(item, GatewayError):
+            raise item
+        if item.delta.finish_reason is not None:
+            self._pending.discard(item.index)
+        return item
+
+    async def events(self) -> AsyncIterator[Event]:
+        while not self.finished:
+            yield await self.next()
+
+    async def close(self, client_left: bool = False) -> None:
+        """Cancel what still runs and release the slot (idempotent; completes even if the caller is cancelled)."""
+        if self._closer is None:
+            self.closed = True
+            if client_left and self._tasks and not self.finished:
+                self._on_client_left()
+            self._closing.set()
+            self._closer = asyncio.ensure_future(self._shutdown())
+        await asyncio.shield(self._closer)
+
+    async def _shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:  # the generators' finally blocks cancel their gRPC calls
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._release()
+        self._events.put_nowait(client_gone())  # wakes a reader still waiting for events
+
+    async def _release(self) -> None:
+        if self._slot is not None:
+            slot, self._slot = self._slot, None
+            await slot.__aexit__(None, None, None)
+
+    async def _pump(self, index: int, request: GenerateRequest) -> None:
+        try:
+            async for delta in self._choice(request):
+                self._events.put_nowait(Event(index, delta))
+        except GatewayError as exc:
+            self._events.put_nowait(exc)
+        except Exception as exc:  # a bug must fail the request, not leave its client waiting forever
+            log.exception("choice %d failed", index)
+            self._events.put_nowait(GatewayError(500, f"gateway error: {type(exc).__name__}", "server_error"))
+
+    async def _choice(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+        decision = self.decision
+        first = self._upstreams[decision.model]
+        if decision.escalate_to is None:
+            async for delta in first.generate(request, self._stream):
+                yield delta
+            return
+        # Cascade: the small model answers whole, with logprobs, so its confidence can be judged.
+        probe = replace(request, params={**request.params, "logprobs": request.params.get("logprobs", 0)})
+        deltas = [delta async for delta in first.generate(probe, stream=False)]
+        logprobs = [lp.logprob for delta in deltas for lp in delta.logprobs]
+        mean = sum(logprobs) / len(logprobs) if logprobs else None  # None: unknown, the router escalates
+        if self._router.should_escalate(decision, mean):
+            self.escalated = True
+            async for delta in self._upstreams[decision.escalate_to].generate(request, self._stream):
+                yield delta
+            return
+        for delta in deltas:
+            yield delta if self._want_logprobs else replace(delta, logprobs=[])

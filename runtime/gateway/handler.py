@@ -1,0 +1,168 @@
+"""One generation request, end to end: checks, admission, upstream, the answer (whole or streamed).
+
+Order of checks: API key (401), body (400), model (404), backend health (503), admission
+queue (429), then upstream, whose errors keep their meaning (400 invalid, 429 overloaded,
+503 unreachable). A stream commits to 200 only once every choice has produced its first
+delta, so failures before that still get their status. A disconnect watcher closes the
+exchange (cancelling the upstream requests) as soon as the client leaves, whatever the
+handler is waiting on then; the stream's own cleanup covers Starlette cancelling it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from runtime.gateway import responses
+from runtime.gateway.errors import GatewayError, from_validation
+from runtime.gateway.exchange import Event, Exchange
+from runtime.gateway.fair_queue import QueueFull
+from runtime.gateway.protocol import ChatCompletionRequest, CompletionRequest, Generation
+from runtime.gateway.responses import Choice, Header, Kind
+from runtime.gateway.routing import UnknownModel
+from runtime.gateway.service import Gateway
+
+ENDPOINTS: dict[Kind, str] = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
+
+
+def unknown_model(model: str, served: list[str]) -> GatewayError:
+    return GatewayError(404, f"The model '{model}' does not exist (served: {', '.join(served)})",
+                        "invalid_request_error", "model", "model_not_found")  # fmt: skip
+
+
+async def generate(gateway: Gateway, http: Request, kind: Kind) -> Response:
+    call = Call(gateway, http, kind)
+    model = "-"  # the label for requests naming no served model (client strings would grow the label set)
+    try:
+        gateway.authorize(http)
+        body = await _parse(http, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        model = body.model if body.model in gateway.model_ids else model
+        response = await call.run(body)
+    except GatewayError as exc:
+        gateway.metrics.requests.labels(call.endpoint, model, str(exc.status)).inc()
+        return exc.response()
+    gateway.metrics.requests.labels(call.endpoint, model, "200").inc()
+    return response
+
+
+async def _parse(http: Request, schema: type[Generation]) -> Generation:
+    try:
+        data = json.loads(await http.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise GatewayError.invalid(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise GatewayError.invalid("the body must be a JSON object")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+
+
+@dataclass
+class Call:
+    gateway: Gateway
+    http: Request
+    kind: Kind
+    arrived: float = field(default_factory=time.monotonic)
+
+    @property
+    def endpoint(self) -> str:
+        return ENDPOINTS[self.kind]
+
+    async def run(self, body: Generation) -> Response:
+        gateway = self.gateway
+        try:
+            decision = gateway.router.route(body.model, body.prompt_chars, body.stream)
+        except UnknownModel:
+            raise unknown_model(body.model, gateway.model_ids) from None
+        await gateway.check_health(decision)
+        cancelled = gateway.metrics.cancelled.labels(self.endpoint)
+        exchange = Exchange(decision, gateway.upstreams, gateway.router, body.upstream_requests(), body.stream,
+                            body.logprobs_n is not None, cancelled.inc)  # fmt: skip
+        watcher = asyncio.create_task(self._close_on_disconnect(exchange))
+        committed = False
+        try:
+            try:
+                await exchange.start(gateway.queue.slot(gateway.tenant(self.http, body.user)))
+            except QueueFull as exc:
+                raise GatewayError.overloaded(str(exc), exc.retry_after_s) from None
+            choices = [Choice(i, i // body.n) for i in range(len(exchange.requests))]  # n per prompt, in order
+            if body.stream:
+                first = await _first_events(exchange, len(choices))
+                stream = self._stream(exchange, watcher, body, choices, first)
+                committed = True
+                return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            async for event in exchange.events():
+                choices[event.index].add(event.delta)
+            self._finished(exchange, choices)
+            return JSONResponse(responses.completion(self._header(exchange, body), choices))
+        except GatewayError as exc:
+            if exc.status == 429 and exc.retry_after_s is None:  # the engine's own queue is full
+                exc.retry_after_s = gateway.queue.retry_after_s
+            raise
+        finally:
+            if not committed:  # once the stream exists, its generator owns the cleanup
+                watcher.cancel()
+                await exchange.close()
+
+    def _header(self, exchange: Exchange, body: Generation) -> Header:
+        return Header(self.kind, exchange.model, body.logprobs_n is not None)
+
+    def _finished(self, exchange: Exchange, choices: list[Choice]) -> None:
+        self.gateway.account(exchange, choices)
+        self.gateway.metrics.latency.labels(self.endpoint).observe(time.monotonic() - self.arrived)
+
+    async def _stream(self, exchange: Exchange, watcher: asyncio.Task[None], body: Generation, choices: list[Choice],
+                      first: list[Event]) -> AsyncIterator[str]:  # fmt: skip
+        header = self._header(exchange, body)
+        self.gateway.metrics.ttft.labels(self.endpoint).observe(time.monotonic() - self.arrived)
+        started: set[int] = set()  # choices whose first chunk (chat: with the role) went out
+        client_left = True  # unless the stream ends on its own
+        try:
+            async for event in _chain(first, exchange):
+                choices[event.index].add(event.delta)
+                yield responses.chunk(header, event.index, event.delta, event.index not in started, body.include_usage)
+                started.add(event.index)
+            if body.include_usage:
+                yield responses.usage_chunk(header, choices)
+            client_left = False
+            yield responses.DONE
+            self._finished(exchange, choices)
+        except GatewayError as exc:
+            client_left = exc.status == 499  # else an upstream failure, told to the client
+            if not client_left:
+                yield exc.sse()
+                yield responses.DONE
+        finally:  # also reached when Starlette cancels the stream because the client left
+            watcher.cancel()
+            await exchange.close(client_left)
+
+    async def _close_on_disconnect(self, exchange: Exchange) -> None:
+        while (await self.http.receive())["type"] != "http.disconnect":
+            pass
+        await exchange.close(client_left=True)
+
+
+async def _first_events(exchange: Exchange, count: int) -> list[Event]:
+    """Events up to the first of each choice."""
+    seen: set[int] = set()
+    events = []
+    while len(seen) < count:
+        event = await exchange.next()
+        seen.add(event.index)
+        events.append(event)
+    return events
+
+
+async def _chain(first: list[Event], exchange: Exchange) -> AsyncIterator[Event]:
+    for event in first:
+        yield event
+    async for event in exchange.events():
+        yield event

@@ -1,0 +1,180 @@
+"""OpenAI request bodies (pydantic, strict): what the gateway accepts, validated before Triton sees it.
+
+Strict types: "5" is not an integer and true is not a number, as in OpenAI's API. Unknown
+fields are errors (errors.from_validation names them; OpenAI parameters this server lacks
+are called unsupported). A field sent as null counts as not sent. Ranges match the engine's
+SamplingParams, so a request that passes here is not refused upstream for its parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from runtime.gateway.errors import GatewayError
+from runtime.gateway.upstream import GenerateRequest
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20  # runtime.engine.sampling_params.MAX_LOGPROBS
+MAX_STOP = 16
+INT32_MAX = 2**31 - 1
+
+PositiveInt = Annotated[int, Field(ge=1, le=INT32_MAX)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def as_upstream(self) -> dict[str, str]:
+        """Text content for the model's chat template; 'developer' is OpenAI's new name for 'system'."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class Generation(_Strict):
+    """Fields both endpoints share, OpenAI's and trtserve's extras (sent as extra body fields)."""
+
+    model: str
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None = None
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1 - MAX_N)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    user: str | None = None
+    # trtserve extras
+    top_k: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
+    ignore_eos: bool = False
+    priority: Annotated[int, Field(ge=-(2**31), le=INT32_MAX)] = 0
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> Generation:
+        if self.stream_options is not None and not self.stream:
+            raise GatewayError.invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        if isinstance(self.stop, str) and not self.stop:
+            raise GatewayError.invalid("'stop' must not be empty", "stop")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def logprobs_n(self) -> int | None:
+        """Top alternatives per token to ask the engine for; None: no logprobs."""
+        return None
+
+    @property
+    def prompt_chars(self) -> int:
+        return sum(len(p or "") + sum(len(m["content"]) for m in ms or []) for p, ms in self._inputs())
+
+    def _inputs(self) -> list[tuple[str | None, list[dict[str, str]] | None]]:
+        """(prompt, messages) per prompt."""
+        raise NotImplementedError
+
+    def upstream_requests(self) -> list[GenerateRequest]:
+        """One upstream generation per choice, n per prompt; choice j of a prompt samples with seed + j
+        (reproducible, and distinct from its siblings)."""
+        params: dict[str, int | float | bool] = {
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos, "priority": self.priority,
+        }  # fmt: skip
+        if self.token_limit is not None:
+            params["max_tokens"] = self.token_limit
+        if self.logprobs_n is not None:
+            params["logprobs"] = self.logprobs_n
+        requests = []
+        for prompt, messages in self._inputs():
+            for j in range(self.n):
+                seed = {"seed": self.seed + j} if self.seed is not None else {}
+                requests.append(GenerateRequest(prompt, messages, {**params, **seed}, self.stop_strings))
+        return requests
+
+
+class ChatCompletionRequest(Generation):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _checks(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise GatewayError.invalid("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise GatewayError.invalid("give 'max_completion_tokens' or 'max_tokens', not both", "max_tokens")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def logprobs_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def _inputs(self) -> list[tuple[str | None, list[dict[str, str]] | None]]:
+        return [(None, [m.as_upstream() for m in self.messages])]
+
+
+class CompletionRequest(Generation):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_N)]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # named `logprobs_n` elsewhere
+
+    @model_validator(mode="after")
+    def _checks(self) -> CompletionRequest:
+        if len(self.prompts) * self.n > MAX_N:
+            raise GatewayError.invalid(f"len(prompt) * n must be at most {MAX_N}", "n")
+        if any(not p for p in self.prompts):
+            raise GatewayError.invalid("'prompt' must not be empty", "prompt")
+        return self
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+    @property
+    def token_limit(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default for completions
+
+    @property
+    def logprobs_n(self) -> int | None:
+        return self.logprobs
+
+    def _inputs(self) -> list[tuple[str | None, list[dict[str, str]] | None]]:
+        return [(p, None) for p in self.prompts]

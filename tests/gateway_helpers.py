@@ -1,0 +1,73 @@
+"""For gateway tests: a gateway process in front of a tritonserver, OpenAI SDK clients, and an
+engine slow enough that a request outlives a cancel's trip (the tiny engines finish 240 tokens
+in ~70 ms)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+
+from runtime.gateway.process import GatewayProcess
+from runtime.serve.launcher import free_port
+
+SLOW_MAX_SEQ_LEN = 2048
+
+
+@contextlib.contextmanager
+def running_gateway(triton_grpc_port: int | None, model: str | None, *args: str, api_key: str | None = None,
+                    healthy: bool = True) -> Iterator[GatewayProcess]:  # fmt: skip
+    """`trtserve gateway` for the tritonserver on `triton_grpc_port` serving `model` (as `serve` starts it),
+    or as `args` say (None, None, "--config", path)."""
+    single = ["--triton-url", f"127.0.0.1:{triton_grpc_port}", "--model", model] if model else []
+    command = [*single, *args]
+    with GatewayProcess(command, "127.0.0.1", free_port(), api_key=api_key) as gateway:
+        gateway.wait_ready(timeout_s=60, healthy=healthy)
+        yield gateway
+        assert gateway.process.poll() is None, "the gateway died during the tests:\n" + gateway.log_tail()
+
+
+def client(gateway_url: str, api_key: str = "unused") -> openai.OpenAI:
+    """No retries: a test sees the first answer (the SDK retries 429s and 5xx by default)."""
+    return openai.OpenAI(base_url=f"{gateway_url}/v1", api_key=api_key, max_retries=0, timeout=120)
+
+
+def gateway_metrics(gateway: GatewayProcess) -> dict[str, float]:
+    text = urllib.request.urlopen(f"{gateway.url}/metrics", timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        match = re.match(r"^(trtserve_gateway_\w+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if match:
+            values[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    return values
+
+
+def build_slow_engine(engines_dir: Path) -> Path:
+    """A random-weight Llama with 2048 positions: ~50 tokens/s on CPU here, so a 1,500-token
+    request runs for many seconds unless cancelled."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from builder.build import BuildOptions, build_engine
+    from builder.tiny import make_tokenizer
+
+    out = engines_dir / "slow-llama"
+    if out.exists():
+        return out
+    checkpoint = engines_dir / "slow-llama-checkpoint"
+    tokenizer = make_tokenizer()
+    config = AutoConfig.for_model(
+        "llama", vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=SLOW_MAX_SEQ_LEN,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    build_engine(BuildOptions(model=str(checkpoint), output=out, max_batch_size=4, max_seq_len=SLOW_MAX_SEQ_LEN,
+                              block_size=16))  # fmt: skip
+    return out
