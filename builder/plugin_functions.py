@@ -9,9 +9,12 @@ them (`strip_reference_functions`) and maps each node to the plugin of the same 
    -> key_cache', value_cache'`: row `[b, i]` (i < seq_lens[b]) goes to pool slot
    `block_tables[b, p // block_size] * block_size + p % block_size`, p = positions[b, i]. On a
    GPU the outputs alias the inputs (written in place); this body returns updated copies.
-- `PagedAttention(q, key_cache, value_cache, block_tables, positions) -> ctx`: query `[b, i]`
-   attends to the pool rows at positions `j <= p` (and `j > p - window` when window > 0) of its
-   sequence's block table; this step's rows are already in the pool.
+- `PagedAttention(q, key_cache, value_cache, block_tables, positions) -> ctx, partials`: query
+   `[b, i]` attends to the pool rows at positions `j <= p` (and `j > p - window` when window > 0)
+   of its sequence's block table; this step's rows are already in the pool. `partials` is the
+   GPU kernel's split-KV workspace (here a placeholder); padding rows of `ctx` are unspecified.
+- `PagedAttentionMerge(ctx, partials, block_tables, positions) -> ctx'`: completes the rows the
+   GPU split across programs, in place; here the identity.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from builder.onnx_graph import OPSET
 
 DOMAIN = "trtserve"
 PROLOGUE, KV_WRITE, ATTENTION = "FusedRMSNormQKVRoPE", "PagedKVWrite", "PagedAttention"
+MERGE = "PagedAttentionMerge"
 INTS, INT, FLOAT = onnx.AttributeProto.INTS, onnx.AttributeProto.INT, onnx.AttributeProto.FLOAT
 
 
@@ -131,11 +135,18 @@ def attention_function() -> onnx.FunctionProto:
         _node("Attention", ["q", "key_cache_rows", "value_cache_rows", "mask"], ["ctx"], {
             "q_num_heads": ("num_heads", INT), "kv_num_heads": ("num_kv_heads", INT), "scale": ("scale", FLOAT)}),
     ]  # fmt: skip
+    nodes.append(_node("Constant", [], ["partials"], value_floats=[0.0]))
     inputs = ["q", "key_cache", "value_cache", "block_tables", "positions"]
     return _function(
-        ATTENTION, inputs, ["ctx"], nodes, ["cached_shape", "num_heads", "num_kv_heads", "scale", "window"]
+        ATTENTION, inputs, ["ctx", "partials"], nodes, ["cached_shape", "num_heads", "num_kv_heads", "scale", "window"]
     )
 
 
+def merge_function() -> onnx.FunctionProto:
+    attributes = ["num_heads", "num_kv_heads", "head_dim", "block_size"]  # the GPU kernel's; unused here
+    inputs = ["ctx", "partials", "block_tables", "positions"]
+    return _function(MERGE, inputs, ["ctx_out"], [_node("Identity", ["ctx"], ["ctx_out"])], attributes)
+
+
 def reference_functions() -> list[onnx.FunctionProto]:
-    return [prologue_function(), kv_write_function(), attention_function()]
+    return [prologue_function(), kv_write_function(), attention_function(), merge_function()]

@@ -7,8 +7,9 @@ are not ONNX ops), each implemented on the GPU by one Triton kernel in plugins_c
 - Gather(pool, block_tables) -> Reshape -> Concat(new rows) for K and V -> Attention(mask)
   becomes `PagedKVWrite(k, v, key_cache, value_cache, block_tables, positions, seq_lens)
   -> key_cache', value_cache'` (in place on a GPU) followed by
-  `PagedAttention(q, key_cache', value_cache', block_tables, positions) -> ctx`, which masks
-  by position itself; the mask subgraph is then dead and removed.
+  `PagedAttention(q, key_cache', value_cache', block_tables, positions) -> ctx, partials`, which
+  masks by position itself, and `PagedAttentionMerge(ctx, partials, block_tables, positions)
+  -> ctx` (split-KV decode's second kernel); the mask subgraph is then dead and removed.
 
 The plugin graph's `block_tables` must cover this step's positions too (INTERFACE.md).
 Semantics live in builder/plugin_functions.py as model-local function bodies, so ONNX Runtime
@@ -26,10 +27,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from builder.errors import BuildError
-from builder.plugin_functions import ATTENTION, DOMAIN, KV_WRITE, PROLOGUE, reference_functions
+from builder.plugin_functions import ATTENTION, DOMAIN, KV_WRITE, MERGE, PROLOGUE, reference_functions
 from engine_format.files import GRAPH_FILE, PLUGIN_GRAPH_FILE
 
-__all__ = ["ATTENTION", "DOMAIN", "KV_WRITE", "PROLOGUE", "rewrite_to_plugins"]
+__all__ = ["ATTENTION", "DOMAIN", "KV_WRITE", "MERGE", "PROLOGUE", "rewrite_to_plugins"]
 
 
 class _Graph:
@@ -119,13 +120,19 @@ def _paged(g: _Graph, attention: onnx.NodeProto, block_size: int):
         KV_WRITE, [ck.input[1], cv.input[1], key_cache, value_cache, block_tables, "positions", "seq_lens"], written,
         name=attention.name.replace("attention", "kv_write"), domain=DOMAIN, block_size=block_size,
     )  # fmt: skip
+    ctx, heads, kv_heads = attention.output[0], _attr(attention, "q_num_heads"), _attr(attention, "kv_num_heads")
     paged = helper.make_node(
-        ATTENTION, [attention.input[0], *written, block_tables, "positions"], [attention.output[0]],
+        ATTENTION, [attention.input[0], *written, block_tables, "positions"], [f"{ctx}.unmerged", f"{ctx}.partials"],
         name=attention.name.replace("attention", "paged_attention"), domain=DOMAIN,
-        num_heads=_attr(attention, "q_num_heads"), num_kv_heads=_attr(attention, "kv_num_heads"),
+        num_heads=heads, num_kv_heads=kv_heads,
         scale=_attr(attention, "scale"), window=_window(g, attention), cached_shape=g.ints(rk.input[1]),
     )  # fmt: skip
-    return [write, paged], [attention, *parts[0], *parts[1]]
+    merge = helper.make_node(
+        MERGE, [*paged.output, block_tables, "positions"], [ctx], name=attention.name.replace("attention", "merge"),
+        domain=DOMAIN, num_heads=heads, num_kv_heads=kv_heads, head_dim=g.ints(rk.input[1])[-1] // kv_heads,
+        block_size=block_size,
+    )  # fmt: skip
+    return [write, paged, merge], [attention, *parts[0], *parts[1]]
 
 
 def _block_size(model: onnx.ModelProto) -> int:
@@ -156,7 +163,7 @@ def rewrite_to_plugins(model: onnx.ModelProto) -> onnx.ModelProto:
             counts[node.op_type] += 1
     layers = sum(1 for n in model.graph.node if n.op_type == "Attention")
     float_qkv = sum(1 for n in model.graph.node if n.name.endswith("qkv_proj") and n.input[1] in g.constants)
-    expected = {PROLOGUE: float_qkv, KV_WRITE: layers, ATTENTION: layers}
+    expected = {PROLOGUE: float_qkv, KV_WRITE: layers, ATTENTION: layers, MERGE: layers}
     if not layers or any(counts[op] != n for op, n in expected.items()):
         raise BuildError(f"plugin rewrite matched {dict(counts)} in a graph of {layers} attention layers")
     nodes = []

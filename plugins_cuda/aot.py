@@ -28,12 +28,15 @@ def triton_pointer(dtype: str) -> str:
     return POINTERS[dtype]
 
 
-def compile_kernel(fn, signature: dict[str, str], constexprs: dict, arch: int):
+def compile_kernel(fn, signature: dict[str, str], constexprs: dict, arch: int, num_warps: int = 4,
+                   num_stages: int = 3):  # fmt: skip
     """AOT-compile the `@triton.jit` kernel `fn` for one GPU architecture (80, 89, 90, ...);
     needs no GPU. Returns Triton's CompiledKernel: `.asm["ptx"]`, `.asm["cubin"]`, `.metadata`.
 
     FP fusion (FMA contraction) is pinned on, Triton 3.9's default, which Triton 3.10 turns
-    off: the PTX does not change with the Triton version's default."""
+    off: the PTX does not change with the Triton version's default. Every pointer is declared
+    16-byte aligned, as Triton's JIT specializes aligned launches (TensorRT aligns plugin I/O
+    to 256 bytes): without it no load is vectorized and every element costs its own address."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -43,8 +46,11 @@ def compile_kernel(fn, signature: dict[str, str], constexprs: dict, arch: int):
         raise RuntimeError(
             f"cannot AOT-compile {getattr(fn, '__name__', fn)}: its module was imported with TRITON_INTERPRET=1"
         )
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": True})
+    aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
+               if kind.startswith("*")}  # fmt: skip
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
+    options = {"enable_fp_fusion": True, "num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def plugin_ptx(compiled, plugin_params: int) -> str:
@@ -76,3 +82,11 @@ def current_arch() -> int:
     import triton
 
     return int(triton.runtime.driver.active.get_current_target().arch)
+
+
+def current_sm_count() -> int:
+    """Streaming multiprocessors of the active GPU (the split-KV heuristic's target); needs a GPU."""
+    import triton
+
+    driver = triton.runtime.driver.active
+    return int(driver.utils.get_device_properties(driver.get_current_device())["multiprocessor_count"])

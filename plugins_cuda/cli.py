@@ -25,7 +25,7 @@ ARCHS = ("sm_80", "sm_89", "sm_90")
 @click.option("--num-heads", default=9, show_default=True, type=int, help="Query heads.")
 @click.option("--num-kv-heads", default=3, show_default=True, type=int, help="KV heads (GQA).")
 @click.option("--head-dim", default=64, show_default=True, type=int, help="Head size (power of two >= 32).")
-@click.option("--block-size", default=64, show_default=True, type=int, help="KV block size (power of two >= 16).")
+@click.option("--block-size", default=64, show_default=True, type=int, help="KV block size.")
 @click.option("--window", default=0, show_default=True, type=int, help="Sliding attention window (0 = full).")
 @click.option("--eps", default=1e-5, show_default=True, type=float, help="RMSNorm epsilon (compiled in).")
 def kernels(archs, out_dir: Path, dtype: str, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -33,9 +33,10 @@ def kernels(archs, out_dir: Path, dtype: str, hidden: int, num_heads: int, num_k
     """AOT-compile the kernels the TensorRT plugins embed, per architecture: the PTX exactly as
     TensorRT embeds it, the cubin, and a JSON of launch metadata.
 
-    Kernels: FusedRMSNormQKVRoPE (with its bias input, int64 positions), PagedKVWrite and
-    PagedAttention (padded layout, scale head_dim ** -0.5). Needs no GPU: proves they compile
-    for each architecture and lets a GPU user inspect them. Defaults are SmolLM2-135M's shapes.
+    Kernels: FusedRMSNormQKVRoPE (with its bias input, int64 positions; one file per tactic),
+    PagedKVWrite, PagedAttention (padded layout, scale head_dim ** -0.5) and
+    PagedAttentionMerge. Needs no GPU: proves they compile for each architecture and lets a
+    GPU user inspect them. Defaults are SmolLM2-135M's shapes.
     """
 
     try:

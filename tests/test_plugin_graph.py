@@ -13,6 +13,7 @@ from builder.plugin_graph import (
     ATTENTION,
     DOMAIN,
     KV_WRITE,
+    MERGE,
     PROLOGUE,
     rewrite_to_plugins,
     strip_reference_functions,
@@ -49,7 +50,7 @@ def test_plugin_nodes_carry_their_shapes(tiny_engine):
         if node.op_type == KV_WRITE:
             assert attrs["block_size"] == EngineConfig.load(tiny_engine).block_size
             assert list(node.output) == [f"{node.input[2]}.written", f"{node.input[3]}.written"]
-    assert {f.name for f in model.functions} == {PROLOGUE, KV_WRITE, ATTENTION}
+    assert {f.name for f in model.functions} == {PROLOGUE, KV_WRITE, ATTENTION, MERGE}
     stripped = strip_reference_functions(model)
     assert not stripped.functions and len(stripped.graph.node) == len(model.graph.node)
 
