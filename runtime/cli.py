@@ -130,6 +130,7 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), help="Per-step token budget (default 512).")
 @click.option("--num-kv-blocks", type=click.IntRange(min=1), help="KV cache size in blocks (default: engine's).")
 @click.option("--max-waiting", type=click.IntRange(min=1), help="Waiting-queue bound before 'overloaded' errors.")
+@click.option("--itl-target-ms", type=click.FloatRange(min=0), help="ITL target; caps prefill (default 150, 0: off).")
 @click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
 @click.option(
     "--openai-port",
@@ -148,7 +149,8 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
 )
 def serve(engine_dir: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, max_num_seqs: int | None,
           max_num_batched_tokens: int | None, num_kv_blocks: int | None, max_waiting: int | None,
-          no_prefix_caching: bool, openai_port: int, no_openai: bool, api_key: str | None) -> None:  # fmt: skip
+          no_prefix_caching: bool, openai_port: int, no_openai: bool, api_key: str | None,
+          itl_target_ms: float | None) -> None:  # fmt: skip
     """Serve an engine with NVIDIA Triton Inference Server (HTTP, gRPC, Prometheus metrics).
 
     Starts the real tritonserver with the trtserve `llm` model, waits until it is ready,
@@ -165,7 +167,7 @@ def serve(engine_dir: Path, host: str, http_port: int, grpc_port: int, metrics_p
     except EngineLoadError as exc:
         raise click.ClickException(str(exc)) from None
     params = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-              "num_kv_blocks": num_kv_blocks, "max_waiting": max_waiting}  # fmt: skip
+              "num_kv_blocks": num_kv_blocks, "max_waiting": max_waiting, "itl_target_ms": itl_target_ms}  # fmt: skip
     engine_params = {k: str(v) for k, v in params.items() if v is not None}
     engine_params["enable_prefix_caching"] = "false" if no_prefix_caching else "true"
     config = ServerConfig(engine_dir, host, http_port, grpc_port, metrics_port, engine_params)

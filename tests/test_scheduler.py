@@ -4,6 +4,10 @@ A tiny driver stands in for the engine's postprocess: each scheduled request's c
 tokens advance by what was scheduled, its full blocks are indexed in the prefix cache, and a
 request that has computed all its tokens gets one sampled token; at max_tokens it finishes.
 Every test asserts exact token counts per request per step and exact block ids.
+
+Step costs come from a fake cost model with round numbers (FAKE_COST, "ms"): the time-target
+tests (test_scheduler_slo.py) check chunk sizes against it exactly; arrivals are stamped from
+the Sim's own `now`, so TTFT deadlines are exact too.
 """
 
 from __future__ import annotations
@@ -14,13 +18,16 @@ import pytest
 
 from runtime.engine.errors import Overloaded
 from runtime.engine.kv_cache_manager import KVCacheManager
-from runtime.engine.request import Request, RequestStatus
+from runtime.engine.request import Request, RequestStatus, RequestTiming
 from runtime.engine.sampler import SamplingState
 from runtime.engine.sampling_params import SamplingParams
-from runtime.engine.scheduler import Scheduler, SchedulerConfig
+from runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from runtime.engine.step_cost import StepCost, StepShape
 
 BS = 4  # tokens per block
 SAMPLED = 7  # the token every fake "sample" appends
+# A step costs 10 + 1 per prefill token + 5 per decode ("ms"; attention free unless a test says).
+FAKE_COST = StepCost(base_s=10, prefill_token_s=1, decode_seq_s=5, kilo_pair_s=0)
 
 
 class Sim:
@@ -33,19 +40,30 @@ class Sim:
         max_num_seqs: int = 8,
         max_waiting: int = 64,
         prefix_caching: bool = True,
+        itl_target: float | None = None,
+        min_prefill: int = 4,
+        cost: StepCost = FAKE_COST,
     ):
         self.kv = KVCacheManager(num_blocks, BS, prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, budget, max_waiting), self.kv)
+        config = SchedulerConfig(max_num_seqs, budget, max_waiting, itl_target, min_prefill)
+        self.cost = cost
+        self.scheduler = Scheduler(config, self.kv, cost)
         self.arrivals = itertools.count()
+        self.now = 0.0  # arrival stamp of the next request
         self.requests: dict[str, Request] = {}
         self.preempted: list[list[str]] = []  # per step, in preemption order
+        self.batches: list[ScheduledBatch] = []
+        self.costs: list[float] = []  # per step: the fake cost of what was scheduled
 
-    def add(self, request_id: str, prompt_len: int = 0, max_tokens: int = 4, priority: int = 0, tokens=None) -> Request:
+    def add(self, request_id: str, prompt_len: int = 0, max_tokens: int = 4, priority: int = 0, tokens=None,
+            ttft_target: float | None = None, itl_target: float | None = None) -> Request:  # fmt: skip
         """A request whose prompt is `tokens`, or `prompt_len` tokens unique to it."""
         order = next(self.arrivals)
         tokens = list(tokens) if tokens is not None else [1000 * (order + 1) + i for i in range(prompt_len)]
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, priority=priority)
-        request = Request(request_id, tokens, params, SamplingState(params, tokens, 100_000), arrival_order=order)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, priority=priority,
+                                ttft_target_s=ttft_target, itl_target_s=itl_target)  # fmt: skip
+        request = Request(request_id, tokens, params, SamplingState(params, tokens, 100_000), arrival_order=order,
+                          timing=RequestTiming(arrival=self.now))  # fmt: skip
         self.scheduler.add(request)
         self.requests[request_id] = request
         return request
@@ -57,6 +75,10 @@ class Sim:
         assert batch.budget == config.max_num_batched_tokens - sum(batch.num_tokens.values()) >= 0
         assert len(batch.num_tokens) <= config.max_num_seqs
         self.preempted.append([r.request_id for r in batch.preempted])
+        self.batches.append(batch)
+        shape = StepShape.of((n, r.num_computed_tokens) for r, n in batch.num_tokens.items())
+        self.costs.append(self.cost.predict(shape))
+        assert batch.predicted_s == self.costs[-1] or batch.preempted  # the scheduler's own estimate
         for request, n in batch.num_tokens.items():
             request.num_computed_tokens += n
             self.kv.cache_computed_blocks(request)

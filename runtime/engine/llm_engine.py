@@ -14,44 +14,28 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from engine_format import EngineConfig
-from runtime.backends import create_backend
+from runtime.backends import DeviceSample, DeviceSampling, create_backend
 from runtime.backends.base import EngineBackend, SequenceChunk
 from runtime.engine.admission import Admission, Prompt
 from runtime.engine.detokenizer import DetokenizedStream
+from runtime.engine.engine_args import EngineArgs
 from runtime.engine.errors import InvalidRequest, Overloaded
 from runtime.engine.kv_cache_manager import KVCacheManager
 from runtime.engine.outputs import RequestOutput, RequestStats
 from runtime.engine.request import Request, RequestStatus, RequestTiming
-from runtime.engine.sampler import Sampler, SamplingState, TokenLogprobs
+from runtime.engine.sampler import Sampler, SampleResult, SamplingState, TokenLogprobs
 from runtime.engine.sampling_params import SamplingParams
 from runtime.engine.scheduler import Scheduler, SchedulerConfig
-from runtime.engine.stats import EngineCounters, EngineStats
+from runtime.engine.stats import EngineCounters, EngineStats, StepRecord
+from runtime.engine.step_cost import OnlineStepCost, StepShape
 from runtime.engine.tokenizer import load_tokenizer, stop_token_ids
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineArgs:
-    num_kv_blocks: int | None = None  # default: max_batch_size sequences of max_seq_len
-    max_num_seqs: int | None = None  # default (and cap): the engine's max_batch_size
-    max_num_batched_tokens: int = 512  # per-step token budget (decodes + prefill chunks)
-    enable_prefix_caching: bool = True
-    max_waiting: int = 1024  # waiting-queue bound; beyond it requests get Overloaded
-    threads: int | None = None  # backend compute threads (default: all cores)
-    backend: str | None = None  # "cpu" (kernel) or "graph" (portable graph); default: see backends.py
-
-    def __post_init__(self) -> None:
-        for name in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "threads"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"EngineArgs.{name} must be a positive integer (got {value!r})")
 
 
 class LLMEngine:
@@ -61,11 +45,15 @@ class LLMEngine:
         args: EngineArgs | None = None,
         backend: EngineBackend | None = None,
         clock: Callable[[], float] = time.monotonic,
+        cost_model: OnlineStepCost | None = None,
     ):
-        """`clock` (seconds, monotonic) stamps arrivals, scheduling, tokens and finishes: deadlines
-        and the timing stats are read from it. Tests pass a fake clock they advance by hand."""
+        """`clock` (seconds, monotonic) stamps arrivals, scheduling, tokens and finishes: deadlines,
+        the timing stats and the step times the cost model learns from are read from it. Tests
+        pass a fake clock they advance by hand. `cost_model`: default, learned from the prior."""
         args = args or EngineArgs()
         self.clock = clock
+        self.cost_model = cost_model or OnlineStepCost()
+        self.itl_target_s = None if args.itl_target_ms is None else args.itl_target_ms / 1000
         self.config = config = EngineConfig.load(engine_dir)
         # The backend before the tokenizer: the tokenizer loads transformers and with it torch's
         # libgomp, which must come after the attention kernel sets its OpenMP wait policy.
@@ -79,7 +67,11 @@ class LLMEngine:
                 "every running request needs one token per step"
             )
         self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs, args.max_num_batched_tokens, args.max_waiting), self.kv
+            SchedulerConfig(
+                max_num_seqs, args.max_num_batched_tokens, args.max_waiting, self.itl_target_s, args.min_prefill_tokens
+            ),
+            self.kv,
+            self.cost_model,
         )
         self.sampler = Sampler()
         self.admission = Admission(self.tokenizer, config.model.vocab_size, config.max_seq_len, self.kv.capacity_tokens)
@@ -127,9 +119,15 @@ class LLMEngine:
                 skip_special_tokens=params.skip_special_tokens,
             )
             try:
-                self.scheduler.add(request)  # raises Overloaded while max_waiting requests wait
-            except Overloaded:
-                self.counters.rejected_overloaded += 1
+                self.scheduler.add(request)  # raises Overloaded: queue full, or its TTFT target unreachable
+            except Overloaded as exc:
+                if exc.reason == "slo":
+                    self.counters.rejected_slo += 1
+                else:
+                    self.counters.rejected_overloaded += 1
+                raise
+            except InvalidRequest:  # a TTFT target below the prompt's own prefill time
+                self.counters.rejected_slo += 1
                 raise
             self.requests[request_id], self.streams[request_id] = request, stream
         return request_id
@@ -146,6 +144,7 @@ class LLMEngine:
     # ---- the loop ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        step_start = self.clock()
         with self._lock:
             outputs = self._expire_deadlines()
             batch = self.scheduler.schedule()
@@ -158,8 +157,13 @@ class LLMEngine:
                 request.timing.first_scheduled = request.timing.first_scheduled or now
                 start = request.num_computed_tokens
                 chunks.append(SequenceChunk(request.all_token_ids[start : start + n], start, list(request.block_ids)))
+            # Rows that complete their request's tokens are sampled: by the backend on its device if it can.
+            rows = [r.sampling if r.num_computed_tokens + n == r.num_tokens else None for r, n in scheduled]
         try:
-            logits = self.backend.step(chunks)  # lock released: add/abort proceed meanwhile
+            if isinstance(self.backend, DeviceSampling):  # lock released: add/abort proceed meanwhile
+                logits: np.ndarray | DeviceSample = self.backend.step_sample(chunks, rows)
+            else:
+                logits = self.backend.step(chunks)
         except Exception as exc:  # fail this step's requests, keep serving the others
             log.exception("backend step failed; finishing its %d requests with an error", len(chunks))
             with self._lock:
@@ -167,9 +171,19 @@ class LLMEngine:
                 return outputs + [self._finish(r, "error", "", [], None, error=str(exc)) for r in failed]
         with self._lock:
             self.counters.steps += 1
-            return outputs + self._postprocess(scheduled, logits)
+            outputs += self._postprocess(scheduled, logits)
+            seconds = self.clock() - step_start
+            shape = StepShape.of((len(c.token_ids), c.past_len) for c in chunks)
+            if seconds > 0:  # a clock that did not move (a test's) measured nothing
+                self.cost_model.observe(shape, seconds)
+            self.counters.record_step(
+                StepRecord(seconds, batch.predicted_s, shape.prefill_tokens, shape.decode_seqs, batch.token_budget)
+            )
+            return outputs
 
-    def _postprocess(self, scheduled: list[tuple[Request, int]], logits: np.ndarray) -> list[RequestOutput]:
+    def _postprocess(
+        self, scheduled: list[tuple[Request, int]], logits: np.ndarray | DeviceSample
+    ) -> list[RequestOutput]:
         to_sample: list[tuple[Request, int]] = []
         for row, (request, n) in enumerate(scheduled):
             if request.is_finished:  # aborted while the backend ran
@@ -183,7 +197,12 @@ class LLMEngine:
         if not to_sample:
             return []
         requests = [r for r, _ in to_sample]
-        result = self.sampler.sample(logits[[row for _, row in to_sample]], [r.sampling for r in requests])
+        picked = [row for _, row in to_sample]
+        if isinstance(logits, DeviceSample):  # sampled by the backend
+            lps = [logits.logprobs[row] for row in picked]
+            result = SampleResult(logits.token_ids[picked], [None if lp is None else TokenLogprobs(*lp) for lp in lps])
+        else:
+            result = self.sampler.sample(logits[picked], [r.sampling for r in requests])
         now = self.clock()
         return [
             self._append_token(request, int(token), logprobs, now)
@@ -193,9 +212,14 @@ class LLMEngine:
     def _append_token(self, request: Request, token: int, logprobs: TokenLogprobs | None, now: float) -> RequestOutput:
         request.append_output_token(token)
         request.sampling.append(token)
-        request.timing.on_token(now)
+        timing, params = request.timing, request.params
+        if timing.last_token is None:
+            self.counters.record_latency("ttft", now - timing.arrival, params.ttft_target_s)
+        else:
+            self.counters.record_latency("itl", now - timing.last_token, params.itl_target_s or self.itl_target_s)
+        timing.on_token(now)
         self.counters.generation_tokens += 1
-        params, lp = request.params, None if logprobs is None else [logprobs]
+        lp = None if logprobs is None else [logprobs]
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return self._finish(request, "stop", "", [token], lp)  # the stop token's text is not output
         text, stopped = self.streams[request.request_id].add(token)
@@ -261,7 +285,21 @@ class LLMEngine:
                 finished=dict(c.finished),
                 rejected_overloaded=c.rejected_overloaded,
                 rejected_invalid=c.rejected_invalid,
+                rejected_slo=c.rejected_slo,
+                slo=dict(c.slo),
+                step_time_s=c.step_time.snapshot(),
+                prefill_tokens_per_step=c.prefill_per_step.snapshot(),
+                step_token_budget=c.step_token_budget,
+                itl_target_s=self.itl_target_s,
+                step_cost=self.cost_model.coefficients,
             )
+
+    def take_step_records(self) -> list[StepRecord]:
+        """The steps run since the last call (at most MAX_STEP_RECORDS), for metrics that observe each."""
+        with self._lock:
+            records = list(self.counters.recent_steps)
+            self.counters.recent_steps.clear()
+            return records
 
     def check_invariants(self) -> None:
         with self._lock:

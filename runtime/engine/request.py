@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -68,6 +69,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_cached_hint: int = 0  # prefix-cache hit tokens found when queued (the SLO estimate's discount)
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -105,6 +107,12 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
 
-    def sort_key(self) -> tuple[int, int]:
-        """Lower runs first: priority class, then arrival (FCFS)."""
-        return (self.params.priority, self.arrival_order)
+    @property
+    def ttft_deadline(self) -> float:
+        """When the first token is due (clock seconds); infinite without a TTFT target."""
+        target = self.params.ttft_target_s
+        return math.inf if target is None else self.timing.arrival + target
+
+    def sort_key(self) -> tuple[int, float, int]:
+        """Lower runs first: priority class, then earliest TTFT deadline, then arrival (FCFS)."""
+        return (self.params.priority, self.ttft_deadline, self.arrival_order)

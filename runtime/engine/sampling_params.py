@@ -39,6 +39,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     priority: int = 0  # lower runs first; FCFS within a priority
     deadline_s: float | None = None  # give up (finish_reason "deadline") this long after arrival
+    # Latency targets (SLOs). ttft_target_s: orders waiting prefills (earliest deadline first within
+    # a priority) and rejects the request with Overloaded at once if the queue cannot meet it.
+    # itl_target_s: while it decodes, steps carry only the prefill that keeps them within it.
+    ttft_target_s: float | None = None
+    itl_target_s: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,8 +83,13 @@ class SamplingParams:
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         _int("priority", self.priority, lo=-(2**31), hi=2**31 - 1)
-        if self.deadline_s is not None:
-            _num("deadline_s", self.deadline_s, lo=0.0, lo_open=True)
+        for name in ("deadline_s", "ttft_target_s", "itl_target_s"):
+            if getattr(self, name) is not None:
+                _num(name, getattr(self, name), lo=0.0, lo_open=True)
+        if self.ttft_target_s is not None and self.deadline_s is not None and self.ttft_target_s > self.deadline_s:
+            raise InvalidRequest(
+                "ttft_target_s", f"must not exceed deadline_s ({self.ttft_target_s} > {self.deadline_s})"
+            )
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequest(name, "must be true or false")

@@ -1,31 +1,40 @@
 """The scheduler: which requests run this step, and how many tokens each.
 
-Per step, under a token budget (`max_num_batched_tokens`) and a sequence cap
-(`max_num_seqs`):
-1. running requests in decode (one token each), highest priority first;
-2. running requests still prefilling, one chunk each to fill the budget;
-3. waiting requests (priority, then FCFS), with their prefix-cache hits, while the budget,
-   the sequence cap and the pool allow. The queue head blocks the ones behind it (no
-   overtaking), so a long prompt is not starved by short ones.
+Per step, under a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`):
+1. running requests in decode (one token each), highest priority first: never held back;
+2. prefill chunks, by priority class: running requests still prefilling (one chunk each) before
+   waiting ones of the same class, which come in queue order (earliest TTFT deadline, then
+   arrival) with their prefix-cache hits, while the budget, the sequence cap and the pool allow.
+   The queue head blocks the ones behind it (no overtaking), so a long prompt is not starved.
+
+Stall-free batching: while any request decodes, prefill is cut to what keeps the predicted step
+within the ITL target (the engine's `itl_target_s`, or a decoding request's own tighter one),
+with at least `min_prefill_tokens` of it per step so prompts still progress; with nothing
+decoding, prefill runs at the full token budget. Step costs come from a CostPredictor (the
+engine's online model, step_cost.py).
 
 When a running request needs a block and none is free, the scheduler preempts by
-recompute: the victim is the running request that is lowest priority, latest arrival
-(`max(sort_key)`); its blocks are freed (full ones stay in the prefix cache, so a resumed
-request often recomputes little) and it goes back to the waiting queue, where its original
-arrival keeps it ahead of newer requests. The scheduler never touches tensors.
+recompute: the victim is the running request that is lowest priority, latest deadline and
+arrival (`max(sort_key)`); its blocks are freed (full ones stay in the prefix cache, so a
+resumed request often recomputes little) and it goes back to the waiting queue, where its
+original key keeps it ahead of newer requests. The scheduler never touches tensors.
 
-Admission control: `add` rejects a new request with Overloaded while `max_waiting`
-requests wait; a preempted request always goes back to the queue, whatever its length.
+Admission control: `add` rejects a new request with Overloaded while `max_waiting` requests
+wait, or when the prefill queued ahead of it (running prefills and waiting requests it would
+not overtake) cannot be cleared at full speed within its `ttft_target_s`. A preempted request
+always goes back to the queue, whatever its length.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from dataclasses import dataclass, field
 
-from runtime.engine.errors import Overloaded
+from runtime.engine.errors import InvalidRequest, Overloaded
 from runtime.engine.kv_cache_manager import KVCacheManager
 from runtime.engine.request import Request, RequestStatus
+from runtime.engine.step_cost import DEFAULT_PRIOR, CostPredictor, StepBudget, full_speed_prefill_s
 
 
 @dataclass(frozen=True)
@@ -33,15 +42,20 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_waiting: int = 1024  # admission control: beyond this, new requests are rejected
+    itl_target_s: float | None = None  # step-time target while requests decode; None: token budget only
+    min_prefill_tokens: int = 64  # prefill every step may carry, whatever the target
 
 
 @dataclass
 class ScheduledBatch:
     """Tokens to compute per request this step (insertion order = scheduling order)."""
 
-    budget: int
+    budget: int  # what is left of max_num_batched_tokens
     num_tokens: dict[Request, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    target_s: float | None = None  # the step-time target prefill was cut to (None: full speed)
+    token_budget: int = 0  # decodes + the prefill a fresh prompt could get (the budget gauge)
+    predicted_s: float = 0.0  # the cost model's estimate of this step
 
     @property
     def is_empty(self) -> bool:
@@ -49,10 +63,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, cost: CostPredictor = DEFAULT_PRIOR):
         self.config = config
         self.kv = kv
-        self.waiting: list[tuple[tuple[int, int], Request]] = []  # heap by sort_key
+        self.cost = cost
+        self.waiting: list[tuple[tuple[int, float, int], Request]] = []  # heap by sort_key
         self.running: list[Request] = []
         self.num_preemptions = 0
 
@@ -61,10 +76,36 @@ class Scheduler:
         return len(self.waiting)
 
     def add(self, request: Request) -> None:
-        """Queue a new request; raises Overloaded, queueing nothing, if the queue is full."""
+        """Queue a new request; raises Overloaded, queueing nothing, if the queue is full or
+        cannot meet the request's TTFT target (InvalidRequest if its prompt alone cannot)."""
         if self.num_waiting >= self.config.max_waiting:
             raise Overloaded(f"overloaded: {self.num_waiting} requests already waiting; retry later")
+        request.num_cached_hint = len(self.kv.get_computed_blocks(request)) * self.kv.block_size
+        self._check_ttft_target(request)
         self._enqueue(request)
+
+    def _check_ttft_target(self, request: Request) -> None:
+        target = request.params.ttft_target_s
+        if target is None:
+            return
+        key, priority = request.sort_key(), request.params.priority
+        prefilling = [r for r in self.running if r.num_tokens_to_compute > 1 and r.params.priority <= priority]
+        ahead = sum(r.num_tokens_to_compute for r in prefilling)
+        ahead += sum(r.num_tokens - r.num_cached_hint for k, r in self.waiting if k < key)
+        own = request.num_tokens - request.num_cached_hint
+        estimate = full_speed_prefill_s(self.cost, ahead + own, self.config.max_num_batched_tokens)
+        if estimate > target and ahead == 0:  # no retry helps: the prompt alone takes longer
+            raise InvalidRequest(
+                "ttft_target_s", f"{target:g} s is less than this prompt's prefill alone (~{estimate:.2f} s here)"
+            )
+        if estimate > target:
+            retry = estimate - target  # by then the queue ahead has drained enough, at full speed
+            raise Overloaded(
+                f"overloaded: ttft_target_s {target:g} cannot be met: {ahead} prompt tokens are queued ahead, "
+                f"{estimate:.2f} s of prefill at full speed with this one; retry after {retry:.2f} s",
+                retry_after_s=retry,
+                reason="slo",
+            )
 
     def _enqueue(self, request: Request) -> None:
         heapq.heappush(self.waiting, (request.sort_key(), request))
@@ -80,20 +121,56 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(budget=self.config.max_num_batched_tokens)
-        # Decodes first, then prefill chunks; each group in priority/FCFS order.
-        order = sorted(self.running, key=lambda r: (r.num_tokens_to_compute > 1, r.sort_key()))
-        for request in order:
+        order = sorted(self.running, key=Request.sort_key)
+        for request in [r for r in order if r.num_tokens_to_compute == 1]:
             if batch.budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
-                continue
-            n = min(request.num_tokens_to_compute, batch.budget)
-            if self._allocate_or_preempt(request, n, batch):
-                batch.num_tokens[request] = n
-                batch.budget -= n
-        if not batch.preempted:  # no room for newcomers when running ones were evicted
-            self._admit_waiting(batch)
+            if request.status is RequestStatus.RUNNING and self._allocate_or_preempt(request, 1, batch):
+                batch.num_tokens[request] = 1  # a later allocation may still preempt it: read below
+                batch.budget -= 1
+        decoding = list(batch.num_tokens)
+        step = StepBudget(self.cost, self._target_s(decoding), self.config.min_prefill_tokens)
+        for request in decoding:
+            step.add(1, request.num_computed_tokens, prefill=False)
+        batch.target_s = step.target_s
+        batch.token_budget = len(decoding) + step.fit(batch.budget, 0)
+        self._schedule_prefills(deque(r for r in order if r.num_tokens_to_compute > 1), batch, step)
+        batch.predicted_s = self.cost.predict(step.shape)  # a request preempted after it was added still counts
         return batch
+
+    def _target_s(self, decoding: list[Request]) -> float | None:
+        """The step-time target: the tightest ITL target among this step's decodes; none without decodes."""
+        targets = [r.params.itl_target_s for r in decoding if r.params.itl_target_s is not None]
+        if decoding and self.config.itl_target_s is not None:
+            targets.append(self.config.itl_target_s)
+        return min(targets, default=None)
+
+    def _schedule_prefills(self, running: deque[Request], batch: ScheduledBatch, step: StepBudget) -> None:
+        """Running prefills and the waiting queue, merged by priority class (running first within one)."""
+        admitting = True
+        while batch.budget > 0:
+            while running and running[0].status is not RequestStatus.RUNNING:  # preempted this step
+                running.popleft()
+            admitting = admitting and not batch.preempted  # no room for newcomers once running ones were evicted
+            head = self._admissible_head() if admitting else None
+            if running and (head is None or running[0].params.priority <= head.params.priority):
+                request = running.popleft()
+                n = step.fit(min(request.num_tokens_to_compute, batch.budget), request.num_computed_tokens)
+                if n == 0:
+                    return
+                if self._allocate_or_preempt(request, n, batch):
+                    step.add(n, request.num_computed_tokens, prefill=True)
+                    batch.num_tokens[request] = n
+                    batch.budget -= n
+            elif head is not None:
+                admitting = self._admit(head, batch, step)
+            else:
+                return
+
+    def _admissible_head(self) -> Request | None:
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            return self.waiting[0][1]
+        return None
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
         while not self.kv.allocate_slots(request, num_tokens):
@@ -114,18 +191,19 @@ class Scheduler:
         batch.preempted.append(victim)
         self._enqueue(victim)  # never rejected: it was admitted once
 
-    def _admit_waiting(self, batch: ScheduledBatch) -> None:
-        while self.waiting and batch.budget > 0 and len(self.running) < self.config.max_num_seqs:
-            _, request = self.waiting[0]
-            hits = self.kv.get_computed_blocks(request)
-            num_hit = len(hits) * self.kv.block_size
-            n = min(request.num_tokens - num_hit, batch.budget)
-            if not self.kv.allocate_slots(request, n, hits):
-                break
-            heapq.heappop(self.waiting)
-            self.kv.record_lookup(request.num_tokens, num_hit)
-            request.num_computed_tokens = num_hit
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            batch.num_tokens[request] = n
-            batch.budget -= n
+    def _admit(self, request: Request, batch: ScheduledBatch, step: StepBudget) -> bool:
+        """Start the queue head with a first chunk; False (changing nothing) if it does not fit."""
+        hits = self.kv.get_computed_blocks(request)
+        num_hit = len(hits) * self.kv.block_size
+        n = step.fit(min(request.num_tokens - num_hit, batch.budget), num_hit)
+        if n == 0 or not self.kv.allocate_slots(request, n, hits):
+            return False
+        heapq.heappop(self.waiting)
+        self.kv.record_lookup(request.num_tokens, num_hit)
+        request.num_computed_tokens = num_hit
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        step.add(n, num_hit, prefill=True)
+        batch.num_tokens[request] = n
+        batch.budget -= n
+        return True

@@ -2,8 +2,53 @@
 
 from __future__ import annotations
 
-from collections import Counter
+import bisect
+from collections import Counter, deque
 from dataclasses import dataclass, field
+
+from runtime.engine.step_cost import StepCost
+
+STEP_TIME_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+PREFILL_TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+MAX_STEP_RECORDS = 4096  # kept for a reader (Triton metrics) that drains them; older ones are dropped
+
+
+@dataclass(frozen=True)
+class HistogramSnapshot:
+    bounds: tuple[float, ...]  # upper bounds (le); counts has one more entry, for +Inf
+    counts: tuple[int, ...]  # per bucket, not cumulative
+    total: float
+    count: int
+
+
+@dataclass
+class Histogram:
+    bounds: tuple[float, ...]
+    counts: list[int] = field(init=False)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def snapshot(self) -> HistogramSnapshot:
+        return HistogramSnapshot(self.bounds, tuple(self.counts), self.total, self.count)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step as it ran."""
+
+    seconds: float  # wall time on the engine's clock: schedule, backend, sample, detokenize
+    predicted_s: float  # the cost model's estimate when it was scheduled
+    prefill_tokens: int
+    decode_seqs: int
+    token_budget: int  # decodes + the prefill the ITL target allowed a fresh prompt
 
 
 @dataclass
@@ -12,8 +57,25 @@ class EngineCounters:
     generation_tokens: int = 0
     steps: int = 0
     finished: Counter[str] = field(default_factory=Counter)  # by finish reason
-    rejected_overloaded: int = 0
+    rejected_overloaded: int = 0  # waiting queue full
+    rejected_slo: int = 0  # TTFT target unreachable
     rejected_invalid: int = 0
+    slo: Counter[str] = field(default_factory=Counter)  # "ttft_met", "ttft_missed", "itl_met", "itl_missed"
+    step_time: Histogram = field(default_factory=lambda: Histogram(STEP_TIME_BUCKETS))
+    prefill_per_step: Histogram = field(default_factory=lambda: Histogram(PREFILL_TOKEN_BUCKETS))
+    step_token_budget: int = 0  # the last step's
+    recent_steps: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=MAX_STEP_RECORDS))
+
+    def record_step(self, record: StepRecord) -> None:
+        self.step_time.observe(record.seconds)
+        self.prefill_per_step.observe(record.prefill_tokens)
+        self.step_token_budget = record.token_budget
+        self.recent_steps.append(record)
+
+    def record_latency(self, kind: str, seconds: float, target_s: float | None) -> None:
+        """One TTFT or inter-token latency against its target (none: not counted)."""
+        if target_s is not None:
+            self.slo[f"{kind}_{'met' if seconds <= target_s else 'missed'}"] += 1
 
 
 @dataclass(frozen=True)
@@ -31,3 +93,12 @@ class EngineStats:
     finished: dict[str, int]
     rejected_overloaded: int
     rejected_invalid: int
+    rejected_slo: int = 0
+    slo: dict[str, int] = field(default_factory=dict)  # TTFT / ITL targets met and missed (ITL: per token)
+    step_time_s: HistogramSnapshot = field(default_factory=lambda: Histogram(STEP_TIME_BUCKETS).snapshot())
+    prefill_tokens_per_step: HistogramSnapshot = field(
+        default_factory=lambda: Histogram(PREFILL_TOKEN_BUCKETS).snapshot()
+    )
+    step_token_budget: int = 0  # the last step's: decodes + the prefill its ITL target allowed
+    itl_target_s: float | None = None  # the engine's (requests may carry tighter ones)
+    step_cost: StepCost | None = None  # the learned cost model's coefficients

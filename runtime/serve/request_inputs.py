@@ -31,6 +31,8 @@ SCALAR_PARAMS = {
     "priority": "priority",
     "logprobs": "logprobs",
     "ignore_eos": "ignore_eos",
+    "ttft_target_s": "ttft_target_s",
+    "itl_target_s": "itl_target_s",
 }
 DEFAULTS = {"temperature": 0.0, "max_tokens": 128}  # greedy unless the client says otherwise
 

@@ -7,10 +7,12 @@ thread; the engine loop runs on another (inside AsyncLLM). A request whose clien
 On unload, in-flight requests are drained (up to a timeout) before the engine stops.
 
 config.pbtxt parameters: `engine_dir` (required); the EngineArgs `max_num_seqs`,
-`max_num_batched_tokens`, `num_kv_blocks`, `max_waiting` (empty: the engine's default) and
-`enable_prefix_caching` ("true"/"false"); `cancel_poll_s`, the seconds between a request's
-`is_cancelled()` checks (empty: CANCEL_POLL_S = 0.5; "0": before every response is sent, one
-IPC round trip per token, which tests use so that a cancel is seen by the next token).
+`max_num_batched_tokens`, `num_kv_blocks`, `max_waiting`, `min_prefill_tokens` (empty: the
+engine's default), `itl_target_ms` (empty: the engine's DEFAULT_ITL_TARGET_MS, 150; "0": no
+target, the fixed token budget) and `enable_prefix_caching` ("true"/"false"); `cancel_poll_s`,
+the seconds between a request's `is_cancelled()` checks (empty: CANCEL_POLL_S = 0.5; "0": before
+every response is sent, one IPC round trip per token, which tests use so that a cancel is seen by
+the next token).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from runtime.serve.request_inputs import SCALAR_PARAMS, parse_request
 
 CANCEL_POLL_S = 0.5  # default of the `cancel_poll_s` parameter
 METRICS_INTERVAL_S = 0.5
-INT_ARGS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_waiting")
+INT_ARGS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_waiting", "min_prefill_tokens")
 
 
 class TritonPythonModel:
@@ -41,6 +43,8 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("config parameter 'engine_dir' is empty: point it at an engine")
         engine_args = {k: int(params[k]) for k in INT_ARGS if params.get(k)}
         engine_args["enable_prefix_caching"] = params.get("enable_prefix_caching", "true").lower() == "true"
+        if params.get("itl_target_ms", "").strip():
+            engine_args["itl_target_ms"] = _itl_target_ms(params["itl_target_ms"])
         self.cancel_poll_s = _cancel_poll_s(params.get("cancel_poll_s", ""))
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.metrics = TritonMetrics(pb_utils, labels)
@@ -104,13 +108,17 @@ class TritonPythonModel:
 
     def _publish_metrics(self) -> None:
         while not self.stopping.wait(METRICS_INTERVAL_S):
-            self.metrics.update(self.engine.engine.stats())
+            self._update_metrics()
+
+    def _update_metrics(self) -> None:
+        engine = self.engine.engine
+        self.metrics.update(engine.stats(), engine.take_step_records())
 
     def finalize(self):
         self.engine.shutdown(drain_timeout_s=30.0)
         concurrent.futures.wait(list(self.in_flight), timeout=5)  # let final responses go out
         self.stopping.set()
-        self.metrics.update(self.engine.engine.stats())
+        self._update_metrics()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.loop_thread.join(timeout=5)
 
@@ -125,6 +133,16 @@ def _cancel_poll_s(value: str) -> float:
     if not 0 <= seconds < float("inf"):
         raise pb_utils.TritonModelException(f"config parameter 'cancel_poll_s' must be seconds >= 0 (got {value!r})")
     return seconds
+
+
+def _itl_target_ms(value: str) -> float | None:
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = float("nan")
+    if not 0 <= ms < float("inf"):
+        raise pb_utils.TritonModelException(f"config parameter 'itl_target_ms' must be ms >= 0 (got {value!r})")
+    return ms or None  # 0: no target
 
 
 async def _until_cancelled(stream, request, poll_s: float = CANCEL_POLL_S):

@@ -1,0 +1,218 @@
+"""What an engine step costs, learned as the engine runs, and the prefill a step can afford.
+
+A step's wall time (schedule -> backend -> sample -> detokenize) is modelled as linear in its shape:
+
+    t = base_s + prefill_token_s * P + decode_seq_s * D + kilo_pair_s * A / 1000
+
+P: tokens of chunks longer than one token; D: one-token chunks (decodes); A: (query, key) pairs
+attention computes, n * past + n (n + 1) / 2 for a chunk of n tokens after `past` cached ones.
+
+`OnlineStepCost` fits the four coefficients by exponentially weighted least squares,
+regularized toward a prior (see there). `StepBudget` fills a step with prefill up to a time
+target on top of its decodes (Sarathi-Serve's stall-free batching, with the token budget
+derived from the learned costs instead of profiled once).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepShape:
+    prefill_tokens: int = 0  # tokens of chunks longer than one token
+    decode_seqs: int = 0  # one-token chunks: decodes (or a prompt's last token)
+    attended_pairs: int = 0  # (query, key) pairs attention computes
+
+    def plus_chunk(self, num_tokens: int, past_len: int) -> StepShape:
+        pairs = self.attended_pairs + num_tokens * past_len + num_tokens * (num_tokens + 1) // 2
+        if num_tokens == 1:
+            return StepShape(self.prefill_tokens, self.decode_seqs + 1, pairs)
+        return StepShape(self.prefill_tokens + num_tokens, self.decode_seqs, pairs)
+
+    @classmethod
+    def of(cls, chunks: Iterable[tuple[int, int]]) -> StepShape:
+        """The shape of (num_tokens, past_len) chunks."""
+        shape = cls()
+        for num_tokens, past_len in chunks:
+            shape = shape.plus_chunk(num_tokens, past_len)
+        return shape
+
+    def features(self) -> np.ndarray:
+        return np.array([1.0, self.prefill_tokens, self.decode_seqs, self.attended_pairs / 1000.0])
+
+
+class CostPredictor(Protocol):
+    def predict(self, shape: StepShape) -> float:
+        """Seconds the step of this shape is expected to take."""
+        ...
+
+    @property
+    def relative_error(self) -> float:
+        """Typical |actual / predicted - 1|: budgets leave this much headroom below a target."""
+        ...
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Fixed coefficients (seconds); a CostPredictor of its own (the prior, and tests' fake costs)."""
+
+    base_s: float  # per step: graph launch, sampling setup, Python
+    prefill_token_s: float
+    decode_seq_s: float
+    kilo_pair_s: float  # per 1000 attended (query, key) pairs
+
+    @property
+    def relative_error(self) -> float:
+        return 0.0  # exact by definition
+
+    def as_array(self) -> np.ndarray:
+        return np.array([self.base_s, self.prefill_token_s, self.decode_seq_s, self.kilo_pair_s])
+
+    def predict(self, shape: StepShape) -> float:
+        return float(self.as_array() @ shape.features())
+
+
+# SmolLM2-135M fp32 on the 2-core AVX2 EPYC (cpu backend, uncontended): prefill 64 / 256 / 512
+# tokens 75 / 230 / 523 ms; 8 / 32 decodes at context 500: 41 / 84 ms. Other engines start
+# from it and correct it within tens of steps.
+DEFAULT_PRIOR = StepCost(base_s=0.025, prefill_token_s=0.0008, decode_seq_s=0.002, kilo_pair_s=0.0005)
+# Typical feature magnitudes: the regularizer weighs coefficients by what they contribute.
+_SCALE = np.array([1.0, 256.0, 16.0, 32.0])
+
+
+class OnlineStepCost:
+    """Exponentially weighted, relatively weighted ridge regression of step time on StepShape.
+
+    In scaled features z = x / _SCALE (coefficients w = c * _SCALE, seconds each), per step:
+        v = (level / y)^2                    relative errors count: a 20 ms decode step as much as a 0.5 s one
+        S = gamma S + v z z^T,  b = gamma b + v z y
+        w = argmin_{w >= 0}  w^T (S + f I) w - 2 w^T (b + f w0)
+    `level` is an EWMA of observed step times, so the weights do not depend on how fast the
+    machine is. S and b start as `prior_weight` pseudo-observations of the prior w0, which fade
+    like data; the small constant floor f keeps directions the recent steps do not excite (e.g. no
+    prefill for hundreds of steps) at the prior instead of letting them drift (no covariance
+    windup). An observation above `max_ratio` times the prediction is clipped there: one stall
+    (first run, page faults, another process) must not shrink the budgets for the next hundred
+    steps, while a real slowdown still moves the model by up to that factor per step.
+    `relative_error` is an EWMA of the one-step-ahead |y / predicted - 1| (clipped y), capped at
+    `max_headroom`: step budgets aim that much below their target, so noise does not put every
+    other step over it, and a bad start (the prior) cannot shrink them by more than the cap.
+    """
+
+    def __init__(
+        self,
+        prior: StepCost = DEFAULT_PRIOR,
+        forgetting: float = 0.97,  # ~33-step memory: follows a 2x slowdown to within 5% in ~125 steps
+        prior_weight: float = 1e-3,  # the first step outweighs it: the prior only fills in what no step showed
+        floor_weight: float = 1e-6,
+        max_ratio: float = 4.0,
+        max_headroom: float = 0.25,
+    ) -> None:
+        if not 0 < forgetting <= 1:
+            raise ValueError(f"forgetting must be in (0, 1] (got {forgetting})")
+        self.prior = prior
+        self.forgetting = forgetting
+        self.floor_weight = floor_weight
+        self.max_ratio = max_ratio
+        self.max_headroom = max_headroom
+        self._error = 0.0
+        self._w0 = prior.as_array() * _SCALE
+        self._S = prior_weight * np.eye(4)
+        self._b = prior_weight * self._w0
+        self._level: float | None = None  # EWMA of step times: the unit relative errors are weighed in
+        self._coefficients = prior
+        self.num_observed = 0
+
+    @property
+    def coefficients(self) -> StepCost:
+        return self._coefficients
+
+    def predict(self, shape: StepShape) -> float:
+        return self._coefficients.predict(shape)
+
+    @property
+    def relative_error(self) -> float:
+        return min(self._error, self.max_headroom)
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        predicted = max(self.predict(shape), 1e-9)
+        y = max(min(seconds, self.max_ratio * predicted), 1e-9)
+        level = y if self._level is None else self.forgetting * self._level + (1 - self.forgetting) * y
+        self._level = level
+        if self.num_observed:  # the first step only tells how wrong the prior was
+            self._error = self.forgetting * self._error + (1 - self.forgetting) * abs(y / predicted - 1)
+        v = (level / y) ** 2
+        z = shape.features() / _SCALE
+        self._S = self.forgetting * self._S + v * np.outer(z, z)
+        self._b = self.forgetting * self._b + v * z * y
+        w = _nonnegative_solve(self._S + self.floor_weight * np.eye(4), self._b + self.floor_weight * self._w0)
+        self._coefficients = StepCost(*(float(c) for c in w / _SCALE))
+        self.num_observed += 1
+
+
+def _nonnegative_solve(a: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """argmin_{w >= 0} w^T a w - 2 w^T c for positive definite `a`: a cost is never negative.
+    Usually the unconstrained solution; else the best of the stationary points of the faces of
+    the orthant that are feasible (exact, and cheap for four coefficients)."""
+    w = np.linalg.solve(a, c)
+    if (w >= 0).all():
+        return w
+    best, best_value = np.zeros(len(c)), 0.0  # the origin: objective 0
+    for free in itertools.product((False, True), repeat=len(c)):
+        mask = np.array(free)
+        if not mask.any() or mask.all():
+            continue
+        w = np.zeros(len(c))
+        w[mask] = np.linalg.solve(a[np.ix_(mask, mask)], c[mask])
+        value = float(w @ a @ w - 2 * w @ c)
+        if (w >= 0).all() and value < best_value:
+            best, best_value = w, value
+    return best
+
+
+def full_speed_prefill_s(cost: CostPredictor, num_tokens: int, max_batched_tokens: int) -> float:
+    """A lower bound on prefilling `num_tokens` with nothing else running: chunks of the full
+    token budget, each attending only to itself."""
+    full, rest = divmod(num_tokens, max_batched_tokens)
+    seconds = full * cost.predict(StepShape().plus_chunk(max_batched_tokens, 0)) if full else 0.0
+    return seconds + (cost.predict(StepShape().plus_chunk(rest, 0)) if rest else 0.0)
+
+
+@dataclass
+class StepBudget:
+    """The prefill one step may carry: chunks fit while the predicted step stays within
+    `target_s` (None: no time limit) less the cost model's typical error, but at least
+    `min_prefill_tokens` in all, so waiting prompts progress even when decodes fill the target."""
+
+    cost: CostPredictor
+    target_s: float | None
+    min_prefill_tokens: int
+    shape: StepShape = field(default_factory=StepShape)
+    prefill_tokens: int = 0  # scheduled in the prefill phase
+
+    def add(self, num_tokens: int, past_len: int, prefill: bool) -> None:
+        self.shape = self.shape.plus_chunk(num_tokens, past_len)
+        self.prefill_tokens += num_tokens if prefill else 0
+
+    def fit(self, want: int, past_len: int) -> int:
+        """How many of `want` prefill tokens, after `past_len` cached ones, this step takes."""
+        if self.target_s is None or want <= 0:
+            return max(want, 0)
+        target = self.target_s / (1 + self.cost.relative_error)
+
+        def fits(n: int) -> bool:
+            return self.cost.predict(self.shape.plus_chunk(n, past_len)) <= target
+
+        if fits(want):
+            return want
+        lo, hi = 0, want  # cost grows with n: bisect for the largest n that fits
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return max(lo, min(want, self.min_prefill_tokens - self.prefill_tokens))

@@ -1,0 +1,151 @@
+"""The step cost model (runtime/engine/step_cost.py), model-free: synthetic step times from known
+coefficients, seeded shapes, no clock."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from runtime.engine.step_cost import (
+    DEFAULT_PRIOR,
+    OnlineStepCost,
+    StepBudget,
+    StepCost,
+    StepShape,
+    full_speed_prefill_s,
+)
+
+# A machine unlike the prior's: a faster step overhead, slower attention.
+TRUTH = StepCost(base_s=0.004, prefill_token_s=0.0003, decode_seq_s=0.0015, kilo_pair_s=0.002)
+
+
+def random_shapes(n: int, seed: int = 0) -> list[StepShape]:
+    """Engine-like steps: some decodes at various contexts, sometimes a prefill chunk."""
+    rng = np.random.default_rng(seed)
+    shapes = []
+    for _ in range(n):
+        decodes = [(1, int(p)) for p in rng.integers(10, 1500, rng.integers(0, 33))]
+        chunk = [(int(rng.integers(2, 513)), int(rng.integers(0, 1024)))] if rng.random() < 0.5 or not decodes else []
+        shapes.append(StepShape.of(decodes + chunk))
+    return shapes
+
+
+def relative_errors(model: StepCost, truth: StepCost) -> np.ndarray:
+    return np.abs(model.as_array() - truth.as_array()) / truth.as_array()
+
+
+def test_shape_counts_prefill_decodes_and_attended_pairs():
+    shape = StepShape.of([(1, 99), (1, 9), (4, 10)])  # two decodes; a 4-token chunk after 10 cached
+    assert shape == StepShape(prefill_tokens=4, decode_seqs=2, attended_pairs=100 + 10 + 4 * 10 + 10)
+    assert shape.features().tolist() == [1.0, 4.0, 2.0, 0.16]
+    assert TRUTH.predict(shape) == pytest.approx(0.004 + 4 * 0.0003 + 2 * 0.0015 + 0.16 * 0.002)
+
+
+def test_starts_at_the_prior_and_learns_a_synthetic_cost_to_within_half_a_percent():
+    model = OnlineStepCost()
+    assert model.coefficients == DEFAULT_PRIOR and model.num_observed == 0
+    for shape in random_shapes(300):
+        model.observe(shape, TRUTH.predict(shape))
+    assert relative_errors(model.coefficients, TRUTH).max() < 0.005
+    held_out = random_shapes(50, seed=1)
+    assert max(abs(model.predict(s) / TRUTH.predict(s) - 1) for s in held_out) < 0.005
+
+
+def test_noisy_step_times_still_give_predictions_within_a_few_percent():
+    rng = np.random.default_rng(2)
+    model = OnlineStepCost()
+    for shape in random_shapes(400):
+        model.observe(shape, TRUTH.predict(shape) * rng.uniform(0.9, 1.1))  # +-10% jitter
+    held_out = random_shapes(100, seed=3)
+    assert np.mean([abs(model.predict(s) / TRUTH.predict(s) - 1) for s in held_out]) < 0.03
+
+
+def test_directions_the_steps_never_excite_stay_at_the_prior():
+    """Only decode steps of 8 at one context: their time is learned exactly, while the prefill
+    cost, which these steps say nothing about, is the prior's."""
+    model = OnlineStepCost()
+    decode_step = StepShape.of([(1, 500)] * 8)
+    for _ in range(500):
+        model.observe(decode_step, TRUTH.predict(decode_step))
+    assert model.predict(decode_step) == pytest.approx(TRUTH.predict(decode_step), rel=1e-3)
+    assert model.coefficients.prefill_token_s == pytest.approx(DEFAULT_PRIOR.prefill_token_s, rel=1e-3)
+
+
+def test_a_single_stall_is_clipped_and_a_real_slowdown_is_followed():
+    model = OnlineStepCost()
+    shapes = random_shapes(400)
+    for shape in shapes[:200]:
+        model.observe(shape, TRUTH.predict(shape))
+    probe = StepShape.of([(1, 300)] * 8 + [(128, 0)])
+    before = model.predict(probe)
+    model.observe(shapes[200], 50 * TRUTH.predict(shapes[200]))  # e.g. the process was descheduled
+    assert model.predict(probe) < 1.25 * before  # counted as at most 4x its prediction
+    slower = StepCost(*(2 * TRUTH.as_array()))  # the machine got twice as slow (another tenant)
+    for shape in shapes[201:400]:
+        model.observe(shape, slower.predict(shape))
+    assert model.predict(probe) == pytest.approx(slower.predict(probe), rel=0.02)  # within 200 steps
+
+
+def test_coefficients_are_never_negative():
+    no_attention = StepCost(base_s=0.01, prefill_token_s=0.001, decode_seq_s=0.002, kilo_pair_s=0.0)
+    model = OnlineStepCost()
+    rng = np.random.default_rng(4)
+    for shape in random_shapes(300):
+        model.observe(shape, no_attention.predict(shape) * rng.uniform(0.8, 1.2))
+    assert (model.coefficients.as_array() >= 0).all()
+
+
+def test_full_speed_prefill_is_chunks_of_the_token_budget():
+    cost = StepCost(base_s=10, prefill_token_s=1, decode_seq_s=5, kilo_pair_s=0)
+    assert full_speed_prefill_s(cost, 0, 64) == 0.0
+    assert full_speed_prefill_s(cost, 64, 64) == 74.0
+    assert full_speed_prefill_s(cost, 150, 64) == 74.0 + 74.0 + 32.0
+
+
+def test_step_budget_fits_chunks_to_the_target_with_a_minimum():
+    cost = StepCost(base_s=10, prefill_token_s=1, decode_seq_s=5, kilo_pair_s=0)
+    budget = StepBudget(cost, target_s=100, min_prefill_tokens=8)
+    for _ in range(4):
+        budget.add(1, 50, prefill=False)
+    assert budget.fit(500, 0) == 70 and budget.fit(30, 0) == 30  # 100 - 10 - 4 * 5
+    budget.add(70, 0, prefill=True)
+    assert budget.fit(500, 0) == 0  # the target is reached and the minimum was given
+    unlimited = StepBudget(cost, target_s=None, min_prefill_tokens=8)
+    assert unlimited.fit(500, 0) == 500
+    starved = StepBudget(cost, target_s=100, min_prefill_tokens=8)
+    for _ in range(20):  # 10 + 20 * 5 = 110: the decodes alone pass the target
+        starved.add(1, 50, prefill=False)
+    assert starved.fit(500, 0) == 8 and starved.fit(3, 0) == 3
+    starved.add(3, 0, prefill=True)
+    assert starved.fit(500, 0) == 5  # what is left of the minimum
+
+
+def test_relative_error_tracks_the_noise_and_is_capped():
+    rng = np.random.default_rng(5)
+    exact, noisy = OnlineStepCost(), OnlineStepCost()
+    assert exact.relative_error == 0.0
+    for shape in random_shapes(300):
+        exact.observe(shape, TRUTH.predict(shape))
+        noisy.observe(shape, TRUTH.predict(shape) * rng.uniform(0.9, 1.1))  # mean |error| 5%
+    assert exact.relative_error < 0.005
+    assert 0.03 < noisy.relative_error < 0.07
+    wild = OnlineStepCost()
+    for shape in random_shapes(50):
+        wild.observe(shape, TRUTH.predict(shape) * rng.choice([0.3, 3.0]))
+    assert wild.relative_error == 0.25  # budgets never aim lower than 80% of their target
+
+
+@dataclass(frozen=True)
+class Uncertain(StepCost):
+    @property
+    def relative_error(self) -> float:
+        return 0.25
+
+
+def test_step_budget_aims_below_the_target_by_the_model_error():
+    budget = StepBudget(Uncertain(10, 1, 5, 0), target_s=100, min_prefill_tokens=8)
+    budget.add(1, 50, prefill=False)
+    budget.add(1, 50, prefill=False)
+    assert budget.fit(500, 0) == 60  # 100 / 1.25 - 10 - 2 * 5
