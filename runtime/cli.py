@@ -11,11 +11,13 @@ from pathlib import Path
 import click
 
 from engine_format import EngineConfig, EngineLoadError
+from runtime.backends import BACKENDS
 from runtime.engine.errors import InvalidRequest
 from runtime.gateway.cli import API_KEY_ENV, DEFAULT_PORT
 from runtime.gateway.cli import gateway as gateway_command
 
 COMMAND_ENTRY_POINTS = "trtserve.commands"
+BACKEND_HELP = "Executor (default: TensorRT for TensorRT engines where installed, else torch on a GPU, else ORT)."
 
 
 class _Commands(click.Group):
@@ -73,11 +75,14 @@ main.add_command(gateway_command)
 @click.option("--seed", default=None, type=int, help="Makes sampling reproducible.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); not included in the output.")
 @click.option("--stats", is_flag=True, help="Print token counts and timing to stderr.")
+@click.option("--backend", type=click.Choice(BACKENDS), default=None, help=BACKEND_HELP)
 def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, temperature: float, top_p: float,
-             top_k: int, seed: int | None, stop: tuple[str, ...], stats: bool) -> None:  # fmt: skip
+             top_k: int, seed: int | None, stop: tuple[str, ...], stats: bool,
+             backend: str | None) -> None:  # fmt: skip
     """Generate an answer to --prompt and stream it to stdout."""
     from transformers.utils import logging as transformers_logging
 
+    from runtime.engine.engine_args import EngineArgs
     from runtime.engine.llm_engine import LLMEngine
     from runtime.engine.sampling_params import SamplingParams
 
@@ -88,7 +93,7 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
             raise InvalidRequest("--prompt", "must not be empty")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=stop)  # fmt: skip
-        engine = LLMEngine(engine_dir)
+        engine = LLMEngine(engine_dir, EngineArgs(backend=backend))
         engine.add_request([{"role": "user", "content": prompt}] if chat else prompt, params)
     except (EngineLoadError, InvalidRequest) as exc:
         raise click.ClickException(str(exc)) from None
@@ -132,6 +137,7 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
 @click.option("--max-waiting", type=click.IntRange(min=1), help="Waiting-queue bound before 'overloaded' errors.")
 @click.option("--itl-target-ms", type=click.FloatRange(min=0), help="ITL target; caps prefill (default 150, 0: off).")
 @click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
+@click.option("--backend", type=click.Choice(BACKENDS), default=None, help=BACKEND_HELP)
 @click.option(
     "--openai-port",
     default=DEFAULT_PORT,
@@ -150,7 +156,7 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
 def serve(engine_dir: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, max_num_seqs: int | None,
           max_num_batched_tokens: int | None, num_kv_blocks: int | None, max_waiting: int | None,
           no_prefix_caching: bool, openai_port: int, no_openai: bool, api_key: str | None,
-          itl_target_ms: float | None) -> None:  # fmt: skip
+          itl_target_ms: float | None, backend: str | None) -> None:  # fmt: skip
     """Serve an engine with NVIDIA Triton Inference Server (HTTP, gRPC, Prometheus metrics).
 
     Starts the real tritonserver with the trtserve `llm` model, waits until it is ready,
@@ -167,7 +173,8 @@ def serve(engine_dir: Path, host: str, http_port: int, grpc_port: int, metrics_p
     except EngineLoadError as exc:
         raise click.ClickException(str(exc)) from None
     params = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-              "num_kv_blocks": num_kv_blocks, "max_waiting": max_waiting, "itl_target_ms": itl_target_ms}  # fmt: skip
+              "num_kv_blocks": num_kv_blocks, "max_waiting": max_waiting, "itl_target_ms": itl_target_ms,
+              "backend": backend}  # fmt: skip
     engine_params = {k: str(v) for k, v in params.items() if v is not None}
     engine_params["enable_prefix_caching"] = "false" if no_prefix_caching else "true"
     config = ServerConfig(engine_dir, host, http_port, grpc_port, metrics_port, engine_params)

@@ -1,19 +1,23 @@
-"""For gateway tests: a gateway process in front of a tritonserver, OpenAI SDK clients, and an
-engine slow enough that a request outlives a cancel's trip (the tiny engines finish 240 tokens
-in ~70 ms)."""
+"""For gateway tests: a gateway process in front of tritonservers (one, or several replicas), OpenAI SDK
+clients, the admin API, engine metrics by any name, and an engine slow enough that a request outlives a
+cancel's trip (the tiny engines finish 240 tokens in ~70 ms)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import re
+import signal
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.gateway.process import GatewayProcess
-from runtime.serve.launcher import free_port
+from runtime.serve.launcher import ServerConfig, TritonServer, free_port
 
 SLOW_MAX_SEQ_LEN = 2048
 
@@ -71,3 +75,57 @@ def build_slow_engine(engines_dir: Path) -> Path:
     build_engine(BuildOptions(model=str(checkpoint), output=out, max_batch_size=4, max_seq_len=SLOW_MAX_SEQ_LEN,
                               block_size=16))  # fmt: skip
     return out
+
+
+@contextlib.contextmanager
+def running_servers(engine: Path, count: int, engine_params: dict[str, str] | None = None
+                    ) -> Iterator[list[TritonServer]]:  # fmt: skip
+    """`count` tritonservers serving `engine` on free ports, started together; each must outlive the tests."""
+    servers: list[TritonServer] = []
+    try:
+        for _ in range(count):
+            servers.append(TritonServer(ServerConfig.on_free_ports(engine, engine_params=engine_params or {})))
+        for server in servers:
+            server.wait_ready(timeout_s=180)
+        yield servers
+        for server in servers:
+            assert server.process.poll() is None, "tritonserver died during the tests:\n" + server.log_tail()
+    finally:
+        for server in servers:  # SIGTERM to all first: they shut down side by side
+            if server.process.poll() is None:
+                server.process.send_signal(signal.SIGTERM)
+        for server in servers:
+            server.stop()
+
+
+def replica_entry(server: TritonServer) -> dict[str, str]:
+    """The gateway config's (and admin API's) description of a tritonserver replica."""
+    config = server.config
+    return {"url": f"127.0.0.1:{config.grpc_port}", "metrics_url": f"http://127.0.0.1:{config.metrics_port}/metrics"}
+
+
+def engine_metrics(server: TritonServer, model: str = "llm") -> dict[str, float]:
+    """Sample name -> value of `model`'s series on the server's metrics page (any name, ':' included)."""
+    url = f"http://127.0.0.1:{server.config.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("model") == model and "finish_reason" not in sample.labels:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def admin(gateway: GatewayProcess, method: str, path: str, body: dict | None = None,
+          api_key: str | None = None) -> tuple[int, dict]:  # fmt: skip
+    """Call the gateway's admin API: (status, JSON body)."""
+    headers = {"Content-Type": "application/json"}
+    if api_key is not None:
+        headers["Authorization"] = f"Bearer {api_key}"
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"{gateway.url}{path}", data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())

@@ -145,3 +145,43 @@ def test_cpu_busy_fraction_is_a_share():
     from benchmarks.report import cpu_busy_fraction
 
     assert 0.0 <= cpu_busy_fraction(0.2) <= 1.0
+
+
+def test_gateway_overhead_pairs_repetitions_and_reads_aiperf():
+    from benchmarks.gateway import GATEWAY, TRITON, aiperf_summary, overhead
+
+    def rep(tok_s: float, ttft: float, cpu: float = 0.0) -> dict:
+        return {"output_tok_s": tok_s, "ttft_ms_p50": ttft, "ttft_ms_p99": 2 * ttft, "itl_ms_p50": 30.0,
+                "gateway_cpu_s": cpu, "output_tokens": 1000}  # fmt: skip
+
+    rows = [{"system": GATEWAY, "mode": "concurrency 32", "reps": [rep(90.0, 105.0, 1.0), rep(80.0, 112.0, 2.0)]},
+            {"system": TRITON, "mode": "concurrency 32", "reps": [rep(100.0, 100.0), rep(80.0, 100.0)]}]  # fmt: skip
+    (entry,) = overhead(rows)
+    assert entry["mode"] == "concurrency 32"
+    assert entry["throughput_ratio"] == [0.95, 0.9, 1.0]  # median, min, max of 0.9 and 1.0
+    assert entry["ttft_p50_delta_ms"] == [8.5, 5.0, 12.0]
+    assert entry["gateway_cpu_ms_per_token"] == [1.5, 1.0, 2.0]
+    export = {"output_token_throughput": {"avg": 50.0}, "time_to_first_token": {"p50": 12.0, "p99": 20.0},
+              "inter_token_latency": {"p50": 30.0}, "inter_chunk_latency": {"p50": 29.0}}  # fmt: skip
+    s = aiperf_summary(export)
+    assert s == {"output_tok_s": 50.0, "tpot_ms_p50": 30.0, "failed": 0.0, "ttft_ms_p50": 12.0, "ttft_ms_p99": 20.0,
+                 "itl_ms_p50": 29.0}  # fmt: skip
+
+
+def test_routing_cascade_curve_replays_the_gateway_rule():
+    from benchmarks.routing import cascade_curve, check, correct, questions
+
+    def q(lp: float, small_ok: bool, strong_ok: bool) -> dict:
+        return {"small_mean_logprob": lp, "small_correct": small_ok, "strong_correct": strong_ok, "small_tokens": 10,
+                "strong_tokens": 10}  # fmt: skip
+
+    items = [q(-0.2, True, True), q(-0.9, False, True), q(-0.5, False, False)]
+    curve = cascade_curve(items)
+    assert [p["escalated"] for p in curve] == [0.0, 0.3333, 0.6667, 1.0]
+    assert [p["accuracy"] for p in curve] == [0.3333, 0.6667, 0.6667, 0.6667]
+    assert [p["threshold"] for p in curve] == [-0.9, -0.7, -0.35, 0.0]
+    assert curve[1]["strong_token_share"] == 0.25  # 10 strong of 30 small + 10 strong tokens
+    c = check(items, [[False, True, False]], threshold=-0.7)  # mean < -0.7 escalates only the second
+    assert c["agree"] == 3 and c["predicted_accuracy"] == 0.6667
+    assert correct("The capital is PARIS.", ["Paris"]) and not correct("Lyon", ["Paris"])
+    assert {x["set"] for x in questions()} == {"qa", "held-out"}

@@ -4,22 +4,34 @@ on a GPU machine and are skipped here with the reason."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
+import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
 
 from builder.plugin_graph import DOMAIN
 from builder.tensorrt_build import cuda_device_count, tensorrt_graph
-from engine_format import EngineConfig, EngineLoadError
+from engine_format import EngineConfig, EngineLoadError, TensorRTLimits
 from engine_format.files import MANIFEST, PLUGIN_GRAPH_FILE
 from runtime.backends import create_backend
 from runtime.backends.base import SequenceChunk
+from runtime.backends.tensorrt import (
+    ALIGN,
+    STEP_INPUTS,
+    ProfileContext,
+    check_limits,
+    input_capacity,
+    pack_inputs,
+    plan_calls,
+)
 
 
 def has_tensorrt_gpu() -> bool:
@@ -103,20 +115,129 @@ def test_plugin_ptx_drops_triton_hidden_params_and_assembles(tmp_path):
     assert asm.returncode == 0, asm.stderr
 
 
-@gpu
-@pytest.mark.skipif(no_gpu, reason="needs an NVIDIA GPU with TensorRT and cuda-python (run with -m gpu there)")
-def test_tensorrt_engine_matches_hf_eager(tmp_path):
-    """Build a tiny TensorRT engine, then run a 37-token prefill over three blocks and one
-    decode step on its TensorRT backend and compare the logits with HF eager on the same
-    checkpoint (tests/helpers.hf_logits): within the build's float32 verification tolerance
-    (VERIFY_TOLERANCE, relative to the largest reference logit)."""
-    import numpy as np
+def trt_config(llama_engine, **limits):
+    config = EngineConfig.load(llama_engine)
+    base = TensorRTLimits.from_build(config.max_batch_size, config.max_seq_len, config.block_size, max_step=64)
+    return dataclasses.replace(config, target="tensorrt", tensorrt=dataclasses.replace(base, **limits))
 
+
+def test_start_up_limits_are_checked_against_engine_args(llama_engine):
+    """The run's sizes against the plan's profiles, with the fix in the message (no GPU needed)."""
+    config = trt_config(llama_engine)  # max_batch 8, max_step 64, 32 table blocks, 256 pool blocks
+    assert check_limits(config, None, None) == config.tensorrt
+    assert check_limits(config, 256, 64) == config.tensorrt
+    with pytest.raises(EngineLoadError, match=r"300 KV blocks exceed the 256 .*num_kv_blocks <= 256"):
+        check_limits(config, 300, None)
+    with pytest.raises(EngineLoadError, match=r"max_num_batched_tokens 512 allows 256-token .* at most 64"):
+        check_limits(config, None, 512)  # the engine's default budget, chunks capped by max_seq_len 256
+    with pytest.raises(EngineLoadError, match="table blocks; the plan takes 16"):
+        check_limits(trt_config(llama_engine, max_table_blocks=16), None, None)
+    with pytest.raises(EngineLoadError, match="no TensorRT limits"):
+        check_limits(EngineConfig.load(llama_engine), None, None)
+
+
+def test_step_shapes_outside_a_profile_are_refused_with_its_limits(llama_engine):
+    limits = trt_config(llama_engine).tensorrt
+    decodes = [SequenceChunk([5], 9, [0, 1]) for _ in range(3)]
+    calls = plan_calls([*decodes, SequenceChunk(list(range(3, 40)), 0, list(range(5)))], 8, limits)
+    assert [(c.profile, c.rows) for c in calls] == [(0, [0, 1, 2]), (1, [3])]
+    with pytest.raises(ValueError, match=r"prefill call \[batch=1, step=65, table_blocks=9\] is outside optimization "
+                                         r"profile 1: batch <= 8, step <= 64"):  # fmt: skip
+        plan_calls([SequenceChunk(list(range(65)), 0, list(range(9)))], 8, limits)
+    with pytest.raises(ValueError, match=r"decode call \[batch=9"):
+        plan_calls([SequenceChunk([5], 0, [i]) for i in range(9)], 8, limits)
+
+
+def test_inputs_of_both_calls_pack_into_one_aligned_buffer(llama_engine):
+    limits = trt_config(llama_engine).tensorrt
+    chunks = [SequenceChunk([5], 60, list(range(8))), SequenceChunk(list(range(3, 67)), 0, list(range(8, 16)))]
+    calls = plan_calls(chunks, 8, limits)
+    packed, layouts = pack_inputs(calls, STEP_INPUTS)
+    for call, layout in zip(calls, layouts, strict=True):
+        for name, (offset, shape) in layout.items():
+            assert offset % ALIGN == 0
+            want = getattr(call.tensors, name)
+            np.testing.assert_array_equal(packed[offset : offset + want.size].reshape(shape), want)
+    mixed = [SequenceChunk([1], 255, list(range(32)))] * 4 + [SequenceChunk([1] * 64, 192, list(range(32)))] * 4
+    for step in (mixed, mixed[4:] * 2):  # the largest shapes the profiles take
+        assert pack_inputs(plan_calls(step, 8, limits), STEP_INPUTS)[0].size <= input_capacity(limits)
+
+
+class StandInContext:
+    """The IExecutionContext calls the runner makes, answering False where told to."""
+
+    def __init__(self, refuse: set[str]) -> None:
+        self.refuse, self.shapes = refuse, {}
+
+    def set_device_memory(self, memory: int, size: int) -> None:
+        pass
+
+    def set_optimization_profile_async(self, profile: int, stream: int) -> bool:
+        return "profile" not in self.refuse
+
+    def set_input_shape(self, name: str, shape: tuple) -> bool:
+        self.shapes[name] = shape
+        return "shape" not in self.refuse
+
+    def set_tensor_address(self, name: str, address: int) -> bool:
+        return "address" not in self.refuse
+
+    def execute_async_v3(self, stream: int) -> bool:
+        return "execute" not in self.refuse
+
+
+class StandInEngine:
+    num_optimization_profiles = 2
+
+    def __init__(self, refuse: set[str]) -> None:
+        self.refuse = refuse
+
+    def create_execution_context(self, strategy: object) -> StandInContext | None:
+        return None if "context" in self.refuse else StandInContext(self.refuse)
+
+    def get_tensor_profile_shape(self, name: str, profile: int) -> list[tuple]:
+        return [(1, 1), (4, 1), (8, 1)]
+
+
+def test_every_tensorrt_call_is_checked_with_a_clear_error():
+    trt = SimpleNamespace(ExecutionContextAllocationStrategy=SimpleNamespace(USER_MANAGED=2))
+    make = lambda *refuse: ProfileContext(trt, StandInEngine(set(refuse)), 0, 0, 0, 0)  # noqa: E731
+    ok = make()
+    ok.set_shape("input_ids", (3, 1))
+    ok.bind("input_ids", 256)
+    ok.execute(0, {"input_ids": (3, 1)})
+    with pytest.raises(EngineLoadError, match="could not create an execution context for profile 0"):
+        make("context")
+    with pytest.raises(EngineLoadError, match=r"refused optimization profile 0 \(the plan has 2"):
+        make("profile")
+    with pytest.raises(RuntimeError, match=r"rejected input_ids shape \(9, 1\) in optimization profile 0, which "
+                                           r"accepts \(1, 1\) .. \(8, 1\)"):  # fmt: skip
+        make("shape").set_shape("input_ids", (9, 1))
+    with pytest.raises(RuntimeError, match="refused the address of logits"):
+        make("address").bind("logits", 0)
+    with pytest.raises(
+        RuntimeError, match=r"execute_async_v3 failed in optimization profile 0 .inputs input_ids\(3, 1\)"
+    ):
+        make("execute").execute(0, {"input_ids": (3, 1)})
+
+
+@gpu
+@pytest.mark.skipif(no_gpu, reason="needs an NVIDIA GPU with TensorRT and torch (run with -m gpu there)")
+def test_tensorrt_engine_matches_hf_eager(tmp_path):
+    """Build a tiny TensorRT engine (head_dim 32: the fused prologue plugin refuses 16), then run a
+    37-token prefill over three blocks and one decode step on its TensorRT backend and compare the
+    logits with HF eager on the same checkpoint (tests/helpers.hf_logits): within the build's float32
+    verification tolerance (VERIFY_TOLERANCE, relative to the largest reference logit). Then both
+    calls in one step, sampled on the device, against the numpy sampler on the returned logits."""
     from builder.build import VERIFY_TOLERANCE, BuildOptions, build_engine
     from builder.sources import load_checkpoint, resolve_model
+    from runtime.engine.sampler import Sampler, SamplingState
+    from runtime.engine.sampling_params import SamplingParams
     from tests.helpers import hf_logits
+    from tests.test_torch_backend import make_checkpoint
 
-    options = BuildOptions("tiny-llama", tmp_path / "trt", max_batch_size=4, max_seq_len=256, block_size=16,
+    checkpoint = make_checkpoint("llama", tmp_path / "checkpoint")
+    options = BuildOptions(str(checkpoint), tmp_path / "trt", max_batch_size=4, max_seq_len=256, block_size=16,
                            target="tensorrt")  # fmt: skip
     build_engine(options)
     config = EngineConfig.load(options.output)
@@ -133,3 +254,11 @@ def test_tensorrt_engine_matches_hf_eager(tmp_path):
     for name, (chunk, want) in steps.items():
         (got,) = backend.step([chunk])
         np.testing.assert_allclose(got, want, atol=atol, rtol=0, err_msg=name)
+    both = [SequenceChunk([next_token], len(prompt), table), SequenceChunk(prompt[:20], 0, [5, 6])]
+    logits = backend.step(both)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, logprobs=2)
+    rows = [SamplingState(params, prompt, config.model.vocab_size) for _ in both]
+    sampled = backend.step_sample(both, rows)
+    want = Sampler().sample(logits, [SamplingState(params, prompt, config.model.vocab_size) for _ in both])
+    assert sampled.token_ids.tolist() == want.token_ids.tolist()
+    backend.close()

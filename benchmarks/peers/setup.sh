@@ -2,7 +2,7 @@
 # Peer engines for `python -m benchmarks`, each in its own venv under benchmarks/.venvs/
 # (gitignored). Not run by CI. Installs one peer at a time (the llama.cpp compile uses every
 # core). Idempotent: a peer whose venv finished (a .done marker) is skipped.
-#   bash benchmarks/peers/setup.sh [ortgenai] [llamacpp] [vllm]     (default: all three)
+#   bash benchmarks/peers/setup.sh [ortgenai] [llamacpp] [vllm] [aiperf]   (default: all four)
 # Needs the project venv (.venv, for the cached SmolLM2 checkpoint and the GGUF path).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -10,7 +10,7 @@ root=benchmarks/.venvs
 mkdir -p "$root"
 python=${PYTHON:-python3}
 peers=("$@")
-[ ${#peers[@]} -gt 0 ] || peers=(ortgenai llamacpp vllm)
+[ ${#peers[@]} -gt 0 ] || peers=(ortgenai llamacpp vllm aiperf)
 
 new_venv() {  # new_venv NAME -> a fresh venv at $root/NAME (removed first unless finished)
   rm -rf "$root/$1"
@@ -60,7 +60,13 @@ PY
       "$root/vllm/bin/python" -m pip uninstall -y --quiet torchvision torchaudio torchcodec || true
       "$root/vllm/bin/python" -c 'import vllm; print("vllm", vllm.__version__)'
       ;;
-    *) echo "unknown peer $peer (ortgenai, llamacpp, vllm)" >&2; exit 2 ;;
+    aiperf)
+      # NVIDIA's benchmark client (pure Python), driving OpenAI endpoints for benchmarks/gateway.py.
+      new_venv aiperf
+      pip_in aiperf aiperf
+      "$root/aiperf/bin/aiperf" --version || "$root/aiperf/bin/python" -c 'import aiperf'
+      ;;
+    *) echo "unknown peer $peer (ortgenai, llamacpp, vllm, aiperf)" >&2; exit 2 ;;
   esac
   touch "$root/$peer/.done"
   echo "== $peer: done ($(date +%T))"

@@ -57,7 +57,9 @@ class LLMEngine:
         self.config = config = EngineConfig.load(engine_dir)
         # The backend before the tokenizer: the tokenizer loads transformers and with it torch's
         # libgomp, which must come after the attention kernel sets its OpenMP wait policy.
-        self.backend = backend or create_backend(config, args.num_kv_blocks, args.threads, args.backend)
+        self.backend = backend or create_backend(
+            config, args.num_kv_blocks, args.threads, args.backend, args.max_num_batched_tokens
+        )
         self.tokenizer = load_tokenizer(engine_dir)
         self.kv = KVCacheManager(self.backend.num_blocks, config.block_size, args.enable_prefix_caching)
         max_num_seqs = min(args.max_num_seqs or config.max_batch_size, config.max_batch_size)

@@ -1,4 +1,4 @@
-"""The gateway's ASGI app: OpenAI's /v1 endpoints over tritonserver, plus /health and /metrics."""
+"""The gateway's ASGI app: OpenAI's /v1 endpoints over tritonserver, plus /health, /metrics and /admin."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
+from runtime.gateway.admin import add_admin_routes
 from runtime.gateway.errors import GatewayError
 from runtime.gateway.handler import generate, unknown_model
 from runtime.gateway.service import Gateway
@@ -41,9 +42,11 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
         return GatewayError.invalid(str(exc.errors()[0].get("msg", exc))).response()
 
+    add_admin_routes(app, gateway)
+
     @app.get("/health")
     async def health() -> Response:
-        healthy = [u.name for u in gateway.upstreams.values() if u.healthy]
+        healthy = [name for name, pool in gateway.pools.items() if pool.healthy]
         body = {"status": "ok" if healthy else "no healthy backend", "healthy_backends": healthy}
         return JSONResponse(body, status_code=200 if healthy else 503)
 

@@ -1,6 +1,7 @@
 """`trtserve gateway`: the OpenAI-compatible endpoint, in front of one or more tritonservers.
 
-Imports only click at module level: `trtserve --help` must not load FastAPI or gRPC.
+Imports only click (and the stdlib-only replica_config) at module level: `trtserve --help` must not load
+FastAPI or gRPC.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import click
 
+from runtime.gateway.replica_config import REPLICA_POLICIES, ReplicaPolicy
+
 DEFAULT_PORT = 9000
 API_KEY_ENV = "TRTSERVE_API_KEY"
 
@@ -16,9 +19,17 @@ API_KEY_ENV = "TRTSERVE_API_KEY"
 @click.command()
 @click.option(
     "--triton-url",
-    default="127.0.0.1:8001",
+    "triton_urls",
+    multiple=True,
+    default=["127.0.0.1:8001"],
     show_default=True,
-    help="gRPC address of the tritonserver serving the trtserve `llm` model.",
+    help="gRPC address of a tritonserver serving the trtserve `llm` model; repeat for replicas.",
+)
+@click.option(
+    "--metrics-url",
+    "metrics_urls",
+    multiple=True,
+    help="Prometheus endpoint of each --triton-url replica, in the same order (their load informs routing).",
 )
 @click.option(
     "--model",
@@ -33,6 +44,12 @@ API_KEY_ENV = "TRTSERVE_API_KEY"
     type=click.Path(path_type=Path, exists=True, dir_okay=False),
     help="Gateway config file (several backends, virtual models, cascades); replaces --triton-url/--model.",
 )
+@click.option(
+    "--routing",
+    type=click.Choice(REPLICA_POLICIES),
+    default=None,
+    help="How a replica is chosen, for every backend (overrides the config; default: prefix).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=DEFAULT_PORT, show_default=True, type=click.IntRange(1, 65535))
 @click.option(
@@ -40,7 +57,7 @@ API_KEY_ENV = "TRTSERVE_API_KEY"
     envvar=API_KEY_ENV,
     show_envvar=True,
     default=None,
-    help="Require 'Authorization: Bearer <key>' on /v1 endpoints.",
+    help="Require 'Authorization: Bearer <key>' on /v1 endpoints; also enables the /admin replica endpoints.",
 )
 @click.option(
     "--max-queued",
@@ -65,22 +82,34 @@ API_KEY_ENV = "TRTSERVE_API_KEY"
     show_default=True,
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
 )
-def gateway(triton_url: str, model_name: str, config_path: Path | None, host: str, port: int, api_key: str | None,
-            max_queued: int, max_concurrent: int, per_key_concurrency: int, log_level: str) -> None:  # fmt: skip
+def gateway(triton_urls: tuple[str, ...], metrics_urls: tuple[str, ...], model_name: str, config_path: Path | None,
+            routing: ReplicaPolicy | None, host: str, port: int, api_key: str | None, max_queued: int,
+            max_concurrent: int, per_key_concurrency: int, log_level: str) -> None:  # fmt: skip
     """Serve OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models) over tritonserver's gRPC.
 
-    Also GET /health (200 while a backend is ready) and GET /metrics (Prometheus).
+    Also GET /health (200 while a backend is ready), GET /metrics (Prometheus) and, with an API key,
+    /admin/replicas (list, add and remove replicas at run time).
     """
     import uvicorn
 
     from runtime.gateway.app import create_app
-    from runtime.gateway.routing import GatewayConfig
+    from runtime.gateway.replica_config import Replica
+    from runtime.gateway.routing import Backend, GatewayConfig
     from runtime.gateway.service import Gateway, GatewaySettings
 
+    if metrics_urls and len(metrics_urls) != len(triton_urls):
+        raise click.UsageError(f"{len(metrics_urls)} --metrics-url for {len(triton_urls)} --triton-url")
     try:
-        config = GatewayConfig.load(config_path) if config_path else GatewayConfig.single(model_name, triton_url)
+        if config_path:
+            config = GatewayConfig.load(config_path)
+        elif len(triton_urls) == 1 and not metrics_urls:
+            config = GatewayConfig.single(model_name, triton_urls[0])
+        else:
+            metrics: list[str | None] = list(metrics_urls) or [None] * len(triton_urls)
+            replicas = tuple(Replica(url, m) for url, m in zip(triton_urls, metrics, strict=True))
+            config = GatewayConfig({model_name: Backend(model_name, replicas=replicas)})
     except (OSError, ValueError) as exc:
         raise click.ClickException(f"gateway config: {exc}") from None
-    settings = GatewaySettings(api_key or None, max_queued, max_concurrent, per_key_concurrency)
+    settings = GatewaySettings(api_key or None, max_queued, max_concurrent, per_key_concurrency, routing)
     app = create_app(Gateway(config, settings))
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)

@@ -1,4 +1,4 @@
-"""One client request's upstream work: an admission slot, n choices fanned out, cascade, cleanup.
+"""One client request's upstream work: an admission slot, n choices fanned out, replicas, cascade, cleanup.
 
 Each choice runs as a task feeding one event queue (streams interleave as tokens arrive).
 `close()` is called from wherever the request ends first: the response is done, the client
@@ -6,6 +6,12 @@ disconnected (the disconnect watcher, or Starlette cancelling a stream), or an e
 cancels unfinished upstream calls (Triton aborts those requests) and releases the queue slot;
 the cleanup runs in its own task, so it completes even when the caller is being cancelled
 (anyio cancels every await inside a cancelled stream's scope).
+
+Each upstream generation goes to a replica its backend's pool picks. When that replica fails (unreachable,
+not ready, its engine overloaded, the stream cut) before the generation produced anything, it is retried
+on another replica, up to `max_attempts` replicas; once a delta has been passed on, the failure is the
+client's (a stream gets an error event). Non-streaming generations produce their one delta at the end,
+so they are retried whenever their replica fails.
 """
 
 from __future__ import annotations
@@ -18,8 +24,11 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, replace
 
 from runtime.gateway.errors import GatewayError
+from runtime.gateway.replicas import ReplicaPool
 from runtime.gateway.routing import RouteDecision, Router
-from runtime.gateway.upstream import Delta, GenerateRequest, Upstream
+from runtime.gateway.upstream import Delta, GenerateRequest
+
+RETRYABLE = frozenset({429, 502, 503})  # overloaded engine, stream cut, replica unreachable or not ready
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +44,11 @@ class Event:
 
 
 class Exchange:
-    def __init__(self, decision: RouteDecision, upstreams: dict[str, Upstream], router: Router,
+    def __init__(self, decision: RouteDecision, pools: dict[str, ReplicaPool], router: Router,
                  requests: list[GenerateRequest], stream: bool, want_logprobs: bool,
                  on_client_left: Callable[[], None] = lambda: None) -> None:  # fmt: skip
         self.decision = decision
-        self._upstreams, self._router = upstreams, router
+        self._pools, self._router = pools, router
         self.requests, self._stream, self._want_logprobs = requests, stream, want_logprobs
         self._on_client_left = on_client_left  # called once if a leaving client cut upstream work short
         self._events: asyncio.Queue[Event | GatewayError] = asyncio.Queue()
@@ -130,20 +139,48 @@ class Exchange:
 
     async def _choice(self, request: GenerateRequest) -> AsyncIterator[Delta]:
         decision = self.decision
-        first = self._upstreams[decision.model]
         if decision.escalate_to is None:
-            async for delta in first.generate(request, self._stream):
+            async for delta in self._generate(decision.model, request, self._stream):
                 yield delta
             return
         # Cascade: the small model answers whole, with logprobs, so its confidence can be judged.
         probe = replace(request, params={**request.params, "logprobs": request.params.get("logprobs", 0)})
-        deltas = [delta async for delta in first.generate(probe, stream=False)]
+        deltas = [delta async for delta in self._generate(decision.model, probe, stream=False)]
         logprobs = [lp.logprob for delta in deltas for lp in delta.logprobs]
         mean = sum(logprobs) / len(logprobs) if logprobs else None  # None: unknown, the router escalates
         if self._router.should_escalate(decision, mean):
             self.escalated = True
-            async for delta in self._upstreams[decision.escalate_to].generate(request, self._stream):
+            async for delta in self._generate(decision.escalate_to, request, self._stream):
                 yield delta
             return
         for delta in deltas:
             yield delta if self._want_logprobs else replace(delta, logprobs=[])
+
+    async def _generate(self, backend: str, request: GenerateRequest, stream: bool) -> AsyncIterator[Delta]:
+        """One generation on a replica of `backend`, retried on others while nothing has been yielded."""
+        pool = self._pools[backend]
+        hashes = pool.prefix_key(request)
+        tried: set[str] = set()
+        failed: GatewayError | None = None
+        while True:
+            try:  # no await between the pick and its lease: concurrent picks see each other's counts
+                pick = pool.pick(hashes, frozenset(tried))
+            except GatewayError:
+                if failed is not None:
+                    raise failed from None  # no other replica: the failed one's own error (e.g. 429)
+                raise
+            tried.add(pick.replica.url)
+            started = False
+            try:
+                with pool.lease(pick, hashes) as upstream:
+                    async for delta in upstream.generate(request, stream):
+                        started = True
+                        yield delta
+                return
+            except GatewayError as exc:
+                if started or exc.status not in RETRYABLE or len(tried) >= pool.settings.max_attempts:
+                    raise
+                failed = exc
+                pool.metrics.replica_retries.labels(backend, pick.replica.url).inc()
+                log.warning("replica %s of %s failed before its first token (%s); retrying elsewhere",
+                            pick.replica.url, backend, exc.message)  # fmt: skip

@@ -84,7 +84,7 @@ class Call:
             raise unknown_model(body.model, gateway.model_ids) from None
         await gateway.check_health(decision)
         cancelled = gateway.metrics.cancelled.labels(self.endpoint)
-        exchange = Exchange(decision, gateway.upstreams, gateway.router, body.upstream_requests(), body.stream,
+        exchange = Exchange(decision, gateway.pools, gateway.router, body.upstream_requests(), body.stream,
                             body.logprobs_n is not None, cancelled.inc)  # fmt: skip
         watcher = asyncio.create_task(self._close_on_disconnect(exchange))
         committed = False

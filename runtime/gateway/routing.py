@@ -10,6 +10,9 @@ between two backends, `small` and `strong`:
 - cascade: `small` answers first; when its mean token log-probability is below `cascade_threshold` (or
   unknown), `strong` answers instead. A streamed answer has already reached the client and cannot be
   re-answered, so streaming requests are pre-routed by prompt length instead (the reason says so).
+
+A backend runs on one or more replicas (runtime/gateway/replica_config.py): the router names the backend,
+the backend's replica pool (runtime/gateway/replicas.py) picks the tritonserver.
 """
 
 from __future__ import annotations
@@ -22,6 +25,19 @@ from typing import Any, Literal, get_args
 
 import yaml
 from prometheus_client import CollectorRegistry, Counter
+
+from runtime.gateway.replica_config import (
+    Discovery,
+    Replica,
+    ReplicaPolicy,
+    RoutingSettings,
+    check_policy,
+    check_routing,
+    check_sources,
+    discovery_from,
+    replicas_from,
+    routing_from,
+)
 
 Policy = Literal["explicit", "prompt_length", "cascade"]
 POLICIES: tuple[str, ...] = get_args(Policy)
@@ -38,9 +54,19 @@ ESCALATED = "escalated"  # recorded by the caller when a cascade's strong model 
 
 @dataclass(frozen=True)
 class Backend:
+    """A model clients name, served by replicas: exactly one of `url` (one replica), `replicas`, `discover`."""
+
     name: str  # the OpenAI model name clients use
-    url: str  # tritonserver's gRPC host:port
+    url: str = ""  # tritonserver's gRPC host:port
     triton_model: str = "llm"
+    replicas: tuple[Replica, ...] = ()
+    discover: Discovery | None = None
+    routing: ReplicaPolicy | None = None  # this backend's replica policy; None: the routing section's
+
+    @property
+    def configured_replicas(self) -> tuple[Replica, ...]:
+        """The replicas listed in the config (none with `discover`: DNS supplies them at run time)."""
+        return self.replicas or ((Replica(self.url),) if self.url else ())
 
 
 @dataclass(frozen=True)
@@ -78,6 +104,7 @@ SECTIONS: dict[str, type[Backend] | type[VirtualModel]] = {"backends": Backend, 
 class GatewayConfig:
     backends: dict[str, Backend]
     virtual: dict[str, VirtualModel] = field(default_factory=dict)
+    routing: RoutingSettings = field(default_factory=RoutingSettings)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -110,18 +137,20 @@ class GatewayConfig:
 
     @classmethod
     def from_dict(cls, data: object) -> GatewayConfig:
-        """Build from parsed YAML/TOML: {"backends": {name: {...}}, "virtual_models": {name: {...}}}."""
+        """Build from parsed YAML/TOML: {"backends": {name: {...}}, "virtual_models": {name: {...}},
+        "routing": {...}}."""
         top = _mapping("config", {} if data is None else data)
-        unknown = sorted(set(top) - set(SECTIONS))
+        unknown = sorted(set(top) - {*SECTIONS, "routing"})
         if unknown:
-            raise ValueError(f"{unknown[0]}: unknown section (expected {', '.join(SECTIONS)})")
+            raise ValueError(f"{unknown[0]}: unknown section (expected {', '.join(SECTIONS)}, routing)")
         built: dict[str, dict[str, Any]] = {}
         for section, kind in SECTIONS.items():
             entries = _mapping(section, top.get(section, {}))
             built[section] = {
                 name: kind(name=name, **_entry(f"{section}.{name}", entry, kind)) for name, entry in entries.items()
             }
-        return cls(built["backends"], built["virtual_models"])
+        routing = routing_from("routing", top["routing"]) if "routing" in top else RoutingSettings()
+        return cls(built["backends"], built["virtual_models"], routing)
 
 
 class Router:
@@ -215,20 +244,26 @@ def _entry(path: str, entry: object, kind: type[Backend] | type[VirtualModel]) -
     for name, f in allowed.items():
         if name not in values and f.default is MISSING and f.default_factory is MISSING:
             raise ValueError(f"{path}.{name}: required field missing")
+    if kind is Backend:  # nested entries become their dataclasses
+        values = dict(values)
+        if "replicas" in values:
+            values["replicas"] = replicas_from(f"{path}.replicas", values["replicas"])
+        if "discover" in values:
+            values["discover"] = discovery_from(f"{path}.discover", values["discover"])
     return values
 
 
 def _validate(config: GatewayConfig) -> None:
     if not config.backends:
         raise ValueError("backends: at least one backend is required")
+    check_routing("routing", config.routing)
     for key, backend in config.backends.items():
         path = f"backends.{key}"
         _check_name(path, key, backend.name)
-        _check_str(f"{path}.url", backend.url)
-        host, sep, port = backend.url.rpartition(":")
-        if not (host and sep and port.isdigit() and 0 < int(port) < 65536) or "/" in backend.url:
-            raise ValueError(f"{path}.url: expected tritonserver's gRPC host:port, got {backend.url!r}")
+        check_sources(path, backend.url, backend.replicas, backend.discover)
         _check_str(f"{path}.triton_model", backend.triton_model)
+        if backend.routing is not None:
+            check_policy(f"{path}.routing", backend.routing)
     for key, virtual in config.virtual.items():
         path = f"virtual_models.{key}"
         _check_name(path, key, virtual.name)

@@ -1,9 +1,8 @@
-"""The gateway's shared state: settings, router, admission queue, upstreams, health, auth, accounting."""
+"""The gateway's shared state: settings, router, admission queue, replica pools, health, auth, accounting."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import logging
@@ -16,10 +15,12 @@ from starlette.requests import Request
 from runtime.gateway.errors import GatewayError
 from runtime.gateway.exchange import Exchange
 from runtime.gateway.fair_queue import FairQueue
+from runtime.gateway.health import Monitor
 from runtime.gateway.metrics import GatewayMetrics
+from runtime.gateway.replica_config import Replica, ReplicaPolicy
+from runtime.gateway.replicas import ReplicaPool, ReplicaState
 from runtime.gateway.responses import Choice
 from runtime.gateway.routing import ESCALATED, GatewayConfig, RouteDecision, Router
-from runtime.gateway.upstream import Upstream
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ class GatewaySettings:
     max_queued: int = 1024  # waiting for a slot; beyond it: 429
     max_concurrent: int = 256  # requests upstream at once, all tenants
     per_key_concurrency: int = 64  # requests upstream at once, one tenant
-    health_interval_s: float = 2.0
+    routing: ReplicaPolicy | None = None  # every backend's replica policy (--routing); None: as configured
 
 
 class Gateway:
@@ -42,45 +43,71 @@ class Gateway:
         self.queue = FairQueue(settings.max_queued, settings.max_concurrent, settings.per_key_concurrency,
                                self.registry)  # fmt: skip
         self.metrics = GatewayMetrics.create(self.registry)
-        self.upstreams = {b.name: Upstream(b.name, b.url, b.triton_model) for b in config.backends.values()}
+        self.routing = config.routing
+        self.pools = {
+            b.name: ReplicaPool(b.name, b.triton_model, b.configured_replicas, config.routing,
+                                settings.routing or b.routing or config.routing.policy, self.metrics)
+            for b in config.backends.values()
+        }  # fmt: skip
+        discover = {b.name: b.discover for b in config.backends.values() if b.discover is not None}
+        self.monitor = Monitor(self.pools, discover, self._retire)
         self.model_ids = config.models  # backends, then virtual models
         self.started = time.time()
-        self._health_task: asyncio.Task[None] | None = None
+        self._closing: dict[asyncio.Task[None], ReplicaState] = {}  # removed replicas awaiting their last request
 
     async def start(self) -> None:
-        await self.probe()  # know the backends' state before the first request
-        self._health_task = asyncio.create_task(self._watch_health())
+        await self.monitor.start(self.routing.health_interval_s, self.routing.metrics_interval_s)
 
     async def stop(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
-        for upstream in self.upstreams.values():
-            await upstream.close()
-
-    async def probe(self) -> None:
-        await asyncio.gather(*(u.probe() for u in self.upstreams.values()))
-        for upstream in self.upstreams.values():
-            self.metrics.backend_healthy.labels(upstream.name).set(1 if upstream.healthy else 0)
-
-    async def _watch_health(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.health_interval_s)
-            try:
-                await self.probe()
-            except Exception:  # a probe bug must not end health checking
-                log.exception("health probe failed")
+        await self.monitor.stop()
+        retired = list(self._closing.values())
+        for task in list(self._closing):
+            task.cancel()
+        for replica in [*retired, *(r for pool in self.pools.values() for r in pool.replicas.values())]:
+            await replica.upstream.close()
 
     async def check_health(self, decision: RouteDecision) -> None:
-        """503 unless the decision's backend answers (probed again now if it was down)."""
-        upstream = self.upstreams[decision.model]
-        if not upstream.healthy and not await upstream.probe():
-            raise GatewayError.unavailable(f"no healthy backend for model {decision.model!r}")
+        """503 unless a replica of the decision's backend answers (all probed again now if none did)."""
+        pool = self.pools[decision.model]
+        if not pool.healthy:
+            await asyncio.gather(*(r.upstream.probe() for r in pool.replicas.values()))
+            pool.publish_health()
+            if not pool.healthy:
+                raise GatewayError.unavailable(f"no healthy backend for model {decision.model!r} "
+                                               f"(none of its {len(pool.replicas)} replicas is ready)")  # fmt: skip
 
-    def authorize(self, request: Request) -> None:
+    async def add_replica(self, backend: str, replica: Replica) -> ReplicaState:
+        """Serve `backend` from one more replica too (probed now: it takes traffic once ready)."""
+        pool = self.pools[backend]
+        state = pool.add(replica)
+        await state.upstream.probe()
+        pool.publish_health()
+        return state
+
+    def remove_replica(self, backend: str, url: str) -> ReplicaState:
+        """Stop sending `backend` requests to a replica; requests open there finish first."""
+        state = self.pools[backend].remove(url)
+        self.pools[backend].publish_health()
+        self._retire(state)
+        return state
+
+    def _retire(self, state: ReplicaState) -> None:
+        async def close_when_idle() -> None:
+            await state.idle.wait()
+            await state.upstream.close()
+
+        task = asyncio.create_task(close_when_idle())
+        self._closing[task] = state
+        task.add_done_callback(lambda done: self._closing.pop(done, None))
+
+    def authorize(self, request: Request, admin: bool = False) -> None:
+        """401 unless the request carries the API key; `admin` endpoints are refused (403) without one set:
+        they change where traffic goes."""
         expected = self.settings.api_key
         if expected is None:
+            if admin:
+                raise GatewayError(403, "the admin API needs the gateway started with an API key",
+                                   "permission_error", code="admin_disabled")  # fmt: skip
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):

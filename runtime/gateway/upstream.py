@@ -155,7 +155,10 @@ class Upstream:
             async for result, error in call:
                 if error is not None:
                     finished = True
-                    raise classify(str(error), self.name)
+                    failure = classify(str(error), self.name)
+                    if failure.status == 503:  # Triton answers but its model is not ready: out until a probe
+                        self.healthy = False
+                    raise failure
                 delta = Delta(
                     text=result.as_numpy("text_output")[0].decode("utf-8", errors="replace"),
                     finish_reason=result.as_numpy("finish_reason")[0].decode() or None,

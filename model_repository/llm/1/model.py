@@ -43,6 +43,8 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("config parameter 'engine_dir' is empty: point it at an engine")
         engine_args = {k: int(params[k]) for k in INT_ARGS if params.get(k)}
         engine_args["enable_prefix_caching"] = params.get("enable_prefix_caching", "true").lower() == "true"
+        if params.get("backend", "").strip():
+            engine_args["backend"] = params["backend"].strip()
         if params.get("itl_target_ms", "").strip():
             engine_args["itl_target_ms"] = _itl_target_ms(params["itl_target_ms"])
         self.cancel_poll_s = _cancel_poll_s(params.get("cancel_poll_s", ""))

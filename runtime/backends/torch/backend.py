@@ -1,0 +1,104 @@
+"""The torch backend: the engine's weights in torch, trtserve's Triton kernels over a paged pool.
+
+The second GPU path beside TensorRT (as TensorRT-LLM's PyTorch backend), needing only CUDA,
+torch and Triton. The KV pool is one device tensor [layers, 2, num_blocks + 1, block_size,
+kv_width]; the extra block is scratch for CUDA-graph padding rows and never handed out. A step
+is packed and checked on the host (model.HostStep: a wrong block table, position or token id
+raises ValueError before any kernel indexes the pool with it), copied to the device in one
+transfer and run by model.Decoder. On CUDA, decode steps replay CUDA graphs per batch bucket
+(graphs.py) and `step_sample` samples on the device (runtime/backends/torch_sampler.py), so a
+step copies back token ids, not logits. On CPU the same code runs with the Triton kernels in
+Triton's interpreter (slow: tests and tiny models only).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from engine_format import EngineConfig, EngineLoadError
+from runtime.backends import DeviceSample, SamplingRow
+from runtime.backends.base import SequenceChunk
+from runtime.backends.torch.graphs import DecodeGraphs, default_buckets
+from runtime.backends.torch.model import Decoder, HostStep, load_kernels
+from runtime.backends.torch.weights import load_weights
+from runtime.backends.torch_sampler import TorchSampler
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class TorchBackend:
+    def __init__(
+        self, config: EngineConfig, num_blocks: int | None = None, device: str | None = None,
+        dtype: str | None = None, cuda_graphs: bool | None = None, graph_buckets: Sequence[int] | None = None,
+    ) -> None:  # fmt: skip
+        """device: default "cuda" where available, else "cpu" (interpreted kernels).
+        dtype: compute dtype (default: the engine's), e.g. "bfloat16" over a float32 engine.
+        cuda_graphs: replay decode steps from CUDA graphs (default: on CUDA). False on CUDA: eager;
+        True on CPU: the graphs' buffers and bucketing run eagerly (what the CPU tests check)."""
+        self.config, spec = config, config.model
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        name = dtype or config.dtype
+        if name not in DTYPES:
+            raise EngineLoadError(f"the torch backend computes in {', '.join(DTYPES)} (got {name!r})")
+        self.dtype = DTYPES[name]
+        kernels = load_kernels(self.device)
+        self.num_blocks = num_blocks or config.max_batch_size * config.max_blocks_per_seq
+        self.weights = load_weights(config, self.device, self.dtype)
+        shape = (spec.num_layers, 2, self.num_blocks + 1, config.block_size, spec.kv_width)
+        self.pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        on_cuda = self.device.type == "cuda"
+        # The split-KV heuristic's SM count; the interpreter takes the launcher's default (an H100's).
+        sm_count = kernels.attention.sm_count_of(self.device)
+        self.decoder = Decoder(config, self.weights, self.pool, kernels, sm_count)
+        self.sampler = TorchSampler(self.device)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs if cuda_graphs is not None else on_cuda:
+            buckets = graph_buckets or default_buckets(config.max_batch_size)
+            self.graphs = DecodeGraphs(self.decoder.forward, buckets, config.max_blocks_per_seq, self.num_blocks,
+                                       self.device, capture=on_cuda)  # fmt: skip
+        self._staging: torch.Tensor | None = None  # pinned host buffer of the eager steps' packed inputs
+        log.info("torch backend on %s (%s, kernels %s): KV pool %d blocks, %.1f MiB", self.device, name,
+                 "interpreted" if kernels.interpreted else "compiled", self.num_blocks,
+                 self.pool.numel() * self.pool.element_size() / 2**20)  # fmt: skip
+
+    def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
+        return self._logits(chunks).cpu().numpy()
+
+    def step_sample(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingRow | None]) -> DeviceSample:
+        if len(rows) != len(chunks):
+            raise ValueError(f"{len(rows)} sampling rows for {len(chunks)} chunks")
+        return self.sampler.sample_rows(self._logits(chunks), rows)
+
+    def close(self) -> None:
+        """Drop the graphs, pool and weights; return the cached device memory to CUDA."""
+        self.graphs = None
+        del self.decoder, self.pool, self.weights
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    @torch.inference_mode()
+    def _logits(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
+        step = HostStep.pack(chunks, self.config, self.num_blocks)
+        bucket = self.graphs.bucket(chunks) if self.graphs is not None else None
+        if self.graphs is not None and bucket is not None:
+            return self.graphs.run(step, bucket)
+        return self.decoder.forward(step.views(self._upload(step.packed)))
+
+    def _upload(self, packed: np.ndarray) -> torch.Tensor:
+        """One host -> device copy, through a reused pinned buffer on CUDA (the previous step's copy
+        has finished: every step ends by reading its results back)."""
+        host = torch.from_numpy(packed)
+        if self.device.type != "cuda":
+            return host
+        if self._staging is None or self._staging.numel() < host.numel():
+            self._staging = torch.empty(max(host.numel(), 1 << 16), dtype=torch.int64, pin_memory=True)
+        staged = self._staging[: host.numel()]
+        staged.copy_(host)
+        return staged.to(self.device, non_blocking=True)

@@ -1,0 +1,171 @@
+"""One decoder step over flat ragged tokens: torch matmuls, trtserve's Triton kernels for the rest.
+
+Per step the chunks are laid out as the CPU segments lay them out (engine_format/INTERFACE.md):
+every token its own row, a sequence's tokens contiguous, no padding. The host packs everything
+the kernels index with into one int64 array (`HostStep`), which reaches the device in one copy.
+Per layer: the fused RMSNorm -> QKV -> RoPE prologue (plugins_cuda/fused_qkv.py; unfused torch
+where that kernel does not apply: head_dim < 32, FP8 activations), `paged_kv_write` of the new
+K/V rows into the pool, `launch_ragged` paged attention over the pool in place (split-KV decode
+path and query-tiled prefill path, per-layer sliding window), then o_proj, RMSNorm, SwiGLU MLP
+in torch. The final norm and lm_head run on each sequence's last token only.
+
+`Decoder.forward` never reads device memory on the host (no sync), so a decode step can be
+captured in a CUDA graph (graphs.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine_format import EngineConfig, EngineLoadError, ceil_div
+from runtime.backends import check_chunks
+from runtime.backends.base import SequenceChunk
+from runtime.backends.torch.weights import Layer, Weights
+
+PROLOGUE_MIN_HEAD_DIM = 32  # plugins_cuda.fused_qkv.check_head_dim: half a head must fill a tl.dot
+
+
+@dataclass(frozen=True)
+class Kernels:
+    attention: ModuleType  # plugins_cuda.attention_launch
+    kv_write: ModuleType  # plugins_cuda.kv_write
+    prologue: ModuleType  # plugins_cuda.fused_qkv
+    interpreted: bool
+
+
+def load_kernels(device: torch.device) -> Kernels:
+    """The Triton kernel modules: compiled for CUDA, or on CPU run by Triton's interpreter, which
+    `triton.jit` chooses when a kernel module is first imported (TRITON_INTERPRET=1)."""
+    interpret = device.type != "cuda"
+    if interpret:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Imported by name: plugins_cuda is untyped (mypy checks runtime/ strictly) and must load only now.
+    attention_launch, fused_qkv, kv_write = (importlib.import_module(f"plugins_cuda.{name}")
+                                             for name in ("attention_launch", "fused_qkv", "kv_write"))  # fmt: skip
+    interpreted = type(kv_write.paged_kv_write_kernel).__name__ == "InterpretedFunction"
+    if interpreted != interpret:
+        raise EngineLoadError(
+            f"the Triton kernels were imported {'interpreted' if interpreted else 'compiled'} in this process "
+            f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}) but the device is {device}: run "
+            "CPU (interpreted) and CUDA backends in separate processes"
+        )
+    return Kernels(attention_launch, kv_write, fused_qkv, interpreted)
+
+
+@dataclass(frozen=True)
+class HostStep:
+    """A step packed on the host: one int64 array of regions (see `views`)."""
+
+    packed: np.ndarray
+    tokens: int
+    batch: int
+    table_width: int
+    max_rows: int  # most tokens of one sequence
+
+    @classmethod
+    def pack(cls, chunks: Sequence[SequenceChunk], config: EngineConfig, num_blocks: int) -> HostStep:
+        """Validates every chunk first (check_chunks): the kernels index the pool with these numbers."""
+        check_chunks(chunks, config, num_blocks)
+        bs = config.block_size
+        lengths = np.array([len(c.token_ids) for c in chunks], np.int64)
+        ends = np.array([c.past_len for c in chunks], np.int64) + lengths
+        width = ceil_div(int(ends.max()), bs)
+        tables = np.zeros((len(chunks), width), np.int64)
+        for i, c in enumerate(chunks):
+            need = ceil_div(int(ends[i]), bs)
+            tables[i, :need] = c.block_table[:need]
+        ids = np.concatenate([np.asarray(c.token_ids, np.int64) for c in chunks])
+        seq = np.repeat(np.arange(len(chunks)), lengths)
+        starts = np.cumsum(lengths) - lengths
+        positions = ends[seq] - lengths[seq] + np.arange(len(ids)) - starts[seq]
+        slot_blocks = tables[seq, positions // bs]
+        query_start = np.concatenate([[0], np.cumsum(lengths)])
+        packed = np.concatenate([ids, positions, slot_blocks, positions % bs, query_start, query_start[1:] - 1,
+                                 tables.ravel()])  # fmt: skip
+        return cls(packed, len(ids), len(chunks), width, int(lengths.max()))
+
+    def views(self, device_packed: torch.Tensor) -> StepTensors:
+        t, b = self.tokens, self.batch
+        ids, pos, kv_block, kv_offset, rest = device_packed.split([t, t, t, t, device_packed.numel() - 4 * t])
+        query_start, logit_rows, tables = rest.split([b + 1, b, b * self.table_width])
+        return StepTensors(ids, pos, kv_block, kv_offset, query_start, logit_rows,
+                           tables.view(b, self.table_width), self.max_rows)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StepTensors:
+    """A step on the device. `kv_block`/`kv_offset`: each token's pool slot, as the block and the
+    row in it (paged_kv_write then reads a one-entry table per token)."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    kv_block: torch.Tensor  # [T]
+    kv_offset: torch.Tensor  # [T]
+    query_start: torch.Tensor  # [B + 1]: sequence b owns rows query_start[b] .. query_start[b + 1] - 1
+    logit_rows: torch.Tensor  # [B]: each sequence's last row
+    block_tables: torch.Tensor  # [B, M]
+    max_rows: int
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As HF Llama: normalize in float32, back to the compute dtype, then scale."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rotate-half RoPE on [T, heads * D] with per-token cos/sin [T, D / 2], in float32."""
+    t = x.view(x.shape[0], heads, -1).float()
+    lo, hi = t.chunk(2, dim=-1)
+    c, s = cos[:, None], sin[:, None]
+    return torch.cat([lo * c - hi * s, hi * c + lo * s], dim=-1).to(x.dtype).view(x.shape)
+
+
+class Decoder:
+    def __init__(self, config: EngineConfig, weights: Weights, pool: torch.Tensor, kernels: Kernels,
+                 sm_count: int) -> None:  # fmt: skip
+        self.spec, self.w, self.pool, self.k, self.sm_count = config.model, weights, pool, kernels, sm_count
+        self.scale = float(self.spec.head_dim) ** -0.5
+        self.fused_prologue = self.spec.head_dim >= PROLOGUE_MIN_HEAD_DIM
+
+    def forward(self, s: StepTensors) -> torch.Tensor:
+        """float32 logits [B, vocab] of each sequence's last token; writes the step's K/V into the pool."""
+        spec, w = self.spec, self.w
+        hidden = F.embedding(s.input_ids, w.embed)
+        ones = torch.ones_like(s.kv_block)  # seq_lens of the one-token rows paged_kv_write sees
+        for index, layer in enumerate(w.layers):
+            q, k, v = self._prologue(layer, hidden, s.positions)
+            k_cache, v_cache = self.pool[index, 0], self.pool[index, 1]
+            self.k.kv_write.paged_kv_write(k[:, None], v[:, None], k_cache, v_cache, s.kv_block[:, None],
+                                           s.kv_offset[:, None], ones)  # fmt: skip
+            ctx = self.k.attention.launch_ragged(
+                q, k_cache, v_cache, s.block_tables, s.positions, s.query_start, s.max_rows, spec.num_kv_heads,
+                window=layer.window, scale=self.scale, sm_count=self.sm_count,
+            )  # fmt: skip
+            hidden = hidden + layer.o_proj(ctx)
+            gate, up = layer.gate_up(rms_norm(hidden, layer.post_norm, spec.rms_norm_eps)).chunk(2, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
+        last = rms_norm(hidden.index_select(0, s.logit_rows), w.final_norm, spec.rms_norm_eps)
+        return F.linear(last, w.lm_head).float()
+
+    def _prologue(self, layer: Layer, hidden: torch.Tensor,
+                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        spec, w = self.spec, self.w
+        if self.fused_prologue and layer.qkv.input_scale is None:
+            q, k, v = self.k.prologue.fused_rmsnorm_qkv_rope(
+                hidden, layer.input_norm, layer.qkv.weight, layer.qkv.bias, w.cos, w.sin, positions,
+                spec.num_heads, spec.num_kv_heads, spec.rms_norm_eps,
+            )  # fmt: skip
+            return q, k, v
+        qkv = layer.qkv(rms_norm(hidden, layer.input_norm, spec.rms_norm_eps))
+        q, k, v = qkv.split([spec.num_heads * spec.head_dim, spec.kv_width, spec.kv_width], dim=-1)
+        cos, sin = w.cos[positions], w.sin[positions]
+        return rope(q, cos, sin, spec.num_heads), rope(k, cos, sin, spec.num_kv_heads), v.contiguous()

@@ -1,0 +1,140 @@
+"""Sampling on the device: runtime/engine/sampler.py's semantics over torch tensors.
+
+The same steps in the same order and precision as the numpy sampler: penalties (repetition,
+then frequency and presence, float32), temperature, min-p, top-k, top-p over the renormalized
+survivors (cumulative sums in float64), one inverse-CDF draw per random row; logprobs are the
+float32 log-softmax of the penalized logits, top-n by logprob with ties to the lower id.
+Only token ids (and the requested logprobs) come back to the host, not [batch, vocab] logits.
+
+Seeds: each request's uniform is drawn on the host from its own numpy Generator (the
+SamplingState's `rng`, one `random()` per random row per step, exactly the numpy sampler's
+call), then moved to the device with the other per-row parameters in one small copy. So a
+seeded request gives the same tokens on either sampler and whatever shares its batch.
+Penalty state crosses as (row, token, count) triples of the tokens seen so far, not [B, V].
+
+Where the two can differ: float32 `exp` may round differently by an ulp between numpy and
+torch (and CUDA), which moves a draw only if the uniform lands within ~1e-7 of a boundary of
+the cumulative distribution; exact ties between logits may be ordered differently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from runtime.backends import DeviceSample, RowLogprobs, SamplingOptions, SamplingRow
+
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+
+
+class TorchSampler:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def sample_rows(self, logits: torch.Tensor, rows: Sequence[SamplingRow | None]) -> DeviceSample:
+        """Row i sampled with rows[i]; rows that are None get token -1 (not sampled)."""
+        picked = [i for i, r in enumerate(rows) if r is not None]
+        token_ids = np.full(len(rows), -1, np.int64)
+        logprobs: list[RowLogprobs | None] = [None] * len(rows)
+        if picked:
+            sub = logits if len(picked) == len(rows) else logits[self._index(picked)]
+            result = self.sample(sub, [r for r in rows if r is not None])
+            token_ids[picked] = result.token_ids
+            for j, i in enumerate(picked):
+                logprobs[i] = result.logprobs[j]
+        return DeviceSample(token_ids, logprobs)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceSample:
+        if logits.ndim != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [batch={len(rows)}, vocab] (got {tuple(logits.shape)})")
+        bad = [r.vocab_size for r in rows if r.vocab_size != logits.shape[1]]
+        if bad:
+            raise ValueError(f"logits vocab {logits.shape[1]} != request vocab_size {bad[0]}")
+        greedy = np.array([r.params.greedy for r in rows], dtype=bool)
+        if greedy.all() and not any(r.penalized or r.params.logprobs is not None for r in rows):
+            return DeviceSample(logits.argmax(dim=1).cpu().numpy().astype(np.int64), [None] * len(rows))
+        x = self._penalized(logits, rows)
+        token_ids = x.argmax(dim=1)
+        rand = np.flatnonzero(~greedy)
+        if rand.size:
+            u = np.array([rows[i].rng.random() for i in rand])  # one draw per row from its own stream
+            index = self._index(rand.tolist())
+            token_ids[index] = self._draw(x[index], [rows[i].params for i in rand], u)
+        logprobs = self._logprobs(x, token_ids, rows)
+        return DeviceSample(token_ids.cpu().numpy().astype(np.int64), logprobs)
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def _penalized(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """float32 logits with the penalties applied (a copy when any row has one)."""
+        penalized = [i for i, r in enumerate(rows) if r.penalized]
+        if not penalized:
+            return logits.float()
+        x = logits.float().clone()
+        seen = [np.flatnonzero(rows[i].seen) for i in penalized]  # prompt and output tokens
+        entries = np.stack([
+            np.repeat(np.arange(len(penalized)), [len(s) for s in seen]),
+            np.concatenate(seen),
+            np.concatenate([rows[i].output_counts[s] for i, s in zip(penalized, seen, strict=True)]),
+        ]).astype(np.int64)  # fmt: skip
+        params = np.array([[rows[i].params.repetition_penalty, rows[i].params.frequency_penalty,
+                            rows[i].params.presence_penalty] for i in penalized], np.float32)  # fmt: skip
+        r, tok, cnt = torch.from_numpy(entries).to(self.device).unbind(0)
+        rep, freq, pres = torch.from_numpy(params).to(self.device)[:, :, None].unbind(1)
+        shape = (len(penalized), x.shape[1])
+        is_seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        is_seen[r, tok] = True
+        counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        counts[r, tok] = cnt.float()
+        index = self._index(penalized)
+        xr = x[index]
+        xr = torch.where(is_seen, torch.where(xr > 0, xr / rep, xr * rep), xr)
+        x[index] = xr - freq * counts - pres * (counts > 0).float()
+        return x
+
+    def _draw(self, x: torch.Tensor, params: Sequence[SamplingOptions], u: np.ndarray) -> torch.Tensor:
+        """numpy `_filter_sorted` + the inverse-CDF draw, for rows x [R, V] and their uniforms u [R]."""
+        v = x.shape[1]
+        host = np.array([[p.temperature, p.min_p, p.top_p, p.top_k if 0 < p.top_k < v else v]
+                         for p in params], np.float64)  # fmt: skip
+        temp, min_p, top_p, top_k = torch.from_numpy(host).to(self.device).unbind(1)
+        u_dev = torch.from_numpy(u.astype(np.float64)).to(self.device)
+        temp32 = temp.clamp(min=FLOAT32_TINY).float()[:, None]
+        scaled = (x - x.max(dim=1, keepdim=True).values) / temp32  # the top token lands on exactly 0
+        s, order = torch.sort(scaled, dim=1, descending=True, stable=True)
+        e = torch.exp(s)  # prob / max_prob
+        keep = e.double() >= min_p[:, None]  # min-p, compared in float64 as numpy promotes
+        keep &= s >= s.gather(1, top_k.long()[:, None] - 1)  # top-k by value: ties at the k-th stay
+        p = torch.where(keep, e, torch.zeros((), dtype=e.dtype, device=e.device))
+        cdf = torch.cumsum(p.double(), dim=1)
+        above = (cdf[:, :-1] < top_p[:, None] * cdf[:, -1:]).sum(dim=1)
+        n_keep = torch.where(top_p >= 1.0, torch.full_like(above, v), 1 + above)
+        target = u_dev * cdf.gather(1, n_keep[:, None] - 1)[:, 0]  # u * kept mass
+        pos = (cdf <= target[:, None]).sum(dim=1)
+        pos = torch.minimum(pos, torch.minimum(n_keep, (p > 0).sum(dim=1)) - 1)
+        return order.gather(1, pos[:, None])[:, 0]
+
+    def _logprobs(self, x: torch.Tensor, token_ids: torch.Tensor,
+                  rows: Sequence[SamplingRow]) -> list[RowLogprobs | None]:  # fmt: skip
+        out: list[RowLogprobs | None] = [None] * len(rows)
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if not want:
+            return out
+        index = self._index(want)
+        xr = x[index]
+        shifted = xr - xr.max(dim=1, keepdim=True).values
+        lse = torch.log(torch.exp(shifted).double().sum(dim=1, keepdim=True))
+        lp = (shifted.double() - lse).float()
+        n_max = min(max(rows[i].params.logprobs or 0 for i in want), x.shape[1])
+        values, ids = torch.sort(lp, dim=1, descending=True, stable=True)  # ties to the lower id
+        chosen = lp.gather(1, token_ids[index][:, None])[:, 0]
+        top_ids, top_lp, chosen_lp = ids[:, :n_max].cpu().tolist(), values[:, :n_max].cpu().tolist(), chosen.tolist()
+        tokens = token_ids[index].cpu().tolist()
+        for r, i in enumerate(want):
+            n = rows[i].params.logprobs or 0
+            out[i] = (int(tokens[r]), float(chosen_lp[r]), list(zip(top_ids[r][:n], top_lp[r][:n], strict=True)))
+        return out
