@@ -284,11 +284,15 @@ def test_cascade_re_answers_with_the_strong_model_below_the_threshold(gateway, s
     reason = "escalated" if answers == STRONG else "cascade"
     labels = f'model="{answers}",reason="{reason}",virtual_model="{virtual}"'
     decisions = f"trtserve_gateway_route_decisions_total{{{labels}}}"
-    before = gateway_metrics(gateway).get(decisions, 0)
+    small_tokens = f'trtserve_gateway_tokens_total{{kind="completion",model="{MODEL}"}}'
+    before = gateway_metrics(gateway)
     reply = sdk.completions.create(model=virtual, prompt=CASCADE_PROMPT, max_tokens=8, temperature=0)
     assert reply.model == answers and reply.choices[0].text == want.text
     assert reply.choices[0].logprobs is None  # asked upstream for the decision, not by the client
-    assert gateway_metrics(gateway)[decisions] == before + 1
+    after = gateway_metrics(gateway)
+    assert after[decisions] == before.get(decisions, 0) + 1
+    # The small model's answer counts even when it is thrown away (it cost engine time).
+    assert after[small_tokens] - before.get(small_tokens, 0) == len(want.token_ids)
 
 
 def test_streaming_cascade_is_routed_by_prompt_length(sdk):

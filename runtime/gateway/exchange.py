@@ -58,6 +58,7 @@ class Exchange:
         self._slot: AbstractAsyncContextManager[float] | None = None
         self._pending = set(range(len(requests)))  # choices not finished yet
         self.escalated = False
+        self.discarded_tokens: dict[str, int] = {"prompt": 0, "completion": 0}  # escalated small answers
         self.closed = False
 
     @property
@@ -150,6 +151,9 @@ class Exchange:
         mean = sum(logprobs) / len(logprobs) if logprobs else None  # None: unknown, the router escalates
         if self._router.should_escalate(decision, mean):
             self.escalated = True
+            if deltas:  # the small model's answer was generated, then thrown away: still counted
+                self.discarded_tokens["prompt"] += deltas[-1].prompt_tokens
+                self.discarded_tokens["completion"] += deltas[-1].completion_tokens
             async for delta in self._generate(decision.escalate_to, request, self._stream):
                 yield delta
             return

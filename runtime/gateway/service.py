@@ -128,3 +128,6 @@ class Gateway:
         self.router.record(exchange.model, ESCALATED if exchange.escalated else decision.reason, decision.virtual_model)
         self.metrics.tokens.labels(exchange.model, "prompt").inc(sum(c.prompt_tokens for c in choices))
         self.metrics.tokens.labels(exchange.model, "completion").inc(sum(c.completion_tokens for c in choices))
+        for kind, count in exchange.discarded_tokens.items():
+            if count:
+                self.metrics.tokens.labels(decision.model, kind).inc(count)
