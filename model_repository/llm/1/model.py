@@ -126,25 +126,22 @@ class TritonPythonModel:
 
 
 def _cancel_poll_s(value: str) -> float:
-    if not value.strip():
-        return CANCEL_POLL_S
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = float("nan")
-    if not 0 <= seconds < float("inf"):
-        raise pb_utils.TritonModelException(f"config parameter 'cancel_poll_s' must be seconds >= 0 (got {value!r})")
-    return seconds
+    return _non_negative("cancel_poll_s", value, "seconds") if value.strip() else CANCEL_POLL_S
 
 
 def _itl_target_ms(value: str) -> float | None:
+    return _non_negative("itl_target_ms", value, "ms") or None  # 0: no target
+
+
+def _non_negative(name: str, value: str, unit: str) -> float:
+    """A finite number >= 0 from config parameter `name`; a bad one stops the model loading."""
     try:
-        ms = float(value)
+        number = float(value)
     except ValueError:
-        ms = float("nan")
-    if not 0 <= ms < float("inf"):
-        raise pb_utils.TritonModelException(f"config parameter 'itl_target_ms' must be ms >= 0 (got {value!r})")
-    return ms or None  # 0: no target
+        number = float("nan")
+    if not 0 <= number < float("inf"):
+        raise pb_utils.TritonModelException(f"config parameter '{name}' must be {unit} >= 0 (got {value!r})")
+    return number
 
 
 async def _until_cancelled(stream, request, poll_s: float = CANCEL_POLL_S):
