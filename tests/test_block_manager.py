@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from runtime.engine.errors import InvalidRequest
 from runtime.engine.kv_cache_manager import KVCacheManager
 from runtime.engine.request import Request
 from runtime.engine.sampler import SamplingState
@@ -12,8 +13,8 @@ from runtime.engine.sampling_params import SamplingParams
 BS = 4
 
 
-def make_request(tokens: list[int], order: int = 0, max_tokens: int = 8) -> Request:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+def make_request(tokens: list[int], order: int = 0, max_tokens: int = 8, cache_salt: str | None = None) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, cache_salt=cache_salt)
     return Request(str(order), list(tokens), params, SamplingState(params, tokens, 100), arrival_order=order)
 
 
@@ -62,6 +63,30 @@ def test_prefix_hit_shares_blocks_and_is_capped():
     assert c.block_ids == [0, 4, 5]
     kv.check_invariants([a, b, c])
     assert kv.prefix_queries == 12 + 12 + 9 and kv.prefix_hits == 8 + 4
+
+
+def test_cache_salt_isolates_tenants_prefixes():
+    kv = KVCacheManager(num_blocks=12, block_size=BS)
+    prompt = list(range(12))
+    a = make_request(prompt, order=0, cache_salt="tenant-a")
+    admit(kv, a)
+    assert a.block_ids == [0, 1, 2]
+    # Another tenant with the same prompt: no hit, fresh blocks; nor does an unsalted request hit.
+    b = make_request(prompt, order=1, cache_salt="tenant-b")
+    assert admit(kv, b) == 0 and b.block_ids == [3, 4, 5]
+    c = make_request(prompt, order=2)
+    assert admit(kv, c) == 0 and c.block_ids == [6, 7, 8]
+    # The same tenant hits its own blocks (capped to leave one token to compute).
+    d = make_request(prompt, order=3, cache_salt="tenant-a")
+    assert admit(kv, d) == 8 and d.block_ids == [0, 1, 9]
+    kv.check_invariants([a, b, c, d])
+
+
+def test_cache_salt_is_validated():
+    with pytest.raises(InvalidRequest, match="cache_salt"):
+        SamplingParams(cache_salt="")
+    with pytest.raises(InvalidRequest, match="cache_salt"):
+        SamplingParams(cache_salt="x" * 257)
 
 
 def test_freed_cached_blocks_are_reused_lru_and_evicted_last():

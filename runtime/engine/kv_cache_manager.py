@@ -1,7 +1,9 @@
 """Per-request KV blocks on top of the pool: allocation on demand and prefix caching.
 
 Prefix caching hashes each *full* block of a request's tokens, chained through the
-previous block's hash, so equal hashes mean equal whole prefixes. A block is indexed only
+previous block's hash, so equal hashes mean equal whole prefixes. The chain starts from the
+request's cache salt (one per tenant): requests with different salts never share a block, so
+one tenant cannot probe another's prompts through time-to-first-token. A block is indexed only
 after its K/V have been written (`cache_computed_blocks`, called after each engine step):
 the backend writes a step's K/V after the graph ran, so a block indexed earlier could be
 read by another sequence of the same step before it holds data.
@@ -20,6 +22,15 @@ from runtime.engine.block_pool import BlockPool, KVBlock
 from runtime.engine.request import Request
 
 log = logging.getLogger(__name__)
+
+
+def salt_root(cache_salt: str | None) -> bytes:
+    """The parent hash of a request's first block: empty (shared) without a salt."""
+    return (
+        b""
+        if cache_salt is None
+        else hashlib.blake2b(cache_salt.encode(), digest_size=16, person=b"trtserve-salt").digest()
+    )
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -45,9 +56,10 @@ class KVCacheManager:
     def _hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """The request's chained hashes of its first `num_blocks` full blocks (memoized)."""
         tokens, bs, hashes = request.all_token_ids, self.block_size, request.block_hashes
+        root = salt_root(request.params.cache_salt)
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(block_hash(hashes[-1] if hashes else b"", tokens[i * bs : (i + 1) * bs]))
+            hashes.append(block_hash(hashes[-1] if hashes else root, tokens[i * bs : (i + 1) * bs]))
         return hashes[:num_blocks]
 
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:

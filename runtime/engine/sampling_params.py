@@ -44,6 +44,9 @@ class SamplingParams:
     # itl_target_s: while it decodes, steps carry only the prefill that keeps them within it.
     ttft_target_s: float | None = None
     itl_target_s: float | None = None
+    # Prefix-cache isolation: only requests with the same salt share cached blocks (the gateway
+    # sets one per tenant; None shares with every other unsalted request).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,6 +93,8 @@ class SamplingParams:
             raise InvalidRequest(
                 "ttft_target_s", f"must not exceed deadline_s ({self.ttft_target_s} > {self.deadline_s})"
             )
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= 256):
+            raise InvalidRequest("cache_salt", "must be a non-empty string of at most 256 characters")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequest(name, "must be true or false")
