@@ -18,10 +18,10 @@ def make_inputs(prompt: str, max_tokens: int, chat: bool) -> list[grpcclient.Inf
     text = json.dumps([{"role": "user", "content": prompt}]) if chat else prompt
     values = {
         "messages" if chat else "text_input": np.array([text.encode()], dtype=object),
-        "max_tokens": np.array([max_tokens], dtype=np.int32),
+        "max_tokens": np.array([max_tokens], dtype=np.int64),
         "stream": np.array([True]),
     }
-    dtypes = {np.dtype(object): "BYTES", np.dtype(np.int32): "INT32", np.dtype(bool): "BOOL"}
+    dtypes = {np.dtype(object): "BYTES", np.dtype(np.int64): "INT64", np.dtype(bool): "BOOL"}
     inputs = []
     for name, value in values.items():
         tensor = grpcclient.InferInput(name, list(value.shape), dtypes[value.dtype])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -15,6 +16,7 @@ from runtime.backends import BACKENDS
 from runtime.engine.errors import InvalidRequest
 from runtime.gateway.cli import API_KEY_ENV, DEFAULT_PORT
 from runtime.gateway.cli import gateway as gateway_command
+from runtime.serve.serve_loop import ADMIN_KEY_ENV
 
 COMMAND_ENTRY_POINTS = "trtserve.commands"
 BACKEND_HELP = "Executor (default: TensorRT for TensorRT engines where installed, else torch on a GPU, else ORT)."
@@ -127,7 +129,13 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
     type=click.Path(path_type=Path, exists=True, file_okay=False),
     help="Engine directory written by build-engine.",
 )
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (all three endpoints).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address of the OpenAI endpoint (public).")
+@click.option(
+    "--triton-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address of tritonserver's HTTP, gRPC and metrics endpoints (loopback: only the gateway reaches them).",
+)
 @click.option("--http-port", default=8000, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--grpc-port", default=8001, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--metrics-port", default=8002, show_default=True, type=click.IntRange(1, 65535))
@@ -153,20 +161,47 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
     default=None,
     help="Require 'Authorization: Bearer <key>' on the OpenAI endpoint.",
 )
-def serve(engine_dir: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, max_num_seqs: int | None,
-          max_num_batched_tokens: int | None, num_kv_blocks: int | None, max_waiting: int | None,
-          no_prefix_caching: bool, openai_port: int, no_openai: bool, api_key: str | None,
-          itl_target_ms: float | None, backend: str | None) -> None:  # fmt: skip
+@click.option(
+    "--admin-key",
+    envvar=ADMIN_KEY_ENV,
+    show_envvar=True,
+    default=None,
+    help="Value of the 'admin-key' header Triton's shared-memory, model-repository, logging and trace APIs "
+    "require (default: a random key, i.e. nobody).",
+)
+@click.option(
+    "--drain-timeout",
+    "drain_timeout_s",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Seconds running requests may go on after SIGTERM; the rest end with a 'server shutting down' error.",
+)
+@click.option(
+    "--health-interval",
+    "health_interval_s",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(min=0.1),
+    help="Seconds between health probes of the model; three failures in a row stop the server (exit code 3).",
+)
+def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_port: int, metrics_port: int,
+          max_num_seqs: int | None, max_num_batched_tokens: int | None, num_kv_blocks: int | None,
+          max_waiting: int | None, no_prefix_caching: bool, openai_port: int, no_openai: bool, api_key: str | None,
+          admin_key: str | None, drain_timeout_s: float, health_interval_s: float, itl_target_ms: float | None,
+          backend: str | None) -> None:  # fmt: skip
     """Serve an engine with NVIDIA Triton Inference Server (HTTP, gRPC, Prometheus metrics).
 
     Starts the real tritonserver with the trtserve `llm` model, waits until it is ready,
     starts the OpenAI endpoint next to it (model name: the engine directory's), prints the
-    endpoints, and shuts down cleanly on Ctrl-C or SIGTERM.
+    endpoints, and probes the model's health every --health-interval seconds: a model that
+    cannot serve stops the server with exit code 3 (for an orchestrator to restart it).
+    On Ctrl-C or SIGTERM it stops admitting requests, lets running ones finish within
+    --drain-timeout, ends the rest with an error, and exits with code 4 if any had to be cut.
     """
-    import signal
-
     from runtime.gateway.process import GatewayProcess, GatewayProcessError, start_beside_triton
-    from runtime.serve.launcher import MODEL_NAME, ServerConfig, ServerError, TritonServer
+    from runtime.serve.launcher import ServerConfig, ServerError, TritonServer
+    from runtime.serve.serve_loop import run_serve
 
     try:
         EngineConfig.load(engine_dir)
@@ -177,38 +212,18 @@ def serve(engine_dir: Path, host: str, http_port: int, grpc_port: int, metrics_p
               "backend": backend}  # fmt: skip
     engine_params = {k: str(v) for k, v in params.items() if v is not None}
     engine_params["enable_prefix_caching"] = "false" if no_prefix_caching else "true"
-    config = ServerConfig(engine_dir, host, http_port, grpc_port, metrics_port, engine_params)
-    stop: list[bool] = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.append(True))
+    config = ServerConfig(engine_dir, triton_host, http_port, grpc_port, metrics_port, engine_params,
+                          drain_timeout_s=drain_timeout_s)  # fmt: skip
+    if admin_key:
+        config = dataclasses.replace(config, admin_key=admin_key)
     try:
         server = TritonServer(config)
     except ServerError as exc:
         raise click.ClickException(str(exc)) from None
-    openai: GatewayProcess | None = None
     served_name = engine_dir.resolve().name
-    try:
-        click.echo(f"starting tritonserver (log: {server.log_path}) ...", err=True)
-        server.wait_ready()
-        if not no_openai:
-            openai = start_beside_triton(f"{host}:{grpc_port}", served_name, host, openai_port, api_key)
-        click.echo(f"ready: model '{MODEL_NAME}'\n"
-                   f"  HTTP     http://{host}:{http_port}/v2/models/{MODEL_NAME}/generate (and generate_stream)\n"
-                   f"  gRPC     {host}:{grpc_port}\n"
-                   f"  metrics  http://{host}:{metrics_port}/metrics")  # fmt: skip
-        if openai is not None:
-            click.echo(f"  OpenAI   http://{host}:{openai_port}/v1 (model '{served_name}'; log: {openai.log_path})")
-        while not stop and server.process.poll() is None and (openai is None or openai.process.poll() is None):
-            time.sleep(0.2)
-        if server.process.poll() is not None and not stop:
-            raise ServerError(f"tritonserver exited unexpectedly:\n{server.log_tail()}")
-        if openai is not None and openai.process.poll() is not None and not stop:
-            raise ServerError(f"the OpenAI gateway exited unexpectedly:\n{openai.log_tail()}")
-    except (ServerError, GatewayProcessError) as exc:
-        raise click.ClickException(str(exc)) from None
-    finally:
-        if openai is not None:
-            click.echo("stopping the OpenAI gateway ...", err=True)
-            openai.stop()
-        click.echo("stopping tritonserver ...", err=True)
-        server.stop()
+
+    def start_gateway(grpc_address: str) -> GatewayProcess:
+        return start_beside_triton(grpc_address, served_name, host, openai_port, api_key)
+
+    starter = None if no_openai else start_gateway
+    sys.exit(run_serve(server, starter, served_name, health_interval_s, (GatewayProcessError,)))

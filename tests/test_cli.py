@@ -137,6 +137,25 @@ def test_generate_rejects_bad_input(cli_engine, args, message):
     assert message in result.output and "Traceback" not in result.output
 
 
+def test_serve_help_names_the_hardening_options():
+    text = CliRunner().invoke(trtserve_cli, ["serve", "--help"], terminal_width=200).output
+    for needle in ("--triton-host", "--admin-key", "TRTSERVE_ADMIN_KEY", "--drain-timeout", "--health-interval",
+                   "exit code 3", "code 4"):  # fmt: skip
+        assert needle in text, needle
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--drain-timeout", "-1"], "Invalid value for '--drain-timeout'"),
+        (["--health-interval", "0"], "Invalid value for '--health-interval'"),
+    ],
+)
+def test_serve_rejects_bad_lifecycle_options(cli_engine, args, message):
+    result = CliRunner().invoke(trtserve_cli, ["serve", "--engine", str(cli_engine), *args])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
 def test_console_scripts_are_installed(cli_engine):
     bindir = Path(sys.executable).parent
     out = subprocess.run([bindir / "build-engine", "--help"], capture_output=True, text=True, check=True)

@@ -70,7 +70,7 @@ def test_container_tritonserver_command_is_what_the_image_needs(commands, tmp_pa
     install = env[env.index("TRTSERVE_TRITONSERVER_DIR") + 1]
     monkeypatch.setenv("TRTSERVE_TRITONSERVER_DIR", install)
     entrypoint = next(c for c in commands if c.cmd == "ENTRYPOINT").value
-    host = entrypoint[entrypoint.index("--host") + 1]
+    host = entrypoint[entrypoint.index("--triton-host") + 1]
     work = tmp_path / "work"
     command, _ = prepare(ServerConfig(engine_dir=tmp_path, host=host), work)
 

@@ -185,10 +185,10 @@ def test_chat_logprobs_equal_the_engine(sdk, engine):
     reply = sdk.chat.completions.create(model=MODEL, messages=HI, max_tokens=5, temperature=0, logprobs=True,
                                         top_logprobs=2)  # fmt: skip
     content = reply.choices[0].logprobs.content
-    assert [c.token for c in content] == [f"token_id:{t}" for t in want.token_ids]
+    assert "".join(c.token for c in content) == want.text  # each token's own text (tests/test_hardening_inputs.py)
     assert [c.logprob for c in content] == pytest.approx([lp.logprob for lp in want.logprobs], rel=1e-5)
     for got, lp in zip(content, want.logprobs, strict=True):
-        assert [t.token for t in got.top_logprobs] == [f"token_id:{t}" for t, _ in lp.top]
+        assert got.top_logprobs[0].token == got.token  # greedy: the sampled token is the best alternative
         assert [t.logprob for t in got.top_logprobs] == pytest.approx([v for _, v in lp.top], rel=1e-5)
 
 
@@ -196,9 +196,10 @@ def test_completion_logprobs_format(sdk, engine):
     want = reference(engine, "Paged attention", max_tokens=4, logprobs=1)
     reply = sdk.completions.create(model=MODEL, prompt="Paged attention", max_tokens=4, temperature=0, logprobs=1)
     logprobs = reply.choices[0].logprobs
-    assert logprobs.tokens == [f"token_id:{t}" for t in want.token_ids]
+    assert "".join(logprobs.tokens) == want.text and len(logprobs.tokens) == len(want.token_ids)
     assert logprobs.token_logprobs == pytest.approx([lp.logprob for lp in want.logprobs], rel=1e-5)
-    assert [list(top) for top in logprobs.top_logprobs] == [[f"token_id:{lp.top[0][0]}"] for lp in want.logprobs]
+    assert [list(top) for top in logprobs.top_logprobs] == [[t] for t in logprobs.tokens]  # greedy: top-1 sampled
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
 
 
 def test_trtserve_extra_body_fields(sdk, engine):
@@ -231,7 +232,10 @@ def test_trtserve_extra_body_fields(sdk, engine):
         ({"top_logprobs": 2}, "top_logprobs", "needs 'logprobs'"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when 'stream'"),
         # Checked by the engine, not the gateway: still a 400 naming the parameter.
-        ({"messages": [{"role": "user", "content": "word " * 300}]}, "max_tokens", "max sequence length"),
+        ({"messages": [{"role": "user", "content": "word " * 300}]}, "messages", "max sequence length"),
+        ({"extra_body": {"ttft_target_s": 0}}, "ttft_target_s", "greater than 0"),
+        ({"extra_body": {"cache_salt": ""}}, "cache_salt", "at least 1 character"),
+        ({"stop": ["x" * 257]}, "stop[0]", "at most 256 characters"),
     ],
 )
 def test_bad_requests_are_400s_naming_the_parameter(sdk, kwargs, param, says):

@@ -8,7 +8,8 @@ from pydantic import ValidationError
 
 from runtime.gateway.errors import GatewayError, from_validation
 from runtime.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from runtime.gateway.upstream import classify, parse_logprobs
+from runtime.gateway.service import tenant_cache_salt
+from runtime.gateway.upstream import build_inputs, classify, parse_logprobs
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -85,6 +86,37 @@ def test_upstream_errors_map_to_statuses(message, status, param):
     error = classify(message, "b")
     assert (error.status, error.param) == (status, param)
     assert message in error.message
+
+
+def test_latency_targets_pass_through_and_the_cache_salt_is_the_tenants():
+    body = {"model": "m", "messages": HI, "ttft_target_s": 0.5, "itl_target_s": 0.125, "cache_salt": "team-b"}
+    [request] = ChatCompletionRequest.model_validate(body).upstream_requests("tenant-salt")
+    assert (request.params["ttft_target_s"], request.params["itl_target_s"]) == (0.5, 0.125)
+    assert request.cache_salt == "tenant-salt"  # the body's own salt only reaches upstream through the tenant's
+    assert error_of(ChatCompletionRequest, {**body, "itl_target_s": float("inf")}).param == "itl_target_s"
+    assert error_of(ChatCompletionRequest, {**body, "cache_salt": "x" * 257}).param == "cache_salt"
+
+
+def test_tenant_cache_salt_hides_the_key_and_never_equals_another_tenants():
+    salts = {tenant_cache_salt(key, client) for key in ("key-a", "key-b", None) for client in (None, "x", "y")}
+    assert len(salts) == 9 and None in salts  # None: no key and no client salt, the shared cache
+    assert all("key-a" not in (s or "") for s in salts) and tenant_cache_salt("k", "x") == tenant_cache_salt("k", "x")
+
+
+def test_inputs_are_typed_by_the_models_table():
+    body = {"model": "m", "prompt": "hi", "max_tokens": 3, "seed": 2**40, "ttft_target_s": 0.5, "stop": ["a", "b"]}
+    [request] = CompletionRequest.model_validate(body).upstream_requests("salt")
+    types = {t.name(): (t.datatype(), t.shape()) for t in build_inputs(request, stream=True)}
+    assert types["max_tokens"] == ("INT64", [1]) and types["seed"] == ("INT64", [1]) and types["top_k"][0] == "INT64"
+    assert types["ttft_target_s"] == ("FP32", [1]) and types["stream"] == ("BOOL", [1])
+    assert types["cache_salt"] == ("BYTES", [1]) and types["stop"] == ("BYTES", [2]) and "messages" not in types
+
+
+def test_sizes_are_bounded_before_the_engine_sees_them():
+    assert error_of(CompletionRequest, {"model": "m", "prompt": "x" * (10_485_760 + 1)}).param == "prompt"
+    long_chat = [{"role": "user", "content": "x" * 6_000_000}] * 2  # each short enough, together too long
+    assert error_of(ChatCompletionRequest, {"model": "m", "messages": long_chat}).code == "prompt_too_long"
+    assert error_of(ChatCompletionRequest, {"model": "m", "messages": HI, "stop": ["s"] * 17}).param == "stop"
 
 
 def test_logprobs_json_parses_with_or_without_token_text():

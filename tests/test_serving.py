@@ -92,7 +92,10 @@ def test_32_concurrent_grpc_streams(server, reference):
     ("body", "message"),
     [
         ({"max_tokens": 4}, "give exactly one of 'text_input'"),
-        ({"text_input": "hi", "max_tokens": -1}, "max_tokens: must be in [1, inf] (got -1)"),
+        ({"text_input": "hi", "max_tokens": -1}, "max_tokens: must be in [1, 2147483647] (got -1)"),
+        ({"text_input": "hi", "max_tokens": 2**32 + 8}, "max_tokens: must be in [1, 2147483647] (got 4294967304)"),
+        ({"text_input": "hi", "max_token": 4}, "max_token: unknown field; allowed: text_input, messages"),
+        ({"messages": "[" * 100_000 + "]" * 100_000}, "messages: is nested more than 32 levels deep"),
         ({"text_input": "hi", "top_p": 1.5}, "top_p: must be in (0.0, 1.0] (got 1.5)"),
         ({"text_input": "word " * 300, "max_tokens": 4}, "exceeds the engine's max sequence length"),
         ({"messages": "[not json", "max_tokens": 4}, "messages: is not valid JSON"),
@@ -198,7 +201,7 @@ def test_tritonclient_http_infer_through_the_adapter_model(server, reference):
     def infer(text: str, max_tokens: int):
         inputs = []
         for name, value, dtype in (("text_input", np.array([text.encode()], dtype=object), "BYTES"),
-                                   ("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32")):  # fmt: skip
+                                   ("max_tokens", np.array([max_tokens], dtype=np.int64), "INT64")):  # fmt: skip
             tensor = httpclient.InferInput(name, [1], dtype)
             tensor.set_data_from_numpy(value)
             inputs.append(tensor)

@@ -63,7 +63,7 @@ def wait_for(predicate, timeout_s: float = 10.0) -> bool:
 
 def grpc_inputs(text: str, max_tokens: int, stream: bool = True) -> list:
     values = [("text_input", np.array([text.encode()], dtype=object), "BYTES"),
-              ("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
+              ("max_tokens", np.array([max_tokens], dtype=np.int64), "INT64"),
               ("stream", np.array([stream]), "BOOL")]  # fmt: skip
     inputs = []
     for name, value, dtype in values:

@@ -1,6 +1,6 @@
 """One generation request, end to end: checks, admission, upstream, the answer (whole or streamed).
 
-Order of checks: API key (401), body (400), model (404), backend health (503), admission
+Order of checks: API key (401), body (413 size, 415 content type, 400), model (404), backend health (503), admission
 queue (429), then upstream, whose errors keep their meaning (400 invalid, 429 overloaded,
 503 unreachable). A stream commits to 200 only once every choice has produced its first
 delta, so failures before that still get their status. A disconnect watcher closes the
@@ -24,10 +24,17 @@ from runtime.gateway import responses
 from runtime.gateway.errors import GatewayError, from_validation
 from runtime.gateway.exchange import Event, Exchange
 from runtime.gateway.fair_queue import QueueFull
-from runtime.gateway.protocol import ChatCompletionRequest, CompletionRequest, Generation
+from runtime.gateway.protocol import (
+    MAX_BODY_BYTES,
+    MAX_JSON_DEPTH,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Generation,
+)
 from runtime.gateway.responses import Choice, Header, Kind
 from runtime.gateway.routing import UnknownModel
 from runtime.gateway.service import Gateway
+from runtime.serve.request_inputs import json_depth_exceeds
 
 ENDPOINTS: dict[Kind, str] = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
 
@@ -53,9 +60,23 @@ async def generate(gateway: Gateway, http: Request, kind: Kind) -> Response:
 
 
 async def _parse(http: Request, schema: type[Generation]) -> Generation:
+    """The body, bounded before it is parsed: its size (413), then its nesting (json.loads recurses once a
+    level; a deep document must be a 400, not a RecursionError). A declared non-JSON content type is a 415
+    (curl's --data default, form-urlencoded, is what crashes Triton's own HTTP parser at a few MB)."""
+    raw = await _body(http)  # read first (bounded): a client still sending would see a reset, not the answer
+    content_type = http.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if content_type != "application/json":
+        raise GatewayError(415, f"Content-Type must be application/json (got {content_type!r})",
+                           "invalid_request_error", code="unsupported_media_type")  # fmt: skip
     try:
-        data = json.loads(await http.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise GatewayError.invalid(f"the body is not valid UTF-8: {exc}") from None
+    if json_depth_exceeds(text, MAX_JSON_DEPTH):
+        raise GatewayError.invalid(f"the body nests more than {MAX_JSON_DEPTH} levels deep", code="too_deep")
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise GatewayError.invalid(f"the body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise GatewayError.invalid("the body must be a JSON object")
@@ -63,6 +84,21 @@ async def _parse(http: Request, schema: type[Generation]) -> Generation:
         return schema.model_validate(data)
     except ValidationError as exc:
         raise from_validation(exc) from None
+
+
+async def _body(http: Request) -> bytes:
+    too_large = GatewayError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", "invalid_request_error",
+                             code="request_too_large")  # fmt: skip
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in http.stream():  # read no further than the limit, whatever the header said
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 @dataclass
@@ -84,7 +120,8 @@ class Call:
             raise unknown_model(body.model, gateway.model_ids) from None
         await gateway.check_health(decision)
         cancelled = gateway.metrics.cancelled.labels(self.endpoint)
-        exchange = Exchange(decision, gateway.pools, gateway.router, body.upstream_requests(), body.stream,
+        requests = body.upstream_requests(gateway.cache_salt(body.cache_salt))
+        exchange = Exchange(decision, gateway.pools, gateway.router, requests, body.stream,
                             body.logprobs_n is not None, cancelled.inc)  # fmt: skip
         watcher = asyncio.create_task(self._close_on_disconnect(exchange))
         committed = False

@@ -3,7 +3,8 @@
 Strict types: "5" is not an integer and true is not a number, as in OpenAI's API. Unknown
 fields are errors (errors.from_validation names them; OpenAI parameters this server lacks
 are called unsupported). A field sent as null counts as not sent. Ranges match the engine's
-SamplingParams, so a request that passes here is not refused upstream for its parameters.
+SamplingParams and the model's input table (runtime.serve.request_inputs), and sizes its
+Limits, so a request that passes here is not refused upstream for its parameters.
 """
 
 from __future__ import annotations
@@ -14,13 +15,18 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runtime.gateway.errors import GatewayError
 from runtime.gateway.upstream import GenerateRequest
+from runtime.serve.request_inputs import INPUT, Limits
 
+LIMITS = Limits()  # the model's default bounds (its max_prompt_chars may be lower: it knows the tokenizer)
 MAX_N = 16
-MAX_TOP_LOGPROBS = 20  # runtime.engine.sampling_params.MAX_LOGPROBS
-MAX_STOP = 16
-INT32_MAX = 2**31 - 1
+MAX_TOP_LOGPROBS = INPUT["logprobs"].hi
+MAX_STOP = LIMITS.max_stop_strings
+MAX_BODY_BYTES = 64 * 2**20  # a prompt of max_prompt_chars, JSON-escaped, fits
+MAX_JSON_DEPTH = LIMITS.max_json_depth
 
-PositiveInt = Annotated[int, Field(ge=1, le=INT32_MAX)]
+PositiveInt = Annotated[int, Field(ge=1, le=INPUT["max_tokens"].hi)]
+PromptText = Annotated[str, Field(max_length=LIMITS.max_prompt_chars)]
+Seconds = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
@@ -43,7 +49,7 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: PromptText | Annotated[list[TextPart], Field(max_length=LIMITS.max_messages)]
 
     def as_upstream(self) -> dict[str, str]:
         """Text content for the model's chat template; 'developer' is OpenAI's new name for 'system'."""
@@ -61,24 +67,35 @@ class Generation(_Strict):
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None = None
+    stop: (Annotated[str, Field(max_length=LIMITS.max_stop_chars)]
+           | Annotated[list[Annotated[str, Field(min_length=1, max_length=LIMITS.max_stop_chars)]],
+                       Field(max_length=MAX_STOP)]
+           | None) = None  # fmt: skip
     seed: Annotated[int, Field(ge=0, le=2**63 - 1 - MAX_N)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     user: str | None = None
     # trtserve extras
-    top_k: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
+    top_k: Annotated[int, Field(ge=INPUT["top_k"].lo, le=INPUT["top_k"].hi)] = 0
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
     ignore_eos: bool = False
-    priority: Annotated[int, Field(ge=-(2**31), le=INT32_MAX)] = 0
+    priority: Annotated[int, Field(ge=INPUT["priority"].lo, le=INPUT["priority"].hi)] = 0
+    ttft_target_s: Seconds | None = None  # latency targets (SamplingParams.ttft_target_s / itl_target_s)
+    itl_target_s: Seconds | None = None
+    # Prefix-cache isolation within the tenant: mixed with the tenant's own salt (service.Gateway.cache_salt).
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> Generation:
+    def _shared_checks(self) -> Generation:
         if self.stream_options is not None and not self.stream:
             raise GatewayError.invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
         if isinstance(self.stop, str) and not self.stop:
             raise GatewayError.invalid("'stop' must not be empty", "stop")
+        if self.prompt_chars > LIMITS.max_prompt_chars:
+            field = "messages" if isinstance(self, ChatCompletionRequest) else "prompt"
+            raise GatewayError.invalid(f"the prompt has {self.prompt_chars} characters; the limit is "
+                                       f"{LIMITS.max_prompt_chars}", field, "prompt_too_long")  # fmt: skip
         return self
 
     @property
@@ -106,9 +123,9 @@ class Generation(_Strict):
         """(prompt, messages) per prompt."""
         raise NotImplementedError
 
-    def upstream_requests(self) -> list[GenerateRequest]:
+    def upstream_requests(self, cache_salt: str | None = None) -> list[GenerateRequest]:
         """One upstream generation per choice, n per prompt; choice j of a prompt samples with seed + j
-        (reproducible, and distinct from its siblings)."""
+        (reproducible, and distinct from its siblings). `cache_salt`: the tenant's (not the body's)."""
         params: dict[str, int | float | bool] = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
@@ -118,16 +135,20 @@ class Generation(_Strict):
             params["max_tokens"] = self.token_limit
         if self.logprobs_n is not None:
             params["logprobs"] = self.logprobs_n
+        for target in ("ttft_target_s", "itl_target_s"):
+            if getattr(self, target) is not None:
+                params[target] = getattr(self, target)
         requests = []
         for prompt, messages in self._inputs():
             for j in range(self.n):
                 seed = {"seed": self.seed + j} if self.seed is not None else {}
-                requests.append(GenerateRequest(prompt, messages, {**params, **seed}, self.stop_strings))
+                requests.append(GenerateRequest(prompt, messages, {**params, **seed}, self.stop_strings,
+                                                cache_salt=cache_salt))  # fmt: skip
         return requests
 
 
 class ChatCompletionRequest(Generation):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=LIMITS.max_messages)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
@@ -153,7 +174,7 @@ class ChatCompletionRequest(Generation):
 
 
 class CompletionRequest(Generation):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_N)]
+    prompt: PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_N)]
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # named `logprobs_n` elsewhere
 
     @model_validator(mode="after")

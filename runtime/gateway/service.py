@@ -122,6 +122,9 @@ class Gateway:
             return "key:" + hashlib.sha256(self.settings.api_key.encode()).hexdigest()[:12]
         return f"addr:{request.client.host if request.client else 'unknown'}"
 
+    def cache_salt(self, client_salt: str | None) -> str | None:
+        return tenant_cache_salt(self.settings.api_key, client_salt)
+
     def account(self, exchange: Exchange, choices: list[Choice]) -> None:
         """A request answered in full: the router's record and token counters."""
         decision = exchange.decision
@@ -131,3 +134,13 @@ class Gateway:
         for kind, count in exchange.discarded_tokens.items():
             if count:
                 self.metrics.tokens.labels(decision.model, kind).inc(count)
+
+
+def tenant_cache_salt(api_key: str | None, client_salt: str | None) -> str | None:
+    """The prefix-cache salt sent upstream: the tenant's, from the API key (hashed: the key never leaves
+    the gateway), mixed with the client's own `cache_salt`, so a client can split its tenant's cache but
+    never pick another tenant's salt. None (the shared cache) without a key or a client salt."""
+    if api_key is None and client_salt is None:
+        return None
+    material = f"trtserve-cache-salt\0{api_key or ''}\0{client_salt or ''}"
+    return hashlib.sha256(material.encode()).hexdigest()

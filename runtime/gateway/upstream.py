@@ -21,25 +21,10 @@ import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
 from runtime.gateway.errors import GatewayError
+from runtime.serve.request_inputs import INPUT
 
 log = logging.getLogger(__name__)
 
-# Triton input name -> (tensor datatype, numpy dtype); names and types as in model_repository/llm/config.pbtxt.
-SCALAR_INPUTS: dict[str, tuple[str, type]] = {
-    "max_tokens": ("INT32", np.int32),
-    "stream": ("BOOL", np.bool_),
-    "temperature": ("FP32", np.float32),
-    "top_k": ("INT32", np.int32),
-    "top_p": ("FP32", np.float32),
-    "min_p": ("FP32", np.float32),
-    "repetition_penalty": ("FP32", np.float32),
-    "presence_penalty": ("FP32", np.float32),
-    "frequency_penalty": ("FP32", np.float32),
-    "seed": ("INT64", np.int64),
-    "priority": ("INT32", np.int32),
-    "logprobs": ("INT32", np.int32),
-    "ignore_eos": ("BOOL", np.bool_),
-}
 # Triton input -> the OpenAI parameter a client knows it by, for errors the engine reports.
 CLIENT_PARAM = {"text_input": "prompt", "messages": "messages", "logprobs": "logprobs"}
 PROBE_TIMEOUT_S = 2.0
@@ -51,9 +36,10 @@ class GenerateRequest:
 
     prompt: str | None
     messages: list[dict[str, str]] | None
-    params: Mapping[str, int | float | bool]  # keys of SCALAR_INPUTS
+    params: Mapping[str, int | float | bool]  # scalar inputs of runtime.serve.request_inputs.INPUTS
     stop: tuple[str, ...] = ()
     request_id: str = ""
+    cache_salt: str | None = None  # the tenant's (service.Gateway.cache_salt)
 
 
 @dataclass(frozen=True)
@@ -82,7 +68,7 @@ def token_name(token_id: int, text: str | None = None) -> str:
 def parse_logprobs(raw: bytes) -> list[TokenLogprob]:
     out = []
     for entry in json.loads(raw or b"[]"):
-        # top entries: [token_id, logprob] (or [token_id, logprob, text] once the model sends text)
+        # top entries: [token_id, logprob, text] (models before token text sent [token_id, logprob])
         top = [(token_name(int(t[0]), t[2] if len(t) > 2 else None), float(t[1])) for t in entry.get("top", [])]
         out.append(TokenLogprob(entry["token_id"], token_name(entry["token_id"], entry.get("token")),
                                 float(entry["logprob"]), top))  # fmt: skip
@@ -90,20 +76,21 @@ def parse_logprobs(raw: bytes) -> list[TokenLogprob]:
 
 
 def build_inputs(request: GenerateRequest, stream: bool) -> list[grpcclient.InferInput]:
-    tensors: list[tuple[str, np.ndarray, str]] = []
+    """The model's input tensors, typed by its one input table (runtime.serve.request_inputs.INPUTS)."""
+    values: dict[str, list] = {**{name: [value] for name, value in request.params.items()}, "stream": [stream]}
     if request.messages is not None:
-        tensors.append(("messages", np.array([json.dumps(request.messages).encode()], dtype=np.object_), "BYTES"))
+        values["messages"] = [json.dumps(request.messages).encode()]
     else:
-        tensors.append(("text_input", np.array([(request.prompt or "").encode()], dtype=np.object_), "BYTES"))
-    for name, value in {**request.params, "stream": stream}.items():
-        datatype, dtype = SCALAR_INPUTS[name]
-        tensors.append((name, np.array([value], dtype=dtype), datatype))
+        values["text_input"] = [(request.prompt or "").encode()]
     if request.stop:
-        tensors.append(("stop", np.array([s.encode() for s in request.stop], dtype=np.object_), "BYTES"))
+        values["stop"] = [s.encode() for s in request.stop]
+    if request.cache_salt is not None:
+        values["cache_salt"] = [request.cache_salt.encode()]
     inputs = []
-    for name, array, datatype in tensors:
-        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
+    for name, value in values.items():
+        spec = INPUT[name]
+        tensor = grpcclient.InferInput(name, [len(value)], spec.datatype)
+        tensor.set_data_from_numpy(np.array(value, dtype=spec.dtype))
         inputs.append(tensor)
     return inputs
 

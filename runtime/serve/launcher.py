@@ -5,6 +5,11 @@ and the stub for the running Python) and a model repository whose `llm/config.pb
 the project's template with the engine settings filled in and whose `model.py` is the
 project's. The stub runs the first `python` on PATH, so the running interpreter's bin/ goes
 first. Shutdown sends SIGTERM (Triton unloads models, draining in-flight requests).
+
+The shared-memory, model-repository, logging and trace APIs (HTTP and gRPC) need the `admin-key`
+header (a random key unless one is given): no client needs them, and registering the stub's own
+IPC region through the shared-memory API crashed Triton. Each server gets its own Python-backend
+shared-memory prefix, whose regions are removed after it exits (a crashed stub leaves them).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import contextlib
 import importlib.util
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -31,6 +37,10 @@ from typing import Any
 MODEL_NAME = "llm"
 ADAPTER_MODELS = ("llm_infer",)  # forward to MODEL_NAME; copied as they are
 TEMPLATE_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+ADMIN_HEADER = "admin-key"  # HTTP header; gRPC clients send it as `triton-grpc-protocol-admin-key`
+# Everything but health, metadata, model-config, statistics and inference: no client needs them.
+ADMIN_APIS = ("shared-memory", "model-repository", "logging", "trace")
+SHM_ROOT = Path("/dev/shm")
 
 
 class ServerError(RuntimeError):
@@ -46,6 +56,8 @@ class ServerConfig:
     metrics_port: int = 8002
     engine_params: dict[str, str] = field(default_factory=dict)  # config.pbtxt parameters
     log_verbose: int = 0
+    admin_key: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
+    drain_timeout_s: float = 30.0  # Triton's own exit timeout is set above it: trtserve cuts first
 
     @property
     def http_url(self) -> str:
@@ -90,6 +102,7 @@ def prepare(config: ServerConfig, workdir: Path) -> tuple[list[str], dict[str, s
         for name in ("config.pbtxt", "1/model.py"):
             (workdir / "models" / adapter / name).symlink_to(TEMPLATE_REPOSITORY / adapter / name)
     params = {"engine_dir": str(Path(config.engine_dir).resolve()), **config.engine_params}
+    restricted = f"{','.join(ADMIN_APIS)}:{ADMIN_HEADER}={config.admin_key}"
     (model_dir / "config.pbtxt").write_text(fill_parameters(
         (TEMPLATE_REPOSITORY / MODEL_NAME / "config.pbtxt").read_text(), params))  # fmt: skip
     command = [
@@ -100,7 +113,10 @@ def prepare(config: ServerConfig, workdir: Path) -> tuple[list[str], dict[str, s
         f"--grpc-address={config.host}", f"--grpc-port={config.grpc_port}",
         f"--metrics-address={config.host}", f"--metrics-port={config.metrics_port}",
         "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
-        "--exit-on-error=true", "--exit-timeout-secs=40", f"--log-verbose={config.log_verbose}",
+        "--exit-on-error=true", f"--exit-timeout-secs={int(config.drain_timeout_s) + 30}",
+        f"--log-verbose={config.log_verbose}",
+        f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}",
+        f"--backend-config=python,shm-region-prefix-name={shm_prefix(workdir)}",
     ]  # fmt: skip
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -131,8 +147,23 @@ def _pytriton_backends(workdir: Path) -> tuple[Path, Path, Path]:
     return server_dir / "bin" / "tritonserver", workdir / "backends", libs
 
 
+def shm_prefix(workdir: Path) -> str:
+    """The Python backend's /dev/shm region prefix for the server in `workdir` (unique per server)."""
+    return f"trtserve_{re.sub(r'[^A-Za-z0-9]', '', workdir.name.removeprefix('trtserve-triton-'))}_"
+
+
+def remove_shm_regions(prefix: str) -> list[str]:
+    """Remove /dev/shm regions named `prefix`* (left by a stub or server that did not exit cleanly)."""
+    removed = []
+    for region in SHM_ROOT.glob(f"{prefix}*"):
+        with contextlib.suppress(FileNotFoundError):
+            region.unlink()
+            removed.append(region.name)
+    return removed
+
+
 def fill_parameters(template: str, params: dict[str, str]) -> str:
-    """Set `string_value` of each named parameter in the config.pbtxt text."""
+    """Set `string_value` of each named parameter in the config.pbtxt text (values escaped)."""
     for key, value in params.items():
         pattern = re.compile(r'(key: "' + re.escape(key) + r'", value: \{ string_value: )"[^"]*"')
         if not pattern.search(template):
@@ -143,7 +174,16 @@ def fill_parameters(template: str, params: dict[str, str]) -> str:
 
 def _quoted_value(value: str) -> Callable[[re.Match[str]], str]:
     """A re.sub replacement keeping the matched prefix and quoting `value` (taken literally)."""
-    return lambda m: f'{m.group(1)}"{value}"'
+    quoted = pbtxt_string(value)
+    return lambda m: f"{m.group(1)}{quoted}"
+
+
+def pbtxt_string(value: str) -> str:
+    """`value` as a protobuf text-format string literal: a `"` or `\\` in a path must not end or
+    corrupt the literal (Triton would read another path, or refuse the config)."""
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    escaped = re.sub(r"[\x00-\x1f\x7f]", lambda m: f"\\{ord(m.group()):03o}", escaped)
+    return f'"{escaped}"'
 
 
 class TritonServer:
@@ -153,6 +193,8 @@ class TritonServer:
         self.config = config
         self.workdir = Path(tempfile.mkdtemp(prefix="trtserve-triton-"))
         command, env = prepare(config, self.workdir)
+        self.shm_prefix = shm_prefix(self.workdir)
+        self.model_dir = self.workdir / "models" / MODEL_NAME  # the drain files go here (runtime.serve.lifecycle)
         self.log_path = log_path or self.workdir / "tritonserver.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
@@ -164,7 +206,8 @@ class TritonServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise ServerError(f"tritonserver exited (code {self.process.returncode}):\n{self.log_tail()}")
+                raise ServerError(f"tritonserver exited (code {self.process.returncode}):\n{self.log_tail()}"
+                                  + "".join(f"\n{line}" for line in self.load_failures()))  # fmt: skip
             try:
                 with urllib.request.urlopen(url, timeout=2) as response:
                     if response.status == 200:
@@ -174,11 +217,18 @@ class TritonServer:
             time.sleep(0.25)
         raise ServerError(f"tritonserver not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
 
+    def load_failures(self) -> list[str]:
+        """The log's model load failures (their reason, e.g. too little memory, is far above the tail)."""
+        self._log.flush()
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return [line[:2000] for line in lines if "failed to load '" in line and ": " in line.partition("version")[2]]
+
     def log_tail(self, lines: int = 30) -> str:
         self._log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM, SIGKILL after `timeout_s`; then the stubs and /dev/shm regions a crash leaves."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -188,10 +238,18 @@ class TritonServer:
                 self.process.wait()
         with contextlib.suppress(ProcessLookupError):  # Python-backend stubs left by a crash
             os.killpg(self.process.pid, signal.SIGKILL)
+        remove_shm_regions(self.shm_prefix)
         self._log.close()
         shutil.rmtree(self.workdir / "backends", ignore_errors=True)
         shutil.rmtree(self.workdir / "models", ignore_errors=True)
         return self.process.returncode
+
+    def kill(self) -> None:
+        """SIGKILL tritonserver and its stubs at once (the model is dead: nothing left to drain);
+        its clients' connections close, so they get an error instead of waiting."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
 
     def __enter__(self) -> TritonServer:
         return self

@@ -5,6 +5,7 @@ response per delta) or whole, the last one flagged FINAL. An asyncio loop runs o
 thread; the engine loop runs on another (inside AsyncLLM). A request whose client cancels
 (`is_cancelled()`, asked every `cancel_poll_s` seconds) is aborted and its KV blocks freed.
 On unload, in-flight requests are drained (up to a timeout) before the engine stops.
+`trtserve serve` probes its health and drains it through files (runtime.serve.lifecycle).
 
 config.pbtxt parameters: `engine_dir` (required); the EngineArgs `max_num_seqs`,
 `max_num_batched_tokens`, `num_kv_blocks`, `max_waiting`, `min_prefill_tokens` (empty: the
@@ -13,6 +14,9 @@ target, the fixed token budget) and `enable_prefix_caching` ("true"/"false"); `c
 the seconds between a request's `is_cancelled()` checks (empty: CANCEL_POLL_S = 0.5; "0": before
 every response is sent, one IPC round trip per token, which tests use so that a cancel is seen by
 the next token).
+`max_prompt_chars`, `max_messages`, `max_stop_strings`, `max_stop_chars`: bounds on one request
+(runtime/serve/request_inputs.py, Limits; empty: its defaults, and for max_prompt_chars the most
+characters a prompt fitting the context can have), checked before the prompt is tokenized.
 """
 
 from __future__ import annotations
@@ -22,16 +26,19 @@ import concurrent.futures
 import contextlib
 import json
 import threading
+from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from runtime import AsyncLLM, CompletionOutput, EngineArgs, InvalidRequest, Overloaded
+from runtime.serve import lifecycle
 from runtime.serve.metrics import TritonMetrics
-from runtime.serve.request_inputs import SCALAR_PARAMS, parse_request
+from runtime.serve.request_inputs import INPUTS, Limits, parse_request, prompt_char_limit, resolve_max_tokens
 
 CANCEL_POLL_S = 0.5  # default of the `cancel_poll_s` parameter
 METRICS_INTERVAL_S = 0.5
+LIMIT_ARGS = ("max_prompt_chars", "max_messages", "max_stop_strings", "max_stop_chars")  # request_inputs.Limits
 INT_ARGS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_waiting", "min_prefill_tokens")
 
 
@@ -48,6 +55,7 @@ class TritonPythonModel:
         if params.get("itl_target_ms", "").strip():
             engine_args["itl_target_ms"] = _itl_target_ms(params["itl_target_ms"])
         self.cancel_poll_s = _cancel_poll_s(params.get("cancel_poll_s", ""))
+        limits = {k: int(_non_negative(k, params[k], "a count")) for k in LIMIT_ARGS if params.get(k, "").strip()}
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.metrics = TritonMetrics(pb_utils, labels)
         try:
@@ -56,17 +64,28 @@ class TritonPythonModel:
             )
         except Exception as exc:  # reported by Triton as the model's load failure
             raise pb_utils.TritonModelException(f"trtserve engine failed to start: {exc}") from None
+        engine = self.engine.engine
+        self.context_tokens = min(engine.config.max_seq_len, engine.kv.capacity_tokens)
+        if "max_prompt_chars" not in limits:  # the longest prompt that could fit the context
+            limits["max_prompt_chars"] = prompt_char_limit(engine.tokenizer, self.context_tokens)
+        self.limits = Limits(**limits)
         self.in_flight: set[concurrent.futures.Future] = set()
         self.loop = asyncio.new_event_loop()
         self.loop_thread = threading.Thread(target=self.loop.run_forever, name="trtserve-asyncio", daemon=True)
         self.loop_thread.start()
+        # `trtserve serve` drains through files in this model's directory (runtime.serve.lifecycle).
+        self.drain = lifecycle.Drain(Path(args["model_repository"]), self.loop, self.in_flight)
         self.stopping = threading.Event()
         self.metrics_thread = threading.Thread(target=self._publish_metrics, name="trtserve-metrics", daemon=True)
         self.metrics_thread.start()
 
     def execute(self, requests):
         for request in requests:
-            future = asyncio.run_coroutine_threadsafe(self._serve(request), self.loop)
+            if self.drain.requested.is_set():
+                _send_error(request.get_response_sender(), lifecycle.REFUSED_MESSAGE, pb_utils.TritonError.UNAVAILABLE)
+                continue
+            serve = self._health if lifecycle.is_health_probe(request) else self._serve
+            future = asyncio.run_coroutine_threadsafe(serve(request), self.loop)
             self.in_flight.add(future)
             future.add_done_callback(self.in_flight.discard)
         return None
@@ -74,14 +93,19 @@ class TritonPythonModel:
     async def _serve(self, request) -> None:
         sender = request.get_response_sender()
         try:
-            names = ("text_input", "messages", "stop", "stream", *SCALAR_PARAMS)
             inputs = {}
-            for name in names:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
+            for spec in INPUTS:
+                tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
                 if tensor is not None:
-                    inputs[name] = tensor.as_numpy()
-            parsed = parse_request(inputs)
-            stream = self.engine.generate(parsed.prompt, parsed.params, request.request_id() or None)
+                    inputs[spec.name] = tensor.as_numpy()
+            parsed = parse_request(inputs, json.loads(request.parameters() or "{}"), self.limits)
+            # Tokenized off this loop: a long prompt must not stall the other requests' streams.
+            prompt_ids = await asyncio.get_running_loop().run_in_executor(
+                None, self.engine.engine.admission.tokenize, parsed.prompt
+            )
+            params = resolve_max_tokens(parsed, len(prompt_ids), self.context_tokens)
+            stream = self.engine.generate(prompt_ids, params, request.request_id() or None)
+            texts = _TokenTexts(self.engine.engine.tokenizer, prompt_ids)
             whole = CompletionOutput(request.request_id(), [])
             finished = False
             async for delta in _until_cancelled(stream, request, self.cancel_poll_s):
@@ -91,12 +115,12 @@ class TritonPythonModel:
                     return
                 if parsed.stream:
                     flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if delta.finished else 0
-                    sender.send(_response(delta.text, delta), flags=flags)
+                    sender.send(_response(delta.text, delta, texts=texts), flags=flags)
                 else:
                     whole.add(delta)
                     if delta.finished:
                         sender.send(
-                            _response(whole.text, delta, whole.logprobs or []),
+                            _response(whole.text, delta, whole.logprobs or [], texts),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
                         )
             if not finished:  # cancelled by the client: close the stream without data
@@ -105,8 +129,21 @@ class TritonPythonModel:
             _send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
         except Overloaded as exc:
             _send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
+        except asyncio.CancelledError:  # cut by the drain deadline: the client gets a final error
+            self.drain.count_cut()
+            _send_error(sender, lifecycle.CUT_MESSAGE, pb_utils.TritonError.UNAVAILABLE)
         except Exception as exc:  # never leave a client hanging
             _send_error(sender, f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+
+    async def _health(self, request) -> None:
+        """Answer `trtserve serve`'s health probe from the loop, without the engine's queue."""
+        sender = request.get_response_sender()
+        problem = lifecycle.engine_problem(self.engine)
+        if problem is not None:
+            _send_error(sender, problem, pb_utils.TritonError.INTERNAL)
+            return
+        ok = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("text_output", np.array([b"ok"], np.object_))])
+        sender.send(ok, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _publish_metrics(self) -> None:
         while not self.stopping.wait(METRICS_INTERVAL_S):
@@ -120,6 +157,7 @@ class TritonPythonModel:
         self.engine.shutdown(drain_timeout_s=30.0)
         concurrent.futures.wait(list(self.in_flight), timeout=5)  # let final responses go out
         self.stopping.set()
+        self.drain.stop()
         self._update_metrics()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.loop_thread.join(timeout=5)
@@ -185,11 +223,35 @@ async def _until_cancelled(stream, request, poll_s: float = CANCEL_POLL_S):
             return
 
 
-def _logprobs_json(logprobs) -> str:
-    return json.dumps([{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in logprobs or []])
+class _TokenTexts:
+    """Each sampled token's text (and its alternatives'), decoded after the few tokens before it:
+    alone, a SentencePiece token would lose its leading space. Multi-byte characters split across
+    tokens show as U+FFFD, as in vLLM; the answer's text is decoded as a whole elsewhere."""
+
+    CONTEXT = 4
+
+    def __init__(self, tokenizer, prompt_ids) -> None:
+        self.tokenizer, self.context = tokenizer, list(prompt_ids[-self.CONTEXT :])
+
+    def entry(self, lp) -> dict:
+        before = self._decode(self.context)
+        texts = {lp.token_id: "", **{t: "" for t, _ in lp.top}}
+        for token_id in texts:
+            full = self._decode([*self.context, token_id])
+            texts[token_id] = full[len(before) :] if full.startswith(before) else self._decode([token_id])
+        self.context = [*self.context[1 - self.CONTEXT :], lp.token_id]
+        top = [[t, v, texts[t]] for t, v in lp.top]
+        return {"token_id": lp.token_id, "token": texts[lp.token_id], "logprob": lp.logprob, "top": top}
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def _response(text: str, delta, logprobs=None):
+def _logprobs_json(logprobs, texts) -> str:
+    return json.dumps([texts.entry(lp) for lp in logprobs or []])
+
+
+def _response(text: str, delta, logprobs=None, texts=None):
     return pb_utils.InferenceResponse(
         output_tensors=[
             pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
@@ -199,7 +261,8 @@ def _response(text: str, delta, logprobs=None):
             pb_utils.Tensor(
                 "logprobs",
                 np.array(
-                    [_logprobs_json(logprobs if logprobs is not None else delta.logprobs).encode()], dtype=np.object_
+                    [_logprobs_json(logprobs if logprobs is not None else delta.logprobs, texts).encode()],
+                    dtype=np.object_,
                 ),
             ),
         ]
