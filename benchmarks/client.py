@@ -32,7 +32,7 @@ Sender = Callable[[aiohttp.ClientSession, BenchRequest], Awaitable[RequestRecord
 
 @dataclass(frozen=True)
 class Endpoint:
-    kind: str  # "triton" (generate_stream) or "openai" (/v1/completions)
+    kind: str  # "triton" (generate_stream), "openai" (vLLM's /v1/completions) or "gateway" (trtserve's)
     url: str  # http://host:port
     model: str = "llm"
 
@@ -63,6 +63,24 @@ async def send_openai(session: aiohttp.ClientSession, endpoint: Endpoint, req: B
             "temperature": 0.0, "ignore_eos": req.ignore_eos, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
     return await _stream(session, f"{endpoint.url}/v1/completions", body, req, lambda event: event.get("usage") or {})
+
+
+async def send_gateway(session: aiohttp.ClientSession, endpoint: Endpoint, req: BenchRequest) -> RequestRecord:
+    """trtserve's gateway /v1/completions with the text prompt. It has no per-chunk usage, so every chunk
+    counts as one token (one upstream delta each) and the final usage chunk settles the total: a
+    mismatch shows up as a multi-token last chunk or a length error, never silently."""
+    body = {"model": endpoint.model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0.0,
+            "ignore_eos": req.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    chunks = 0
+
+    def counts(event: dict) -> dict:
+        nonlocal chunks
+        if event.get("usage"):
+            return event["usage"]
+        chunks += len(event.get("choices", []))
+        return {"completion_tokens": chunks}
+
+    return await _stream(session, f"{endpoint.url}/v1/completions", body, req, counts)
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, body: dict, req: BenchRequest, counts) -> RequestRecord:
@@ -103,8 +121,18 @@ def _check(record: RequestRecord, req: BenchRequest) -> RequestRecord:
 
 
 def sender_for(endpoint: Endpoint) -> Sender:
-    send = {"triton": send_triton, "openai": send_openai}[endpoint.kind]
+    send = {"triton": send_triton, "openai": send_openai, "gateway": send_gateway}[endpoint.kind]
     return lambda session, req: send(session, endpoint, req)
+
+
+def arrival_gaps(n: int, rate: float | None, seed: int = 0) -> np.ndarray:
+    """Seconds to wait before each of `n` sends: exponential gaps (a Poisson process at `rate`
+    requests/s, seeded), or all zero without a rate (every request sent at once)."""
+    if rate is None:
+        return np.zeros(n)
+    if rate <= 0:
+        raise ValueError("rate must be positive")
+    return np.random.default_rng(seed).exponential(1.0 / rate, n)
 
 
 @dataclass(frozen=True)
@@ -126,7 +154,7 @@ async def run_load(
     if concurrency is None and rate is None:
         raise ValueError("give concurrency, rate, or both")
     gate = asyncio.Semaphore(concurrency or len(requests))
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(requests)) if rate else np.zeros(len(requests))
+    gaps = arrival_gaps(len(requests), rate, seed)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
 

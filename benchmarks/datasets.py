@@ -107,6 +107,21 @@ def shared_prefix(
     return [_request(tokenizer, _chat(tokenizer, user, system), output_len, True) for user in users]
 
 
+def many_system_prompts(
+    tokenizer, count: int, output_len: int, prompts: int = 8, system_len: int = 400, seed: int = 0
+) -> list[BenchRequest]:
+    """`count` chat requests, each from one of `prompts` distinct ~system_len-token system prompts
+    (picked uniformly, seeded) with a short numbered user question: many users of a few assistants,
+    the multi-replica prefix-routing workload. EOS ignored, so every routing policy does the same work."""
+    texts = [tokenizer.decode(s) for s in text_slices(tokenizer, prompts, system_len, seed + 2000)]
+    systems = [f"You are assistant {i}. Answer questions about the passage below.\n\n{t}" for i, t in enumerate(texts)]
+    questions = CHAT_PROMPTS.read_text().splitlines()
+    rng = np.random.default_rng(seed)
+    picks = [(int(rng.integers(prompts)), int(rng.integers(len(questions)))) for _ in range(count)]
+    return [_request(tokenizer, _chat(tokenizer, f"User {j}: {questions[q]}", systems[s]), output_len, True)
+            for j, (s, q) in enumerate(picks)]  # fmt: skip
+
+
 def build(name: str, tokenizer, count: int, input_len: int, output_len: int, seed: int = 0) -> list[BenchRequest]:
     if name == "fixed":
         return fixed(tokenizer, count, input_len, output_len, seed)

@@ -1,7 +1,9 @@
-"""PNG plots of a suite run: throughput vs concurrency, TTFT/ITL percentiles, prefix-cache TTFT."""
+"""PNG plots: the suite's (throughput vs concurrency, TTFT/ITL percentiles, prefix-cache TTFT) and those of
+the routing, SLO and scale-out benchmarks."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib
@@ -76,6 +78,97 @@ def prefix_ttft(rows: list[dict], path: Path) -> None:
     ax.grid(axis="y", alpha=0.3)
     if not _empty(ax, picked):
         ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def routing_quality_cost(payload: dict, path: Path) -> None:
+    """benchmarks/routing.py: the cascade's accuracy vs strong-token share (offline curve, measured points)
+    and accuracy / escalation over the threshold."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for name, curve in payload["curves"].items():
+        left.plot([p["strong_token_share"] for p in curve], [p["accuracy"] for p in curve], marker=".",
+                  drawstyle="steps-post", label=f"cascade, offline ({name})")  # fmt: skip
+    for (system, row), marker in zip(payload["measured"].items(), "s^*", strict=False):
+        m = row["median"]
+        left.scatter([m["strong_token_share"]], [m["accuracy"]], s=110, marker=marker, color="black", zorder=3,
+                     label=f"measured through the gateway: {system}")  # fmt: skip
+    left.set(xlabel="share of generated tokens produced by the strong model", ylabel="accuracy (known answers)",
+             title="Quality vs cost over the cascade threshold")  # fmt: skip
+    curve = [p for p in payload["curves"]["all"] if math.isfinite(p["threshold"])]
+    right.plot([p["threshold"] for p in curve], [p["accuracy"] for p in curve], marker=".", label="accuracy")
+    right.plot([p["threshold"] for p in curve], [p["escalated"] for p in curve], marker=".", label="escalated")
+    right.axvline(payload["threshold"], color="grey", ls="--", label=f"auto's threshold {payload['threshold']}")
+    right.set(xlabel="cascade_threshold (mean token logprob of the small answer)", title="All questions")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def itl_curves(curves: dict[str, dict[str, list[float]]], quantiles, modes: list[str], path: Path) -> None:
+    """ITL (ms, log scale) at each percentile, one panel per load, one line per system."""
+    fig, axes = plt.subplots(1, len(modes), figsize=(4.2 * len(modes), 4.2), squeeze=False, sharey=True)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        drawn = [(system, by_mode[mode]) for system, by_mode in curves.items() if by_mode.get(mode)]
+        for system, curve in drawn:
+            ax.plot(range(len(quantiles)), curve, marker=".", label=system)
+        ax.set_xticks(range(len(quantiles)), [f"p{q:g}" for q in quantiles], rotation=60, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_title(mode, fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        _empty(ax, drawn)
+    axes[0][0].set_ylabel("inter-token latency, ms")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=7)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def goodput_vs_load(series: dict[str, dict[str, list[tuple[float, float]]]], xlabels: tuple[str, ...],
+                    path: Path) -> None:  # fmt: skip
+    """Goodput (req/s) against load, one panel per workload (title -> system -> [(load, goodput)])."""
+    fig, axes = plt.subplots(1, len(series), figsize=(6 * len(series), 4.5), squeeze=False)
+    for ax, (title, systems), xlabel in zip(axes[0], series.items(), xlabels, strict=True):
+        for system, points in systems.items():
+            xs, ys = zip(*sorted(points), strict=True)
+            ax.plot(xs, ys, marker="o", label=system)
+        ax.set(xlabel=xlabel, ylabel="goodput, req/s (TTFT ≤ 2 s, TPOT ≤ 200 ms)", title=title)
+        ax.grid(alpha=0.3)
+        if not _empty(ax, list(systems.values())):
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def scaleout(runs: dict[str, dict], path: Path) -> None:
+    """benchmarks/scaleout.py: TTFT p50/p99 per routing run, and each replica's prefix-cache hit rate."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = list(runs)
+    for i, q in enumerate((50, 99)):
+        values = [runs[n].get(f"ttft_ms_p{q}") or 0 for n in names]
+        left.bar([x + 0.4 * i for x in range(len(names))], values, 0.4, label=f"TTFT p{q}")
+    left.set_xticks([x + 0.2 for x in range(len(names))], names, fontsize=8)
+    left.set(ylabel="ms", title="Time to first token by routing policy")
+    left.set_yscale("log")
+    widest = max((len(runs[n]["replicas"]) for n in names), default=1)
+    for j in range(widest):
+        rates = [(runs[n]["replicas"][j]["hit_rate"] or 0) if j < len(runs[n]["replicas"]) else 0 for n in names]
+        right.bar([x + j * 0.8 / widest for x in range(len(names))], rates, 0.8 / widest, label=f"replica {j}")
+    right.set_xticks([x + 0.4 - 0.4 / widest for x in range(len(names))], names, fontsize=8)
+    right.set(
+        ylabel="prefix-cache hits / queries (prompt tokens)", ylim=(0, 1), title="Replicas' prefix-cache hit rate"
+    )
+    for ax in (left, right):
+        ax.grid(axis="y", alpha=0.3)
+        if not _empty(ax, names):
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

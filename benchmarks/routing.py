@@ -4,7 +4,7 @@ Two tritonservers, the INT4-AWQ engine (`small`) and the fp32 engine (`strong`),
 whose YAML config names both backends and a virtual model `auto`: policy cascade (small answers;
 below `cascade_threshold` mean token logprob, strong answers instead). Questions with known answers:
 calibration/qa_prompts.json (the quantization gate's; kept there because fp32 answers them, so
-strong-only is right on all of them by construction) plus HELD_OUT below (written for this
+strong-only is right on all of them by construction) plus data/held_out_questions.json (written for this
 benchmark, filtered by no model). Judged as calibration/gate.py does: correct when the answer
 contains a listed string (case-insensitive); chat template, greedy, at most 32 tokens.
 
@@ -26,7 +26,6 @@ import shlex
 import statistics
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,50 +33,22 @@ import aiohttp
 import click
 import yaml
 
-from benchmarks import servers
-from benchmarks.gateway import wait_quiet
+from benchmarks import plots, servers
+from benchmarks.cpu import wait_quiet
+from benchmarks.prometheus import scrape
 from benchmarks.report import RESULTS_DIR, cpu_busy_fraction, write_results
 from calibration.data import QA_FILE
 
 ANSWER_TOKENS = 32  # calibration/gate.py ANSWER_TOKENS
 SYSTEMS = ("small", "strong", "auto")  # model names the client asks for
-HELD_OUT: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("What is the capital of Italy?", ("Rome",)), ("What is the capital of Spain?", ("Madrid",)),
-    ("What is the capital of Australia?", ("Canberra",)), ("What is the capital of India?", ("Delhi",)),
-    ("What is the capital of Kenya?", ("Nairobi",)), ("What is the capital of Argentina?", ("Buenos Aires",)),
-    ("What is the capital of Norway?", ("Oslo",)), ("What is the capital of Greece?", ("Athens",)),
-    ("What is the capital of Peru?", ("Lima",)), ("What is the capital of Turkey?", ("Ankara",)),
-    ("What is the capital of South Korea?", ("Seoul",)), ("What is the capital of Portugal?", ("Lisbon",)),
-    ("What is the capital of the United States?", ("Washington",)),
-    ("Which planet is the largest in the solar system?", ("Jupiter",)),
-    ("Which planet is closest to the Sun?", ("Mercury",)), ("How many legs does a spider have?", ("8", "eight")),
-    ("How many continents are there on Earth?", ("7", "seven")), ("Who wrote Hamlet?", ("Shakespeare",)),
-    ("Who painted The Starry Night?", ("Gogh",)), ("Who developed the theory of relativity?", ("Einstein",)),
-    ("Who was the first person to walk on the Moon?", ("Armstrong",)),
-    ("What is the largest mammal on Earth?", ("blue whale",)), ("What is the hardest natural substance?", ("diamond",)),
-    ("What is the square root of 81?", ("9", "nine")), ("How many hours are in a day?", ("24", "twenty-four")),
-    ("How many minutes are in an hour?", ("60", "sixty")),
-    ("What is the largest hot desert in the world?", ("Sahara",)),
-    ("What language is mainly spoken in Mexico?", ("Spanish",)),
-    ("What currency is used in the United Kingdom?", ("pound",)),
-    ("In which country are the pyramids of Giza?", ("Egypt",)), ("What is the largest country by area?", ("Russia",)),
-    ("Which animal is known as the king of the jungle?", ("lion",)), ("What do bees make?", ("honey",)),
-    ("Which organ pumps blood through the body?", ("heart",)),
-    ("Which gas makes up most of Earth's atmosphere?", ("nitrogen",)), ("Who invented the telephone?", ("Bell",)),
-    ("How many sides does a triangle have?", ("3", "three")),
-    ("What is the main ingredient of guacamole?", ("avocado",)),
-    ("What is the fastest land animal?", ("cheetah",)), ("In which year did World War II end?", ("1945",)),
-    ("What is the largest organ of the human body?", ("skin",)),
-    ("Which metal is liquid at room temperature?", ("mercury",)),
-    ("What is the freezing point of water in degrees Fahrenheit?", ("32",)),
-    ("Who wrote the play Macbeth?", ("Shakespeare",)),
-)  # fmt: skip
+HELD_OUT = Path(__file__).parent / "data" / "held_out_questions.json"  # written for this benchmark
 
 
 def questions() -> list[dict]:
     qa = [{"set": "qa", "question": q["question"], "answers": q["answers"]} for q in json.loads(QA_FILE.read_text())
           ["prompts"]]  # fmt: skip
-    return qa + [{"set": "held-out", "question": q, "answers": list(a)} for q, a in HELD_OUT]
+    held_out = json.loads(HELD_OUT.read_text())["questions"]
+    return qa + [{"set": "held-out", "question": q["question"], "answers": q["answers"]} for q in held_out]
 
 
 def correct(text: str, answers: list[str]) -> bool:
@@ -107,14 +78,6 @@ async def ask_all(url: str, model: str, items: list[dict], concurrency: int, log
         start = time.perf_counter()
         answers = await asyncio.gather(*(one(i) for i in items))
         return list(answers), time.perf_counter() - start
-
-
-def scrape(url: str, name: str, *labels: str) -> float:
-    """Sum of a Prometheus metric's samples whose labels include every one of `labels` ('k="v"')."""
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        lines = resp.read().decode().splitlines()
-    keep = lambda key: key.split("{")[0] == name and all(lb in key for lb in labels)  # noqa: E731
-    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if not x.startswith("#") and keep(x.rsplit(" ", 1)[0]))
 
 
 def cascade_curve(items: list[dict]) -> list[dict]:
@@ -154,35 +117,6 @@ def run_summary(answers: list[dict], wall_s: float, generated: dict[str, float],
             "generated_small": small, "generated_strong": strong,
             "strong_token_share": round(strong / max(small + strong, 1), 4)}  # fmt: skip
     return out
-
-
-def plot(payload: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
-    for name, curve in payload["curves"].items():
-        left.plot([p["strong_token_share"] for p in curve], [p["accuracy"] for p in curve], marker=".",
-                  drawstyle="steps-post", label=f"cascade, offline ({name})")  # fmt: skip
-    for (system, row), marker in zip(payload["measured"].items(), "s^*", strict=False):
-        m = row["median"]
-        left.scatter([m["strong_token_share"]], [m["accuracy"]], s=110, marker=marker, color="black", zorder=3,
-                     label=f"measured through the gateway: {system}")  # fmt: skip
-    left.set(xlabel="share of generated tokens produced by the strong model", ylabel="accuracy (known answers)",
-             title="Quality vs cost over the cascade threshold")  # fmt: skip
-    curve = [p for p in payload["curves"]["all"] if math.isfinite(p["threshold"])]
-    right.plot([p["threshold"] for p in curve], [p["accuracy"] for p in curve], marker=".", label="accuracy")
-    right.plot([p["threshold"] for p in curve], [p["escalated"] for p in curve], marker=".", label="escalated")
-    right.axvline(payload["threshold"], color="grey", ls="--", label=f"auto's threshold {payload['threshold']}")
-    right.set(xlabel="cascade_threshold (mean token logprob of the small answer)", title="All questions")
-    for ax in (left, right):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def render(p: dict) -> str:
@@ -311,8 +245,9 @@ def main(small: Path, strong: Path, threshold: float, concurrency: int, repetiti
         "threshold": threshold, "config": config, "wall_s": round(time.time() - started, 1),
         "controls": [f"small = {small} (INT4-AWQ), strong = {strong} (fp32), one tritonserver each (max 16 "
                      "sequences, 16,384 KV tokens, prefix caching on), one gateway (`trtserve gateway --config`)",
-                     f"{len(items)} questions: {len(items) - len(HELD_OUT)} from calibration/qa_prompts.json, "
-                     f"{len(HELD_OUT)} held-out (benchmarks/routing.py); chat, greedy, <= {ANSWER_TOKENS} tokens",
+                     f"{len(items)} questions: {sum(q['set'] == 'qa' for q in items)} from "
+                     f"calibration/qa_prompts.json, {sum(q['set'] == 'held-out' for q in items)} held-out "
+                     f"(benchmarks/data/held_out_questions.json); chat, greedy, <= {ANSWER_TOKENS} tokens",
                      f"non-streaming requests (the gateway cascades only those), {concurrency} in flight",
                      f"{repetitions} repetitions, systems in rotating order; a warm-up of 2 questions per model",
                      "cost = tokens the two tritonservers generated (their trtserve_generation_tokens_total), "
@@ -328,7 +263,7 @@ def main(small: Path, strong: Path, threshold: float, concurrency: int, repetiti
     md = write_results(name, payload, "")
     full = json.loads(md.with_suffix(".json").read_text())
     md.write_text(render(full))
-    plot(full, RESULTS_DIR / f"{name}_quality_cost.png")
+    plots.routing_quality_cost(full, RESULTS_DIR / f"{name}_quality_cost.png")
     click.echo(md.read_text())
 
 

@@ -39,17 +39,21 @@ class ServingSettings:
     prefix_caching: bool = True
     max_model_len: int = 2048
     vllm_dtype: str = "auto"  # "auto" (see vllm_dtype), "float32" or "bfloat16"
+    itl_target_ms: str | None = None  # trtserve's step budget: None its default (SLO), "0" the fixed token budget
 
 
 def trtserve_params(engine_dir: Path, settings: ServingSettings) -> dict[str, str]:
     block = EngineConfig.load(engine_dir).block_size
-    return {
+    params = {
         "max_num_seqs": str(settings.max_num_seqs),
         "num_kv_blocks": str(math.ceil(settings.kv_tokens / block)),
         "max_num_batched_tokens": str(settings.max_num_batched_tokens),
         "enable_prefix_caching": "true" if settings.prefix_caching else "false",
         "max_waiting": "4096",
     }
+    if settings.itl_target_ms is not None:
+        params["itl_target_ms"] = settings.itl_target_ms
+    return params
 
 
 @contextlib.contextmanager

@@ -3,6 +3,8 @@ the streaming client against a real tritonserver serving the tiny engine."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from benchmarks.metrics import SLO, RequestRecord, percentiles, summarize
@@ -148,7 +150,8 @@ def test_cpu_busy_fraction_is_a_share():
 
 
 def test_gateway_overhead_pairs_repetitions_and_reads_aiperf():
-    from benchmarks.gateway import GATEWAY, TRITON, aiperf_summary, overhead
+    from benchmarks.gateway import GATEWAY, TRITON, overhead
+    from benchmarks.peers.aiperf import summary as aiperf_summary
 
     def rep(tok_s: float, ttft: float, cpu: float = 0.0) -> dict:
         return {"output_tok_s": tok_s, "ttft_ms_p50": ttft, "ttft_ms_p99": 2 * ttft, "itl_ms_p50": 30.0,
@@ -185,3 +188,117 @@ def test_routing_cascade_curve_replays_the_gateway_rule():
     assert c["agree"] == 3 and c["predicted_accuracy"] == 0.6667
     assert correct("The capital is PARIS.", ["Paris"]) and not correct("Lyon", ["Paris"])
     assert {x["set"] for x in questions()} == {"qa", "held-out"}
+
+
+def test_steady_state_drops_the_first_wave_and_spans_the_rest():
+    from benchmarks.gateway import steady_state
+
+    # A closed loop at concurrency 2: the first two sends start together, the next ones as slots free.
+    rs = [record(0.0, [(0.5, 1)], 1.0), record(0.0, [(0.6, 1)], 1.2), record(1.0, [(1.3, 1)], 2.0),
+          record(1.2, [(1.4, 1)], 2.5)]  # fmt: skip
+    kept, window = steady_state(list(reversed(rs)), discard=2)  # order of completion does not matter
+    assert [r.start for r in kept] == [1.0, 1.2]
+    assert window == pytest.approx(1.5)  # first kept send (1.0) to last end (2.5)
+    with pytest.raises(ValueError):
+        steady_state(rs, discard=4)
+
+
+def test_poisson_arrivals_are_seeded_exponential_gaps():
+    import numpy as np
+
+    from benchmarks.client import arrival_gaps
+
+    a, b = arrival_gaps(4000, rate=2.0, seed=7), arrival_gaps(4000, rate=2.0, seed=7)
+    assert np.array_equal(a, b) and not np.array_equal(a, arrival_gaps(4000, rate=2.0, seed=8))
+    assert (a >= 0).all() and a.mean() == pytest.approx(0.5, rel=0.05)  # mean gap 1 / rate
+    assert a.std() == pytest.approx(0.5, rel=0.08)  # exponential: std = mean
+    assert not arrival_gaps(3, None).any()  # no rate: every request at once
+    with pytest.raises(ValueError):
+        arrival_gaps(3, 0.0)
+
+
+def test_slo_rates_curves_and_targets():
+    from benchmarks.slo import Config, estimate_s, itl_curve, poisson_rates, poisson_requests
+    from benchmarks.slo_report import FIXED, SLO_BUDGET, VLLM, targets
+
+    assert poisson_rates(0.8, (0.7, 0.9)) == (0.56, 0.72)
+    assert poisson_requests(0.56, 60.0) == 34 and poisson_requests(0.01, 60.0) == 4
+    with pytest.raises(ValueError):
+        poisson_rates(0.0, (0.7,))
+    # ITL percentiles over every token gap of the successful requests only.
+    ok = record(0.0, [(0.1, 1), (0.2, 1), (0.4, 1), (0.8, 1)], 0.8)  # gaps 0.1, 0.2, 0.4 s
+    failed = RequestRecord(0.0, [0.1, 5.0], [1, 1], 5.0, 10, error="cut")
+    assert itl_curve([ok, failed], (0, 50, 100)) == [100.0, 200.0, 400.0]
+    assert itl_curve([failed]) == []
+    assert 600 < estimate_s(Config(engine=Path("e")), systems=3) < 1800  # the default run: ~30 min at most
+
+    def row(system: str, mode: str, **median) -> dict:
+        return {"system": system, "mode": mode, "median": median}
+
+    rows = [row(SLO_BUDGET, "concurrency 8", itl_ms_p99=240.0, goodput_req_s=0.3),
+            row(FIXED, "concurrency 8", itl_ms_p99=1100.0), row(SLO_BUDGET, "concurrency 16", itl_ms_p99=300.0),
+            row(VLLM, "concurrency 8", goodput_req_s=0.1), row(SLO_BUDGET, "concurrency 32", output_tok_s=80.0),
+            row(FIXED, "concurrency 32", output_tok_s=85.0)]  # fmt: skip
+    t = {x["target"]: x for x in targets(rows)}
+    assert t["ITL p99 ≤ 250 ms at c=8"]["status"] == "met"
+    assert t["ITL p99 ≤ 250 ms at c=8"]["measured"] == "240 ms (fixed budget: 1100 ms)"
+    assert t["ITL p99 ≤ 250 ms at c=16"]["status"] == "missed"
+    assert t["goodput at c=8 ≥ 2x vLLM's"]["status"] == "met"  # 0.3 vs 0.1
+    assert t["output tok/s at c=32 ≥ 90% of the fixed budget's"]["status"] == "met"  # 94%
+    rows[3]["median"]["goodput_req_s"] = 0.0
+    assert "∞" in {x["target"]: x for x in targets(rows)}["goodput at c=8 ≥ 2x vLLM's"]["measured"]
+    assert all(x["status"] == "not measured" for x in targets([]))
+
+
+def test_prometheus_text_and_prefix_hit_rate():
+    from benchmarks import prometheus
+    from benchmarks.scaleout import gain, picks, replica_stats
+
+    def text(queries: float, hits: float, ttft_count: float) -> str:
+        return (f"# HELP trtserve_prefix_cache_queries_total Prompt tokens looked up.\n"
+                f'trtserve_prefix_cache_queries_total{{model="llm",version="1"}} {queries}\n'
+                f'trtserve_prefix_cache_hits_total{{model="llm",version="1"}} {hits}\n'
+                f'vllm:prefix_cache_hits_total{{model="llm",version="1"}} {hits}\n'
+                f'trtserve_time_to_first_token_seconds_count{{model="llm",version="1"}} {ttft_count}\n'
+                "garbage line\n")  # fmt: skip
+
+    before, after = prometheus.parse(text(100, 20, 3)), prometheus.parse(text(1100, 770, 13))
+    assert prometheus.total(after, "trtserve_prefix_cache_hits_total") == 770.0
+    assert prometheus.total(after, "trtserve_prefix_cache_hits_total", 'model="other"') == 0.0
+    assert prometheus.hit_rate(before, after) == {"queries": 1000.0, "hits": 750.0, "hit_rate": 0.75}
+    assert prometheus.hit_rate(before, before)["hit_rate"] is None  # nothing looked up
+    stats = replica_stats(before, after)
+    assert stats["requests"] == 10.0 and stats["hit_rate"] == 0.75
+    gw = 'trtserve_gateway_replica_picks_total{{backend="m",replica="{}",reason="{}"}}'
+    g0 = {gw.format("a:1", "prefix_match"): 2.0}
+    g1 = {gw.format("a:1", "prefix_match"): 7.0, gw.format("a:1", "no_prefix_match"): 1.0,
+          gw.format("b:2", "imbalance"): 3.0}  # fmt: skip
+    assert picks(g0, g1, ["a:1", "b:2"]) == [{"no_prefix_match": 1.0, "prefix_match": 5.0}, {"imbalance": 3.0}]
+    assert gain({"prefix": {"ttft_ms_p50": 100.0}, "round_robin": {"ttft_ms_p50": 250.0}}) == {
+        "ratio": 2.5, "status": "met"}  # fmt: skip
+    assert gain({"prefix": {"ttft_ms_p50": 100.0}})["status"] == "not measured"
+
+
+def test_many_system_prompts_workload_is_seeded_and_shares_prefixes(llama_engine):
+    from benchmarks.datasets import many_system_prompts
+    from runtime.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(llama_engine)
+    a = many_system_prompts(tok, 12, 4, prompts=3, system_len=40, seed=1)
+    assert a == many_system_prompts(tok, 12, 4, prompts=3, system_len=40, seed=1)
+    heads = {r.prompt.split("User ")[0] for r in a}  # everything before the user's question
+    assert len(heads) == 3 and len({r.prompt for r in a}) == 12
+    assert all(r.max_tokens == 4 and r.ignore_eos for r in a)
+
+
+def test_ttft_beyond_the_engine_subtracts_its_histogram_over_the_same_requests():
+    from benchmarks.gateway import beyond_engine_ttft_ms
+
+    def scrape(total_s: float, count: float) -> dict[str, float]:
+        return {'trtserve_time_to_first_token_seconds_sum{model="llm",version="1"}': total_s,
+                'trtserve_time_to_first_token_seconds_count{model="llm",version="1"}': count}  # fmt: skip
+
+    rs = [record(0.0, [(0.30, 1)], 0.4), record(0.0, [(0.50, 1)], 0.6)]  # client TTFTs 0.3 and 0.5 s
+    # The engine saw those two requests at 0.29 and 0.48 s: 15 ms of mean TTFT outside it.
+    assert beyond_engine_ttft_ms(rs, scrape(1.0, 5), scrape(1.77, 7)) == pytest.approx(15.0)
+    assert beyond_engine_ttft_ms(rs, scrape(1.0, 5), scrape(2.0, 8)) is None  # a third request: not comparable

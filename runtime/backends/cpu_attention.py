@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.backends.cpus import usable_cpus
+
 log = logging.getLogger(__name__)
 
 
@@ -71,6 +73,6 @@ def paged_attention(
         q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data, out.ctypes.data,
         tables.ctypes.data, seqs.ctypes.data, pos.ctypes.data,
         tokens, tables.shape[1], shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.block_size,
-        window or 0, shape.head_dim**-0.5, threads or os.cpu_count() or 1,
+        window or 0, shape.head_dim**-0.5, threads or usable_cpus(),
     )  # fmt: skip
     return out

@@ -10,7 +10,6 @@ a single sequence runs the whole-graph session on the same pool instead (see SMA
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -21,6 +20,7 @@ from engine_format import EngineConfig, EngineLoadError
 from engine_format.files import segment_file
 from runtime.backends.base import SequenceChunk
 from runtime.backends.cpu_attention import AttentionShape, paged_attention
+from runtime.backends.cpus import usable_cpus
 from runtime.backends.kv_pool import allocate_pool, pool_rows
 from runtime.backends.ort_graph import OrtGraphBackend
 from runtime.backends.ort_session import create_session
@@ -74,7 +74,7 @@ class OrtCpuBackend:
             raise EngineLoadError(f"the CPU kernel backend needs a float32 engine (got {config.dtype})")
         spec = config.model
         self.config = config
-        self.threads = threads or os.cpu_count() or 1
+        self.threads = threads or usable_cpus()
         self.num_blocks = num_blocks or config.max_batch_size * config.max_blocks_per_seq
         self.shape = AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, config.block_size)
         self.segments: list[ort.InferenceSession] = []

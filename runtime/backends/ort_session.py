@@ -7,12 +7,12 @@ kernel needs); the kernel's OpenMP threads sleep likewise (see paged_attention.p
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import onnxruntime as ort
 
 from engine_format import EngineLoadError
+from runtime.backends.cpus import usable_cpus
 
 
 def create_session(
@@ -24,7 +24,7 @@ def create_session(
     run with Q/DQ fusions off: weight DequantizeLinear is constant-folded to fp32 and the
     activation Quantize/Dequantize pairs run as is, i.e. FP8 numerics at fp32 speed."""
     options = ort.SessionOptions()
-    options.intra_op_num_threads = threads or os.cpu_count() or 1
+    options.intra_op_num_threads = threads or usable_cpus()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
     # Flush denormals to zero: AWQ-scaled INT4 engines produce denormal intermediates that cost
