@@ -8,8 +8,8 @@ prompts of ~400 tokens x many users (uniform pick, seeded), short numbered quest
 arrivals, exactly `output_len` tokens each, through the gateway's /v1/completions (SSE). Runs:
 prefix-aware, round-robin, least-loaded, and one replica on both cores (twice the KV) for reference.
 Every run starts fresh servers (empty prefix caches) and sends the same requests at the same times.
-Engine threads: the model config's `threads` parameter (one per pinned core) where the template has
-one; otherwise the engine sizes its pools with os.cpu_count() (all cores) on its one core (recorded).
+Engine threads: the CPU backends size their ORT and OpenMP pools from the process's CPU mask
+(runtime/backends/cpus.py), so a pinned replica runs one thread per core it was given.
 
 KV per pinned replica (`--kv-tokens`, default 2,560) holds ~6 of the 8 system prompts, fewer while
 running requests hold their own blocks: the regime where replica choice matters. With room for every
@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import shlex
 import signal
 import sys
@@ -103,13 +102,6 @@ def gain(runs: dict[str, dict]) -> dict:
     return {"ratio": ratio, "status": "met" if ratio >= TTFT_GAIN_TARGET else "missed"}
 
 
-def threads_param() -> bool:
-    """Whether the Triton model config accepts a `threads` parameter (engine compute threads)."""
-    from runtime.serve.launcher import MODEL_NAME, TEMPLATE_REPOSITORY
-
-    return 'key: "threads"' in (TEMPLATE_REPOSITORY / MODEL_NAME / "config.pbtxt").read_text()
-
-
 def gateway_config(replicas: list[tuple[int, int]], policy: str) -> dict:
     """The gateway's YAML: one backend listing (gRPC port, metrics port) replicas on loopback."""
     entries = [{"url": f"127.0.0.1:{g}", "metrics_url": f"http://127.0.0.1:{m}/metrics"} for g, m in replicas]
@@ -129,8 +121,7 @@ def deployment(cfg: Config, policy: str, placement: list[set[int] | None], kv_to
     with contextlib.ExitStack() as stack:
         started = []
         for i, cores in enumerate(placement):
-            own = {**params, "threads": str(len(cores))} if cores and threads_param() else params
-            config = ServerConfig.on_free_ports(cfg.engine, engine_params=own)
+            config = ServerConfig.on_free_ports(cfg.engine, engine_params=params)
             with pinned(cores):
                 started.append((config, stack.enter_context(TritonServer(config, cfg.logs / f"{tag}-triton{i}.log"))))
         for _, server in started:
@@ -200,12 +191,7 @@ def controls(cfg: Config, prompt_tokens: float) -> list[str]:
         f"{len(cfg.cores)} tritonservers pinned one per core ({', '.join(f'core {c}' for c in cfg.cores)}), each max "
         f"{cfg.max_num_seqs} sequences, KV for {cfg.kv_tokens} tokens (~{cfg.kv_tokens / prompt_tokens:.1f} of the "
         f"{cfg.system_prompts} system prompts), 512-token step budget, prefix caching on, SLO step budget (default)",
-        (
-            "engine threads per pinned replica: one per core (the model config's `threads` parameter)"
-            if threads_param()
-            else f"engine threads per pinned replica: os.cpu_count() = {os.cpu_count()} on its one core (the model "
-            "config has no `threads` parameter; the engine does not read its CPU mask)"
-        ),
+        "engine threads per replica: one per core of its CPU mask (the CPU backends read the mask)",
         "gateway (`trtserve gateway --config`, replicas with their metrics URLs, scraped every 0.5 s) and the load "
         "generator unpinned, sharing both cores",
         f"{SINGLE}: one unpinned tritonserver with KV for {cfg.kv_tokens * len(cfg.cores)} tokens behind the same "
