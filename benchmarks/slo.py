@@ -4,7 +4,8 @@ One run, three servers in turn, the same prompts and arrival times for each:
 - trtserve with the fixed step budget (`itl_target_ms` "0": every step takes up to 512 tokens, so a
   prefill chunk stalls every decode in its step),
 - trtserve with the SLO budget (`itl_target_ms` empty: the engine's default target, 150 ms),
-- vLLM's OpenAI server (fp32, chunked prefill, 512-token steps), where benchmarks/.venvs/vllm exists.
+- vLLM's OpenAI server (chunked prefill, 512-token steps) in each of --vllm-dtypes (fp32: like for like with
+  trtserve's fp32 engine; bf16: vLLM's fastest where the CPU has AMX), where benchmarks/.venvs/vllm exists.
 Workloads: the suite's fixed workload (500 -> 128 tokens, EOS ignored) in a closed loop at
 concurrency 8/16/32 (2 x concurrency requests), and chat prompts (EOS honoured, <= 128 tokens) with
 Poisson arrivals at two rates near saturation: given (--rates), or fractions of the chat throughput
@@ -33,13 +34,24 @@ from benchmarks.cpu import wait_quiet
 from benchmarks.datasets import BenchRequest
 from benchmarks.metrics import RequestRecord, summarize
 from benchmarks.report import RESULTS_DIR, cpu_busy_fraction, write_results
-from benchmarks.slo_report import CURVE_Q, FIXED, SLO_BUDGET, VLLM, controls, poisson_mode, render, targets, write_plots
+from benchmarks.slo_report import (
+    CURVE_Q,
+    FIXED,
+    SLO_BUDGET,
+    controls,
+    poisson_mode,
+    render,
+    targets,
+    vllm_system,
+    write_plots,
+)
 from benchmarks.suite import DEFAULT_SLO, Row, flatten
 
 # Run-time estimate: output tok/s of the closed loop per concurrency (this 2-core machine, SmolLM2-135M,
 # README's latest same-run figures), server start-up, and the Poisson drain after the last arrival.
 ASSUMED_TOK_S = {8: 60.0, 16: 70.0, 32: 80.0}
-STARTUP_S = {FIXED: 30.0, SLO_BUDGET: 30.0, VLLM: 150.0}
+STARTUP_S = {FIXED: 30.0, SLO_BUDGET: 30.0}
+VLLM_STARTUP_S = 150.0
 DRAIN_S = 25.0
 
 
@@ -56,6 +68,7 @@ class Config:
     saturation_concurrency: int = 16
     saturation_requests: int = 24
     vllm: bool = True
+    vllm_dtypes: tuple[str, ...] = ("float32", "bfloat16")
     settings: servers.ServingSettings = field(default_factory=servers.ServingSettings)
     logs: Path = RESULTS_DIR / "logs" / "slo"
 
@@ -88,7 +101,7 @@ def estimate_s(cfg: Config, systems: int, chat_rates: Sequence[float] | None = N
     rates = len(chat_rates if chat_rates is not None else cfg.rates or cfg.rate_fractions)
     poisson = rates * (cfg.arrival_s + DRAIN_S)
     probe = 0.0 if cfg.rates else cfg.saturation_requests * 80 / ASSUMED_TOK_S[16]  # ~80 tokens per chat answer
-    startups = sum(list(STARTUP_S.values())[:systems])
+    startups = sum(STARTUP_S.values()) + (systems - len(STARTUP_S)) * VLLM_STARTUP_S
     return round(systems * (fixed + poisson + 20) + probe + startups)
 
 
@@ -182,22 +195,27 @@ def run_all(cfg: Config, run: Run) -> None:
         except RuntimeError as exc:
             run.unavailable(system, f"{type(exc).__name__}: {exc}")
     if not cfg.vllm:
-        return run.unavailable(VLLM, "left out (--no-vllm)")
+        return run.unavailable(vllm_system("float32"), "left out (--no-vllm)")
     from builder.sources import resolve_model
 
-    run.log(f"== {VLLM}: starting (takes minutes)")
     checkpoint = resolve_model("smollm2-135m").checkpoint_dir
-    try:
-        with servers.vllm(checkpoint, cfg.settings, cfg.logs / "vllm.log") as endpoint:
-            run.extra["vllm"] = {"version": servers.vllm_version(), "dtype": servers.vllm_dtype(cfg.settings)}
-            run.serve(VLLM, endpoint)
-    except RuntimeError as exc:
-        run.unavailable(VLLM, str(exc))
+    for dtype in cfg.vllm_dtypes:
+        system = vllm_system(dtype)
+        run.log(f"== {system}: starting (takes minutes)")
+        settings = servers.ServingSettings(**{**asdict(cfg.settings), "vllm_dtype": dtype})
+        try:
+            with servers.vllm(checkpoint, settings, cfg.logs / f"vllm-{dtype}.log") as endpoint:
+                run.extra.setdefault("vllm", {"version": servers.vllm_version(), "dtypes": []})["dtypes"].append(dtype)
+                run.serve(system, endpoint)
+        except RuntimeError as exc:
+            run.unavailable(system, str(exc))
 
 
 @click.command()
 @click.option("--engine", type=click.Path(exists=True, path_type=Path), default="engines/smollm2-135m-b32")
 @click.option("--vllm/--no-vllm", default=True, show_default=True, help="vLLM too (where its peer venv exists).")
+@click.option("--vllm-dtypes", default="float32,bfloat16", show_default=True,
+              help="vLLM runs, one per precision (fp32 is the like-for-like reference of the targets).")  # fmt: skip
 @click.option("--quick", is_flag=True, help="One wave per level (c requests), 20 s of arrivals per rate.")
 @click.option("--concurrency", default="8,16,32", show_default=True)
 @click.option("--rates", default=None, help="Poisson rates, req/s (default: 0.7 and 0.9 x the measured saturation).")
@@ -205,17 +223,19 @@ def run_all(cfg: Config, run: Run) -> None:
 @click.option("--input-len", default=500, show_default=True)
 @click.option("--output-len", default=128, show_default=True)
 @click.option("--name", default="slo", show_default=True)
-def main(engine: Path, vllm: bool, quick: bool, concurrency: str, rates: str | None, arrival_s: float, input_len: int,
-         output_len: int, name: str) -> None:  # fmt: skip
+def main(engine: Path, vllm: bool, vllm_dtypes: str, quick: bool, concurrency: str, rates: str | None,
+         arrival_s: float, input_len: int, output_len: int, name: str) -> None:  # fmt: skip
     from runtime.engine.tokenizer import load_tokenizer
 
     cfg = Config(engine, tuple(int(x) for x in concurrency.split(",") if x), 1 if quick else 2, input_len, output_len,
                  tuple(float(x) for x in rates.split(",")) if rates else None, arrival_s=20.0 if quick else arrival_s,
-                 saturation_requests=12 if quick else 24, vllm=vllm, logs=RESULTS_DIR / "logs" / name)  # fmt: skip
+                 saturation_requests=12 if quick else 24, vllm=vllm,
+                 vllm_dtypes=tuple(d for d in vllm_dtypes.split(",") if d),
+                 logs=RESULTS_DIR / "logs" / name)  # fmt: skip
     cfg.logs.mkdir(parents=True, exist_ok=True)
     log = lambda s: click.echo(s, err=True)  # noqa: E731
     has_vllm = vllm and (servers.VENVS / "vllm" / ".done").exists()
-    estimate = estimate_s(cfg, 3 if has_vllm else 2)
+    estimate = estimate_s(cfg, 2 + (len(cfg.vllm_dtypes) if has_vllm else 0))
     log(f"estimated run time: ~{estimate / 60:.0f} min ({'with' if has_vllm else 'without'} vLLM)")
     busy, started = cpu_busy_fraction(), time.time()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the servers too

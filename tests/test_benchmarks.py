@@ -243,10 +243,10 @@ def test_slo_rates_curves_and_targets():
     assert t["ITL p99 ≤ 250 ms at c=8"]["status"] == "met"
     assert t["ITL p99 ≤ 250 ms at c=8"]["measured"] == "240 ms (fixed budget: 1100 ms)"
     assert t["ITL p99 ≤ 250 ms at c=16"]["status"] == "missed"
-    assert t["goodput at c=8 ≥ 2x vLLM's"]["status"] == "met"  # 0.3 vs 0.1
+    assert t["goodput at c=8 ≥ 2x vLLM's (fp32)"]["status"] == "met"  # 0.3 vs 0.1
     assert t["output tok/s at c=32 ≥ 90% of the fixed budget's"]["status"] == "met"  # 94%
     rows[3]["median"]["goodput_req_s"] = 0.0
-    assert "∞" in {x["target"]: x for x in targets(rows)}["goodput at c=8 ≥ 2x vLLM's"]["measured"]
+    assert "∞" in {x["target"]: x for x in targets(rows)}["goodput at c=8 ≥ 2x vLLM's (fp32)"]["measured"]
     assert all(x["status"] == "not measured" for x in targets([]))
 
 
