@@ -27,7 +27,7 @@ def machine() -> dict:
 
 
 def cpu_busy_fraction(window_s: float = 3.0) -> float | None:
-    """Share of all cores' time spent busy over the next `window_s` (from /proc/stat).
+    """Share of all cores' time spent busy at normal priority over the next `window_s` (/proc/stat).
 
     A busy machine ruins multi-threaded CPU numbers. Unlike the load average, which decays
     over minutes and so also counts work that has already ended, this sees only work running
@@ -35,7 +35,9 @@ def cpu_busy_fraction(window_s: float = 3.0) -> float | None:
 
     def sample() -> tuple[int, int]:
         fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+        # total, idle + iowait + nice: niced work yields the cores (CFS weight 15 against 1024), so
+        # a niced job running beside a benchmark does not count as busy.
+        return sum(fields), fields[3] + fields[4] + fields[1]
 
     try:
         total0, idle0 = sample()
