@@ -180,6 +180,7 @@ class _DecoderParts:
         seq_lens = g.input("seq_lens", TensorProto.INT64, ["batch"])
         past_lens = g.input("past_lens", TensorProto.INT64, ["batch"])
         block_tables = g.input("block_tables", TensorProto.INT64, ["batch", "table_blocks"])
+        logit_rows = g.input("logit_rows", TensorProto.INT64, ["rows"])
         pool_shape = ["num_blocks", self.options.block_size, kv]
         caches = [
             (g.input(f"key_cache.{i}", self.onnx_dtype, pool_shape),
@@ -205,8 +206,8 @@ class _DecoderParts:
             new_kv += [g.op("Unsqueeze", k, g.const([0])), g.op("Unsqueeze", v, g.const([0]))]
         g.op("Concat", *new_kv, axis=0, name="new_kv", out="new_kv")
         g.output("new_kv", self.onnx_dtype, [2 * spec.num_layers, "batch", "step", kv])
-        self.logits(self.last_token_rows(hidden, seq_lens))
-        g.output("logits", TensorProto.FLOAT, ["batch", spec.vocab_size])
+        self.logits(self.picked_rows(hidden, logit_rows))
+        g.output("logits", TensorProto.FLOAT, ["rows", spec.vocab_size])
         return g.to_model(producer="trtserve.builder")
 
     def attention_mask(self, positions, seq_lens, past_lens, block_tables, window) -> str:
@@ -239,15 +240,12 @@ class _DecoderParts:
         rows = self.g.op("Gather", cache, block_tables, axis=0, name=name + "_gather_blocks")
         return self.g.op("Reshape", rows, self.g.const([0, -1, self.spec.kv_width]), name=name + "_cached")
 
-    def last_token_rows(self, hidden: str, seq_lens: str) -> str:
-        """hidden [B, S, H] -> [B, H] at row seq_len-1 of each sequence (the sampled one)."""
-        g = self.g
-        shape = g.op("Shape", hidden)
-        batch, step = g.op("Gather", shape, g.const(0)), g.op("Gather", shape, g.const(1))
-        flat = g.op("Reshape", hidden, g.const([-1, self.spec.hidden_size]))
-        starts = g.op("Mul", g.op("Range", g.const(0), batch, g.const(1)), step)
-        rows = g.op("Add", starts, g.op("Sub", seq_lens, g.const(1)))
-        return g.op("Gather", flat, rows, axis=0, name="last_token_rows")
+    def picked_rows(self, hidden: str, logit_rows: str) -> str:
+        """hidden [B, S, H] -> [rows, H]: the flat rows b*S + i the runtime asks logits for (each
+        sequence's last token; with speculative decoding also the draft positions it verifies),
+        so the final norm and lm_head run on those rows only."""
+        flat = self.g.op("Reshape", hidden, self.g.const([-1, self.spec.hidden_size]))
+        return self.g.op("Gather", flat, logit_rows, axis=0, name="logit_rows_gather")
 
     # ---- CPU segments, flat token batch ----------------------------------------------------
 

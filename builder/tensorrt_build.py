@@ -60,6 +60,7 @@ def profiles(limits: TensorRTLimits) -> list[dict[str, tuple[tuple[int, ...], ..
             "positions": tuple((bb, s) for bb, s in zip(batch, steps, strict=True)),
             "seq_lens": tuple((bb,) for bb in batch), "past_lens": tuple((bb,) for bb in batch),
             "block_tables": tuple((bb, t) for bb, t in zip(batch, (1, m, m), strict=True)),
+            "logit_rows": ((1,), (batch[1],), (b if steps[2] == 1 else limits.max_logit_rows,)),
             "key_cache": ((1, -1, -1), (n, -1, -1), (n, -1, -1)),
             "value_cache": ((1, -1, -1), (n, -1, -1), (n, -1, -1)),
         })  # fmt: skip

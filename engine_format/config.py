@@ -16,11 +16,14 @@ from engine_format.files import GRAPH_FILE, MANIFEST, PLUGIN_GRAPH_FILE, WEIGHTS
 from engine_format.model_spec import ModelSpec
 
 FORMAT = "trtserve-engine"
-FORMAT_VERSION = 2  # 2: CPU segments take tokens as [tokens, 1]
+# 2: CPU segments take tokens as [tokens, 1]. 3: the graphs take `logit_rows` and return logits
+# for those rows (several per sequence when speculative drafts are verified), not one per sequence.
+FORMAT_VERSION = 3
 # What an engine is compiled for (the manifest's "backend" key). The runtime's executors are
 # "backends" (runtime.backends.BACKENDS); a target decides which of them can run an engine.
 TARGETS = ("onnxruntime-cpu", "tensorrt")
 DEFAULT_MAX_STEP = 512  # longest prefill chunk a TensorRT profile accepts
+MAX_LOGIT_ROWS_PER_SEQ = 8  # a TensorRT plan's logits buffer: up to 7 speculative tokens + 1 per sequence
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -39,12 +42,15 @@ class TensorRTLimits:
     max_step: int  # longest prefill chunk
     max_table_blocks: int  # block-table width: blocks per sequence
     max_num_blocks: int  # pool size
+    max_logit_rows: int  # rows of `logits` one call returns (logit_rows' length)
 
     @classmethod
     def from_build(cls, max_batch_size: int, max_seq_len: int, block_size: int,
                    max_step: int = DEFAULT_MAX_STEP) -> TensorRTLimits:  # fmt: skip
         blocks = ceil_div(max_seq_len, block_size)
-        return cls(max_batch_size, min(max_step, max_seq_len), blocks, max_batch_size * blocks)
+        step = min(max_step, max_seq_len)
+        rows = max_batch_size * min(MAX_LOGIT_ROWS_PER_SEQ, step)
+        return cls(max_batch_size, step, blocks, max_batch_size * blocks, rows)
 
 
 @dataclass(frozen=True)
@@ -113,7 +119,8 @@ class EngineConfig:
             if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
                 raise EngineLoadError(
                     f"{path}: format {manifest.get('format')!r} v{manifest.get('format_version')} "
-                    f"is not {FORMAT!r} v{FORMAT_VERSION}; rebuild the engine"
+                    f"is not {FORMAT!r} v{FORMAT_VERSION}; rebuild the engine with build-engine "
+                    "(format 3 changed the step interface: logits for the rows in `logit_rows`)"
                 )
             limits = manifest["limits"]
             trt = manifest.get("tensorrt")

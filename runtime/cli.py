@@ -78,9 +78,18 @@ main.add_command(gateway_command)
 @click.option("--stop", multiple=True, help="Stop string (repeatable); not included in the output.")
 @click.option("--stats", is_flag=True, help="Print token counts and timing to stderr.")
 @click.option("--backend", type=click.Choice(BACKENDS), default=None, help=BACKEND_HELP)
+@click.option("--speculative", type=click.Choice(["ngram", "draft"]), default=None,
+              help="Speculative decoding: 'ngram' proposes the tokens that followed the latest earlier "
+                   "occurrence of the text's last words (prompt lookup); 'draft' lets --draft-engine (same "
+                   "tokenizer) propose. Greedy output is unchanged.")  # fmt: skip
+@click.option("--draft-engine", type=click.Path(path_type=Path), default=None,
+              help="Engine directory of the draft model (with --speculative draft).")  # fmt: skip
+@click.option("--num-speculative-tokens", default=4, show_default=True, type=click.IntRange(1, 16),
+              help="Draft tokens verified per step.")  # fmt: skip
 def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, temperature: float, top_p: float,
              top_k: int, seed: int | None, stop: tuple[str, ...], stats: bool,
-             backend: str | None) -> None:  # fmt: skip
+             backend: str | None, speculative: str | None, draft_engine: Path | None,
+             num_speculative_tokens: int) -> None:  # fmt: skip
     """Generate an answer to --prompt and stream it to stdout."""
     from transformers.utils import logging as transformers_logging
 
@@ -95,9 +104,11 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
             raise InvalidRequest("--prompt", "must not be empty")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=stop)  # fmt: skip
-        engine = LLMEngine(engine_dir, EngineArgs(backend=backend))
+        args = EngineArgs(backend=backend, speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+                          draft_engine=None if draft_engine is None else str(draft_engine))  # fmt: skip
+        engine = LLMEngine(engine_dir, args)
         engine.add_request([{"role": "user", "content": prompt}] if chat else prompt, params)
-    except (EngineLoadError, InvalidRequest) as exc:
+    except (EngineLoadError, InvalidRequest, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     start, final = time.perf_counter(), None
     while engine.has_unfinished_requests():
@@ -119,6 +130,14 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
             f"({final.finish_reason}) in {elapsed:.2f} s{timing}",
             file=sys.stderr,
         )
+        spec = engine.stats().spec_decode
+        if spec is not None:
+            print(
+                f"speculative: {spec.drafts} verify passes, {spec.draft_tokens} drafts, {spec.accepted_tokens} "
+                f"accepted ({100 * spec.acceptance_rate:.0f}%), {spec.mean_acceptance_length:.2f} tokens per pass; "
+                f"accepted per position {list(spec.accepted_per_position)}",
+                file=sys.stderr,
+            )
 
 
 @main.command()

@@ -46,7 +46,9 @@ def test_manifest_fields_load_back_unchanged(tmp_path, changes):
 
 def test_tensorrt_limits_follow_the_build_limits():
     limits = TensorRTLimits.from_build(max_batch_size=8, max_seq_len=1000, block_size=64, max_step=512)
-    assert limits == TensorRTLimits(max_batch=8, max_step=512, max_table_blocks=16, max_num_blocks=128)
+    assert limits == TensorRTLimits(
+        max_batch=8, max_step=512, max_table_blocks=16, max_num_blocks=128, max_logit_rows=64
+    )
     assert TensorRTLimits.from_build(2, 100, 64).max_step == 100  # a chunk never exceeds the sequence
 
 
@@ -59,7 +61,7 @@ def test_segment_files_are_named_in_the_manifest(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"format_version": FORMAT_VERSION - 1}, "rebuild"),
+        ({"format_version": FORMAT_VERSION - 1}, "rebuild the engine with build-engine"),
         ({"format": "something-else"}, "rebuild"),
         ({"backend": "openvino"}, "target 'openvino'"),
         ({"limits": {"block_size": 16}}, "malformed"),

@@ -54,6 +54,7 @@ class Sim:
         self.preempted: list[list[str]] = []  # per step, in preemption order
         self.batches: list[ScheduledBatch] = []
         self.costs: list[float] = []  # per step: the fake cost of what was scheduled
+        self.accept: dict[str, int] = {}  # speculative drafts each request's verify accepts (default 0)
 
     def add(self, request_id: str, prompt_len: int = 0, max_tokens: int = 4, priority: int = 0, tokens=None,
             ttft_target: float | None = None, itl_target: float | None = None) -> Request:  # fmt: skip
@@ -80,10 +81,19 @@ class Sim:
         self.costs.append(self.cost.predict(shape))
         assert batch.predicted_s == self.costs[-1] or batch.preempted  # the scheduler's own estimate
         for request, n in batch.num_tokens.items():
-            request.num_computed_tokens += n
+            drafts = request.draft_token_ids[: max(0, n - request.num_tokens_to_compute)]
+            assert len(drafts) == len(request.draft_token_ids)  # the scheduler trims drafts to what it took
+            if drafts:  # a verify: self.accept[id] of the drafts are accepted, then one token is sampled
+                accepted = drafts[: self.accept.get(request.request_id, 0)]
+                request.num_computed_tokens = request.num_tokens + len(accepted)
+                request.all_token_ids += accepted
+                request.draft_token_ids = []
+            else:
+                request.num_computed_tokens += n
             self.kv.cache_computed_blocks(request)
             if request.num_computed_tokens == request.num_tokens:
                 request.append_output_token(SAMPLED)
+                self.kv.trim(request)  # a verify's blocks that held only rejected drafts
                 if request.num_output_tokens >= request.params.max_tokens:
                     self.scheduler.remove(request)
                     request.status = RequestStatus.FINISHED
@@ -305,4 +315,88 @@ def test_overload_rejects_new_requests_but_never_a_preempted_one():
     with pytest.raises(Overloaded, match="overloaded: 2 requests already waiting"):
         sim.add("y", prompt_len=3)
     assert sim.waiting == ["b", "c"]
+    sim.drain()
+
+
+def test_drafts_take_budget_and_slots_and_roll_back_to_exact_blocks():
+    """Drafts ride on a decode (1 + drafts tokens) while the budget has room beyond every decode's own
+    token; on rejection the blocks that held only rejected drafts go back, to the free queue's tail."""
+    sim = Sim(num_blocks=16, budget=12)
+    a, b = sim.add("a", prompt_len=3, max_tokens=20), sim.add("b", prompt_len=3, max_tokens=20)
+    assert sim.step() == {"a": 3, "b": 3}
+    assert sim.blocks("a") == [0] and sim.blocks("b") == [1]
+    a.draft_token_ids, b.draft_token_ids = [11] * 9, [12, 13]
+    sim.accept = {"a": 2}
+    # a: 1 + 9 drafts (12 - 2 decodes leaves 10 spare); b: the 1 spare token left -> 1 draft.
+    assert sim.step() == {"a": 10, "b": 2}
+    # a computed positions 3..12 over blocks [0, 2, 3, 4]; 2 drafts accepted: 7 tokens keep 2 blocks.
+    assert sim.blocks("a") == [0, 2] and sim.blocks("b") == [1, 5]
+    assert a.output_token_ids == [SAMPLED, 11, 11, SAMPLED] and a.num_computed_tokens == 6
+    assert b.output_token_ids == [SAMPLED, SAMPLED] and b.num_computed_tokens == 4
+    assert sim.kv.pool.counts() == {"free": 12, "cached": 0, "used": 4}
+    hashed = [sim.kv.pool.blocks[i].block_hash is not None for i in range(6)]
+    assert hashed == [True, True, False, False, False, False]  # only full blocks of accepted tokens
+    assert sim.step() == {"a": 1, "b": 1}
+    a.draft_token_ids, sim.accept = [1] * 5, {"a": 5}  # positions 8..12: two new blocks, all accepted
+    assert sim.step() == {"a": 6, "b": 1}
+    assert sim.blocks("a") == [0, 2, 6, 7]  # from the front of the free queue: 3 and 4 were freed last
+    assert a.num_computed_tokens == 13 and a.output_token_ids[-6:] == [1] * 5 + [SAMPLED]
+    sim.drain()
+
+
+def test_drafts_shrink_to_the_blocks_the_pool_spares():
+    sim = Sim(num_blocks=4, budget=16)
+    a, _ = sim.add("a", prompt_len=3, max_tokens=4), sim.add("b", prompt_len=3, max_tokens=4)
+    assert sim.step() == {"a": 3, "b": 3}
+    a.draft_token_ids = [5] * 9  # positions 4..12 would need 3 more blocks; 2 are free
+    assert sim.step() == {"a": 9, "b": 1}  # 8 drafts: positions 3..11 fill blocks 0, 2 and 3
+    assert sim.preempted[-1] == [] and a.draft_token_ids == [] and sim.blocks("a") == [0, 2]
+    sim.drain()
+
+
+def test_drafts_never_take_a_block_another_decode_needs():
+    """a's drafts want the last free block, which b's own next token needs: a drafts nothing, nobody is preempted."""
+    sim = Sim(num_blocks=3, budget=16)
+    a, _ = sim.add("a", prompt_len=3, max_tokens=4), sim.add("b", prompt_len=4, max_tokens=4)
+    assert sim.step() == {"a": 3, "b": 4}
+    a.draft_token_ids = [5] * 4
+    assert sim.step() == {"a": 1, "b": 1}
+    assert sim.preempted[-1] == [] and a.draft_token_ids == [] and sim.blocks("b") == [1, 2]
+    sim.drain()
+
+
+def test_a_preempted_request_drops_its_drafts():
+    sim = Sim(num_blocks=2, budget=16)
+    sim.add("a", prompt_len=4, max_tokens=3)
+    b = sim.add("b", prompt_len=4, max_tokens=3)
+    assert sim.step() == {"a": 4, "b": 4}
+    b.draft_token_ids = [1, 2]
+    assert sim.step() == {"a": 1}  # a's 5th position needs a block: b (latest) is preempted
+    assert sim.preempted[-1] == ["b"] and b.draft_token_ids == [] and b.block_ids == []
+    sim.drain()
+
+
+def test_the_prefix_cache_never_holds_a_rejected_draft():
+    sim = Sim(num_blocks=16, budget=16)
+    a = sim.add("a", prompt_len=3, max_tokens=8)
+    sim.step()
+    a.draft_token_ids = [70, 71, 72, 73, 74]  # positions 4..8: block 1 filled with drafts only
+    assert sim.step() == {"a": 6}  # all rejected
+    assert sim.blocks("a") == [0, 1] and a.num_computed_tokens == 4
+    assert sim.kv.pool.blocks[1].block_hash is None  # its rows hold rejected drafts
+    probe = Request("p", [*a.prompt_token_ids, SAMPLED, 70, 71, 72, 73, 99], a.params,
+                    SamplingState(a.params, [1], 100_000), arrival_order=99)  # fmt: skip
+    assert [blk.block_id for blk in sim.kv.get_computed_blocks(probe)] == [0]
+    sim.drain()
+
+
+def test_drafts_leave_pending_prompts_their_minimum_share():
+    sim = Sim(num_blocks=32, budget=12, min_prefill=4)
+    a = sim.add("a", prompt_len=3, max_tokens=20)
+    sim.step()
+    sim.add("c", prompt_len=20, max_tokens=2)
+    a.draft_token_ids = [9] * 9
+    assert sim.step() == {"a": 8, "c": 4}  # 12 - 1 decode - 4 for the waiting prompt = 7 drafts
+    a.draft_token_ids = [9] * 9
+    assert sim.step() == {"a": 8, "c": 4}  # c still prefilling: the same split
     sim.drain()

@@ -93,7 +93,7 @@ class DeviceSampling(Protocol):
 def check_chunks(chunks: Sequence[SequenceChunk], config: EngineConfig, num_blocks: int) -> None:
     """Refuse a step the GPU kernels would index the pool with unchecked: a block table short of
     the chunk's positions or naming a block outside the pool, positions past max_seq_len, token
-    ids outside the vocabulary. ValueError names the chunk."""
+    ids outside the vocabulary, logit rows outside the chunk. ValueError names the chunk."""
     if not chunks:
         raise ValueError("a step needs at least one chunk")
     bs, vocab = config.block_size, config.model.vocab_size
@@ -103,6 +103,8 @@ def check_chunks(chunks: Sequence[SequenceChunk], config: EngineConfig, num_bloc
             raise ValueError(
                 f"chunk {i}: {n} tokens after past_len {c.past_len} must fit in 1..{config.max_seq_len} positions"
             )
+        if not 1 <= c.num_logits <= n:
+            raise ValueError(f"chunk {i}: num_logits {c.num_logits} must be in 1..{n} (its tokens)")
         need = -(-end // bs)
         if len(c.block_table) < need:
             raise ValueError(

@@ -21,12 +21,28 @@ from engine_format import EngineConfig, ceil_div
 class SequenceChunk:
     """One sequence's share of a step: `token_ids` go at positions past_len, past_len+1, ...
 
-    `block_table` must cover every position up to past_len + len(token_ids).
+    `block_table` must cover every position up to past_len + len(token_ids). The step returns
+    logits for the chunk's last `num_logits` tokens: 1 normally (the token that is sampled),
+    k + 1 when the chunk ends in k speculative draft tokens that are verified.
     """
 
     token_ids: Sequence[int]
     past_len: int
     block_table: Sequence[int]
+    num_logits: int = 1
+
+
+def logit_rows(lengths: np.ndarray, num_logits: np.ndarray, row_starts: np.ndarray) -> np.ndarray:
+    """Flat rows whose logits a step returns (vLLM's logits_indices): chunk b's last num_logits[b]
+    tokens, chunk after chunk, where chunk b's tokens start at flat row row_starts[b]."""
+    ends = row_starts + lengths
+    firsts = np.repeat(ends - num_logits, num_logits)
+    offsets = np.arange(int(num_logits.sum())) - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
+    return (firsts + offsets).astype(np.int64)
+
+
+def num_logit_rows(chunks: Sequence[SequenceChunk]) -> int:
+    return sum(c.num_logits for c in chunks)
 
 
 @dataclass(frozen=True)
@@ -40,6 +56,7 @@ class StepTensors:
     block_tables: np.ndarray  # [B, M] int64, M = blocks holding cached rows (>= 1), or all rows (cover_step)
     row_index: np.ndarray  # flat indices into B*S of the real (non-padding) rows
     slots: np.ndarray  # pool slot (block*block_size + offset) of each real row
+    logit_rows: np.ndarray  # [rows] int64: flat indices into B*S whose logits are returned
 
     @classmethod
     def pack(cls, chunks: Sequence[SequenceChunk], block_size: int, cover_step: bool = False) -> StepTensors:
@@ -72,6 +89,11 @@ class StepTensors:
             block_tables=block_tables,
             row_index=np.concatenate(rows),
             slots=np.concatenate(slots),
+            logit_rows=logit_rows(
+                np.array([len(c.token_ids) for c in chunks]),
+                np.array([c.num_logits for c in chunks]),
+                np.arange(batch) * step,
+            ),
         )
 
 
@@ -80,6 +102,6 @@ class EngineBackend(Protocol):
     num_blocks: int
 
     def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
-        """Run the chunks; write their K/V into the pool; return float32 logits [len(chunks), vocab]
-        of each chunk's last token."""
+        """Run the chunks; write their K/V into the pool; return float32 logits [rows, vocab]:
+        each chunk's last `num_logits` tokens, chunk after chunk (rows = sum of num_logits)."""
         ...

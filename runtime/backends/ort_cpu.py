@@ -18,7 +18,7 @@ import numpy as np
 
 from engine_format import EngineConfig, EngineLoadError
 from engine_format.files import segment_file
-from runtime.backends.base import SequenceChunk
+from runtime.backends.base import SequenceChunk, logit_rows
 from runtime.backends.cpu_attention import AttentionShape, paged_attention
 from runtime.backends.cpus import usable_cpus
 from runtime.backends.kv_pool import allocate_pool, pool_rows
@@ -38,7 +38,7 @@ class FlatStep:
     seq_of_token: np.ndarray  # [T] int64: index of the token's chunk
     block_tables: np.ndarray  # [B, M] int64
     slots: np.ndarray  # [T] pool slot of each token's K/V
-    logit_rows: np.ndarray  # [B] position in T of each chunk's last token
+    logit_rows: np.ndarray  # [rows] positions in T of each chunk's last num_logits tokens
 
     @classmethod
     def pack(cls, chunks: Sequence[SequenceChunk], block_size: int) -> FlatStep:
@@ -57,7 +57,7 @@ class FlatStep:
             seq_of_token=seq_of_token,
             block_tables=tables,
             slots=slots,
-            logit_rows=np.cumsum(lengths) - 1,
+            logit_rows=logit_rows(lengths, np.array([c.num_logits for c in chunks]), np.cumsum(lengths) - lengths),
         )
 
 

@@ -15,12 +15,12 @@ import numpy as np
 import onnxruntime as ort
 
 from engine_format import EngineConfig, EngineLoadError
-from runtime.backends.base import SequenceChunk, StepTensors
+from runtime.backends.base import SequenceChunk, StepTensors, num_logit_rows
 from runtime.backends.kv_pool import allocate_pool, pool_rows
 from runtime.backends.ort_session import create_session
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
-STEP_INPUTS = ("input_ids", "positions", "seq_lens", "past_lens", "block_tables")
+STEP_INPUTS = ("input_ids", "positions", "seq_lens", "past_lens", "block_tables", "logit_rows")
 
 
 class OrtGraphBackend:
@@ -49,12 +49,15 @@ class OrtGraphBackend:
 
     def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
         """Decodes in one call, prefill chunks in another: the graph's batch is padded to
-        the longest chunk, and padding decodes to a chunk's length would multiply their cost."""
-        logits = np.empty((len(chunks), self.config.model.vocab_size), np.float32)
+        the longest chunk, and padding decodes to a chunk's length would multiply their cost.
+        A chunk's logit rows land at its place in the step's output (chunk order)."""
+        logits = np.empty((num_logit_rows(chunks), self.config.model.vocab_size), np.float32)
+        first = np.cumsum([0] + [c.num_logits for c in chunks])
         for is_decode in (True, False):
-            rows = [i for i, c in enumerate(chunks) if (len(c.token_ids) == 1) == is_decode]
-            if rows:
-                logits[rows] = self._run([chunks[i] for i in rows])
+            picked = [i for i, c in enumerate(chunks) if (len(c.token_ids) == 1) == is_decode]
+            if picked:
+                rows = np.concatenate([np.arange(first[i], first[i + 1]) for i in picked])
+                logits[rows] = self._run([chunks[i] for i in picked])
         return logits
 
     def _run(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:

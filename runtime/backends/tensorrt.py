@@ -5,7 +5,8 @@ chunks), and each gets its own execution context for its lifetime, so a step nev
 profiles; both share one activation buffer (they never run at once). Device memory is torch's:
 the KV pool [layers, 2, num_blocks, block_size, kv_width] (each layer's K and V bound once as
 `key_cache.{l}`/`value_cache.{l}`; the PagedKVWrite plugins write it in place), one int64
-input buffer, one logits buffer per context. Per step the host packs every input of both calls
+input buffer, one logits buffer per context ([max_logit_rows, vocab]: the rows `logit_rows` asks
+for, several per sequence when speculative drafts are verified). Per step the host packs every input of both calls
 (engine_format/INTERFACE.md, block tables covering the step) into one pinned buffer, which
 reaches the device in one copy; the calls run on one stream and their logits stay on the
 device, where `step_sample` samples them (runtime/backends/torch_sampler.py, shared with the
@@ -30,12 +31,12 @@ import numpy as np
 from engine_format import EngineConfig, EngineLoadError, TensorRTLimits
 from engine_format.files import PLAN_FILE
 from runtime.backends import DeviceSample, SamplingRow, check_chunks
-from runtime.backends.base import SequenceChunk, StepTensors
+from runtime.backends.base import SequenceChunk, StepTensors, num_logit_rows
 
 if TYPE_CHECKING:  # imported when a backend is made: this module loads without torch or TensorRT
     import torch
 
-STEP_INPUTS = ("input_ids", "positions", "seq_lens", "past_lens", "block_tables")
+STEP_INPUTS = ("input_ids", "positions", "seq_lens", "past_lens", "block_tables", "logit_rows")
 ALIGN = 32  # int64 elements: every input address 256-byte aligned
 DECODE, PREFILL = 0, 1  # the plan's optimization profiles
 
@@ -85,31 +86,40 @@ def check_limits(config: EngineConfig, num_blocks: int | None, max_num_batched_t
 
 @dataclass(frozen=True)
 class Call:
-    """One execute: the chunks of one profile, and their rows in the step."""
+    """One execute: the chunks of one profile, their indices in the step, and where their logit
+    rows go in the step's output."""
 
     profile: int
     rows: list[int]
     tensors: StepTensors
+    out_rows: list[int]
 
 
 def plan_calls(chunks: Sequence[SequenceChunk], block_size: int, limits: TensorRTLimits) -> list[Call]:
     """Decodes in one call (profile 0), prefill chunks in another (profile 1), as the ORT graph
     backend; a shape outside the profile is refused here with its limits, before TensorRT sees it."""
     calls = []
+    first = np.cumsum([0] + [c.num_logits for c in chunks])
     for profile in (DECODE, PREFILL):
         rows = [i for i, c in enumerate(chunks) if (len(c.token_ids) == 1) == (profile == DECODE)]
         if not rows:
             continue
         t = StepTensors.pack([chunks[i] for i in rows], block_size, cover_step=True)
         (batch, step), width = t.input_ids.shape, t.block_tables.shape[1]
+        kind = "decode" if profile == DECODE else "prefill"
         if batch > limits.max_batch or step > limits.max_step or width > limits.max_table_blocks:
-            kind = "decode" if profile == DECODE else "prefill"
             raise ValueError(
                 f"{kind} call [batch={batch}, step={step}, table_blocks={width}] is outside optimization profile "
                 f"{profile}: batch <= {limits.max_batch}, step <= {limits.max_step}, "
                 f"table_blocks <= {limits.max_table_blocks}"
             )
-        calls.append(Call(profile, rows, t))
+        if t.logit_rows.size > limits.max_logit_rows:
+            raise ValueError(
+                f"{kind} call asks for {t.logit_rows.size} logit rows; optimization profile {profile} returns at most "
+                f"{limits.max_logit_rows} (tensorrt.limits.max_logit_rows): lower num_speculative_tokens"
+            )
+        out_rows = [r for i in rows for r in range(first[i], first[i + 1])]
+        calls.append(Call(profile, rows, t, out_rows))
     return calls
 
 
@@ -131,7 +141,7 @@ def pack_inputs(calls: Sequence[Call], names: Sequence[str]) -> tuple[np.ndarray
 def input_capacity(limits: TensorRTLimits) -> int:
     """Elements pack_inputs needs at most: both calls at the profiles' largest shapes."""
     b, s, m = limits.max_batch, limits.max_step, limits.max_table_blocks
-    return 2 * (2 * b * s + 2 * b + b * m + len(STEP_INPUTS) * ALIGN)
+    return 2 * (2 * b * s + 2 * b + b * m + limits.max_logit_rows + len(STEP_INPUTS) * ALIGN)
 
 
 class ProfileContext:
@@ -201,7 +211,7 @@ class TrtBackend:
                 for kind, name in ((0, "key_cache"), (1, "value_cache")):
                     context.set_shape(f"{name}.{layer}", tuple(self.pool.shape[2:]))
                     context.bind(f"{name}.{layer}", self.pool[layer, kind].data_ptr())
-            logits = torch.empty((limits.max_batch, spec.vocab_size), dtype=torch.float32, device=self.device)
+            logits = torch.empty((limits.max_logit_rows, spec.vocab_size), dtype=torch.float32, device=self.device)
             context.bind("logits", logits.data_ptr())
             self.contexts.append(context)
             self.logits.append(logits)
@@ -214,7 +224,12 @@ class TrtBackend:
             return self._run(chunks).cpu().numpy()
 
     def step_sample(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingRow | None]) -> DeviceSample:
+        """One logits row per chunk only (speculative verify steps go through `step`: the engine's
+        rejection sampler runs on the host)."""
         import torch
+
+        if any(c.num_logits != 1 for c in chunks):
+            raise ValueError("step_sample samples one row per chunk; verify drafts through step()")
 
         with torch.cuda.stream(self.stream):
             return self.sampler.sample_rows(self._run(chunks), rows)
@@ -229,7 +244,7 @@ class TrtBackend:
         torch.cuda.empty_cache()
 
     def _run(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
-        """float32 logits [len(chunks), vocab] on the device, enqueued on self.stream (current)."""
+        """float32 logits [sum of num_logits, vocab] on the device, enqueued on self.stream (current)."""
         import torch
 
         check_chunks(chunks, self.config, self.num_blocks)  # the plugins index the pool unchecked
@@ -238,13 +253,14 @@ class TrtBackend:
         self.host_inputs[: packed.size].numpy()[:] = packed  # free: the previous step synchronized
         self.device_inputs[: packed.size].copy_(self.host_inputs[: packed.size], non_blocking=True)
         base = self.device_inputs.data_ptr()
-        out = torch.empty((len(chunks), self.config.model.vocab_size), dtype=torch.float32, device=self.device)
+        out = torch.empty((num_logit_rows(chunks), self.config.model.vocab_size), dtype=torch.float32,
+                          device=self.device)  # fmt: skip
         for call, layout in zip(calls, layouts, strict=True):
             context = self.contexts[call.profile]
             for name, (offset, shape) in layout.items():
                 context.set_shape(name, shape)
                 context.bind(name, base + 8 * offset)
             context.execute(self.stream.cuda_stream, {n: s for n, (_, s) in layout.items()})
-            rows = torch.tensor(call.rows, dtype=torch.int64).to(self.device, non_blocking=True)
-            out.index_copy_(0, rows, self.logits[call.profile][: len(call.rows)])
+            rows = torch.tensor(call.out_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            out.index_copy_(0, rows, self.logits[call.profile][: len(call.out_rows)])
         return out

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 # prefill tokens per step at 8 streams (a 500-token prompt in ~4 steps) and keeps ITL under the
 # benchmark's 200 ms TPOT objective with room for the server's own overhead.
 DEFAULT_ITL_TARGET_MS = 150.0
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,23 @@ class EngineArgs:
     # target (None: the fixed max_num_batched_tokens budget, whatever the decodes wait).
     itl_target_ms: float | None = DEFAULT_ITL_TARGET_MS
     min_prefill_tokens: int = 64  # prefill per step however busy decoding is, so prompts progress
+    # Speculative decoding (runtime/engine/spec/): "ngram" (prompt lookup), "draft" (a second engine
+    # of the same tokenizer, `draft_engine`) or None (off). Each decoding request gets up to
+    # num_speculative_tokens drafts per step, verified in one pass.
+    speculative: str | None = None
+    draft_engine: str | None = None  # engine directory of the draft model ("draft")
+    draft_backend: str | None = None  # its backend (default: as runtime.backends.default_backend picks)
+    num_speculative_tokens: int = 4
+    ngram_prompt_lookup_min: int = 1  # shortest suffix the n-gram proposer matches
+    ngram_prompt_lookup_max: int = 4  # longest (tried first)
+    # Speculation pauses while more than this many requests run: a verify pass costs (k + 1) tokens
+    # per sequence, which a large batch pays in compute rather than hides behind memory-bound decode.
+    speculative_disable_batch_size: int = 4
 
     def __post_init__(self) -> None:
         names = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "threads",
-                 "min_prefill_tokens")  # fmt: skip
+                 "min_prefill_tokens", "num_speculative_tokens", "ngram_prompt_lookup_min", "ngram_prompt_lookup_max",
+                 "speculative_disable_batch_size")  # fmt: skip
         for name in names:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -37,3 +51,11 @@ class EngineArgs:
         target = self.itl_target_ms
         if target is not None and (not isinstance(target, int | float) or not 0 < target < math.inf):
             raise ValueError(f"EngineArgs.itl_target_ms must be a positive number of ms or None (got {target!r})")
+        if self.speculative not in (None, "ngram", "draft"):
+            raise ValueError(f"EngineArgs.speculative must be 'ngram', 'draft' or None (got {self.speculative!r})")
+        if (self.speculative == "draft") != (self.draft_engine is not None):
+            raise ValueError("EngineArgs.draft_engine names the draft engine of speculative='draft' (and only then)")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"EngineArgs.num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}")
+        if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
+            raise ValueError("EngineArgs.ngram_prompt_lookup_min must be <= ngram_prompt_lookup_max")

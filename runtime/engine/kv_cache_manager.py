@@ -4,8 +4,9 @@ Prefix caching hashes each *full* block of a request's tokens, chained through t
 previous block's hash, so equal hashes mean equal whole prefixes. The chain starts from the
 request's cache salt (one per tenant): requests with different salts never share a block, so
 one tenant cannot probe another's prompts through time-to-first-token. A block is indexed only
-after its K/V have been written (`cache_computed_blocks`, called after each engine step):
-the backend writes a step's K/V after the graph ran, so a block indexed earlier could be
+after its K/V have been written (`cache_computed_blocks`, called after each engine step,
+for accepted tokens only: speculative drafts are not in a request's tokens until accepted): the
+backend writes a step's K/V after the graph ran, so a block indexed earlier could be
 read by another sequence of the same step before it holds data.
 """
 
@@ -111,6 +112,14 @@ class KVCacheManager:
         for i in range(request.num_cached_blocks, num_full):
             self.pool.cache_block(self.pool.blocks[request.block_ids[i]], hashes[i])
         request.num_cached_blocks = num_full
+
+    def trim(self, request: Request) -> None:
+        """Speculative rollback: return the blocks past the request's tokens (they held only
+        rejected drafts), tail first. Never a hashed block: only computed full blocks are hashed."""
+        keep = self.blocks_for(request.num_tokens)
+        if len(request.block_ids) > keep:
+            self.pool.free_blocks(self.pool.blocks[b] for b in reversed(request.block_ids[keep:]))
+            del request.block_ids[keep:]
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so a prefix outlives its suffix."""

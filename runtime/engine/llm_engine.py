@@ -20,7 +20,7 @@ import numpy as np
 
 from engine_format import EngineConfig
 from runtime.backends import DeviceSample, DeviceSampling, create_backend
-from runtime.backends.base import EngineBackend, SequenceChunk
+from runtime.backends.base import EngineBackend
 from runtime.engine.admission import Admission, Prompt
 from runtime.engine.detokenizer import DetokenizedStream
 from runtime.engine.engine_args import EngineArgs
@@ -31,8 +31,10 @@ from runtime.engine.request import Request, RequestStatus, RequestTiming
 from runtime.engine.sampler import Sampler, SampleResult, SamplingState, TokenLogprobs
 from runtime.engine.sampling_params import SamplingParams
 from runtime.engine.scheduler import Scheduler, SchedulerConfig
+from runtime.engine.spec.decoding import create_spec_decoder
 from runtime.engine.stats import EngineCounters, EngineStats, StepRecord
 from runtime.engine.step_cost import OnlineStepCost, StepShape
+from runtime.engine.step_inputs import ScheduledChunk, build_chunks
 from runtime.engine.tokenizer import load_tokenizer, stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,7 @@ class LLMEngine:
             self.cost_model,
         )
         self.sampler = Sampler()
+        self.spec = create_spec_decoder(args, config, max_num_seqs)
         self.admission = Admission(self.tokenizer, config.model.vocab_size, config.max_seq_len, self.kv.capacity_tokens)
         self.eos_token_ids = frozenset(stop_token_ids(self.tokenizer, config))
         self.requests: dict[str, Request] = {}
@@ -153,23 +156,22 @@ class LLMEngine:
             if batch.is_empty:
                 return outputs
             now = self.clock()
-            scheduled = list(batch.num_tokens.items())
-            chunks = []
-            for request, n in scheduled:
+            for request in batch.num_tokens:
                 request.timing.first_scheduled = request.timing.first_scheduled or now
-                start = request.num_computed_tokens
-                chunks.append(SequenceChunk(request.all_token_ids[start : start + n], start, list(request.block_ids)))
-            # Rows that complete their request's tokens are sampled: by the backend on its device if it can.
-            rows = [r.sampling if r.num_computed_tokens + n == r.num_tokens else None for r, n in scheduled]
+            scheduled, chunks = build_chunks(batch.num_tokens)
+            # Rows that complete their request's tokens are sampled: by the backend on its device if it can
+            # (drafts are verified on the host, from logits of every draft position).
+            rows = [s.request.sampling if s.completes else None for s in scheduled]
+            verifying = any(s.drafts for s in scheduled)
         try:
-            if isinstance(self.backend, DeviceSampling):  # lock released: add/abort proceed meanwhile
+            if isinstance(self.backend, DeviceSampling) and not verifying:  # lock released: add/abort proceed
                 logits: np.ndarray | DeviceSample = self.backend.step_sample(chunks, rows)
             else:
                 logits = self.backend.step(chunks)
         except Exception as exc:  # fail this step's requests, keep serving the others
             log.exception("backend step failed; finishing its %d requests with an error", len(chunks))
             with self._lock:
-                failed = [r for r, _ in scheduled if not r.is_finished]
+                failed = [s.request for s in scheduled if not s.request.is_finished]
                 return outputs + [self._finish(r, "error", "", [], None, error=str(exc)) for r in failed]
         with self._lock:
             self.counters.steps += 1
@@ -183,19 +185,42 @@ class LLMEngine:
             )
             return outputs
 
-    def _postprocess(
-        self, scheduled: list[tuple[Request, int]], logits: np.ndarray | DeviceSample
-    ) -> list[RequestOutput]:
+    def _postprocess(self, scheduled: list[ScheduledChunk], logits: np.ndarray | DeviceSample) -> list[RequestOutput]:
         to_sample: list[tuple[Request, int]] = []
-        for row, (request, n) in enumerate(scheduled):
+        to_verify: list[tuple[Request, int, list[int]]] = []
+        for chunk in scheduled:
+            request = chunk.request
             if request.is_finished:  # aborted while the backend ran
                 continue
             if request.num_computed_tokens < request.num_prompt_tokens:
-                self.counters.prompt_tokens += n
-            request.num_computed_tokens += n
+                self.counters.prompt_tokens += chunk.num_tokens
+            if chunk.drafts:  # computed length advances by the accepted tokens only (_verify)
+                to_verify.append((request, chunk.first_row, chunk.drafts))
+                continue
+            request.num_computed_tokens += chunk.num_tokens
             self.kv.cache_computed_blocks(request)
             if request.num_computed_tokens == request.num_tokens:
-                to_sample.append((request, row))
+                to_sample.append((request, chunk.first_row))
+        outputs = self._sample(to_sample, logits)
+        if to_verify:
+            assert isinstance(logits, np.ndarray), "verify steps return host logits"
+            outputs += self._verify(to_verify, logits)
+        if self.spec is not None:
+            self.spec.propose([r for r, _ in to_sample] + [r for r, _, _ in to_verify], self.scheduler.running)
+        return outputs
+
+    def _verify(self, to_verify: list[tuple[Request, int, list[int]]], logits: np.ndarray) -> list[RequestOutput]:
+        """Keep each request's accepted drafts plus one token; roll the rest back."""
+        assert self.spec is not None
+        now, outputs = self.clock(), []
+        for request, tokens, logprobs in self.spec.verify(logits, to_verify):
+            outputs.append(self._append_tokens(request, tokens, logprobs, now))
+            if not request.is_finished:
+                self.kv.trim(request)  # blocks that held only rejected drafts go back to the pool
+                self.kv.cache_computed_blocks(request)
+        return outputs
+
+    def _sample(self, to_sample: list[tuple[Request, int]], logits: np.ndarray | DeviceSample) -> list[RequestOutput]:
         if not to_sample:
             return []
         requests = [r for r, _ in to_sample]
@@ -207,29 +232,36 @@ class LLMEngine:
             result = self.sampler.sample(logits[picked], [r.sampling for r in requests])
         now = self.clock()
         return [
-            self._append_token(request, int(token), logprobs, now)
+            self._append_tokens(request, [int(token)], None if logprobs is None else [logprobs], now)
             for request, token, logprobs in zip(requests, result.token_ids, result.logprobs, strict=True)
         ]
 
-    def _append_token(self, request: Request, token: int, logprobs: TokenLogprobs | None, now: float) -> RequestOutput:
-        request.append_output_token(token)
-        request.sampling.append(token)
-        timing, params = request.timing, request.params
-        if timing.last_token is None:
-            self.counters.record_latency("ttft", now - timing.arrival, params.ttft_target_s)
-        else:
-            self.counters.record_latency("itl", now - timing.last_token, params.itl_target_s or self.itl_target_s)
-        timing.on_token(now)
-        self.counters.generation_tokens += 1
-        lp = None if logprobs is None else [logprobs]
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            return self._finish(request, "stop", "", [token], lp)  # the stop token's text is not output
-        text, stopped = self.streams[request.request_id].add(token)
-        if stopped:
-            return self._finish(request, "stop", text, [token], lp)
-        if request.num_output_tokens >= params.max_tokens:
-            return self._finish(request, "length", text, [token], lp)
-        return self._output(request, text, [token], lp)
+    def _append_tokens(
+        self, request: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None, now: float
+    ) -> RequestOutput:
+        """Append a step's tokens (one, or accepted drafts + one) in order, up to the first that
+        finishes the request; one output carries them all."""
+        timing, params, stream = request.timing, request.params, self.streams[request.request_id]
+        text = ""
+        for i, token in enumerate(tokens):
+            request.append_output_token(token)
+            request.sampling.append(token)
+            if timing.last_token is None:
+                self.counters.record_latency("ttft", now - timing.arrival, params.ttft_target_s)
+            else:
+                self.counters.record_latency("itl", now - timing.last_token, params.itl_target_s or self.itl_target_s)
+            timing.on_token(now)
+            self.counters.generation_tokens += 1
+            kept, lp = tokens[: i + 1], None if logprobs is None else logprobs[: i + 1]
+            if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+                return self._finish(request, "stop", text, kept, lp)  # the stop token's text is not output
+            delta, stopped = stream.add(token)
+            text += delta
+            if stopped:
+                return self._finish(request, "stop", text, kept, lp)
+            if request.num_output_tokens >= params.max_tokens:
+                return self._finish(request, "length", text, kept, lp)
+        return self._output(request, text, tokens, logprobs)
 
     def _finish(
         self,
@@ -244,6 +276,8 @@ class LLMEngine:
         text += stream.finish()
         self.scheduler.remove(request)
         del self.requests[request.request_id]
+        if self.spec is not None:
+            self.spec.release(request)
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
         request.timing.finished = self.clock()
         self.counters.finished[reason] += 1
@@ -294,6 +328,7 @@ class LLMEngine:
                 step_token_budget=c.step_token_budget,
                 itl_target_s=self.itl_target_s,
                 step_cost=self.cost_model.coefficients,
+                spec_decode=None if self.spec is None else self.spec.counters.snapshot(),
             )
 
     def take_step_records(self) -> list[StepRecord]:

@@ -70,6 +70,9 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     num_cached_hint: int = 0  # prefix-cache hit tokens found when queued (the SLO estimate's discount)
+    # Speculative tokens proposed to follow all_token_ids, verified next step. Never part of
+    # all_token_ids (so never hashed into the prefix cache) until accepted.
+    draft_token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -91,14 +91,9 @@ class Sampler:
         token_ids = np.argmax(x, axis=1).astype(np.int64)  # random rows are overwritten below
         rand = np.flatnonzero(~greedy)
         if rand.size:
-            order, p, cdf, n_keep = _filter_sorted(x[rand], [states[i].params for i in rand])
             u = np.array([states[i].rng.random() for i in rand])  # one draw per row from its own stream
-            target = u * cdf[np.arange(rand.size), n_keep - 1]  # u * kept mass
-            pos = np.count_nonzero(cdf <= target[:, None], axis=1)  # first index whose cdf exceeds it
-            # u*mass can round up to the mass itself: clamp to the last kept token with nonzero prob.
-            pos = np.minimum(pos, np.minimum(n_keep, np.count_nonzero(p, axis=1)) - 1)
-            token_ids[rand] = np.take_along_axis(order, pos[:, None], axis=1)[:, 0]
-        return SampleResult(token_ids, _logprobs(x, token_ids, states))
+            token_ids[rand] = draw(x[rand], [states[i].params for i in rand], u)
+        return SampleResult(token_ids, token_logprobs(x, token_ids, states))
 
     def distribution(self, logits: np.ndarray, states: Sequence[SamplingState]) -> np.ndarray:
         """[B, V] float64: the distribution each row draws from (greedy rows: one-hot argmax)."""
@@ -115,6 +110,18 @@ class Sampler:
             np.put_along_axis(sub, order, probs, axis=1)
             out[rand] = sub
         return out
+
+
+def draw(x: np.ndarray, params: Sequence[SamplingParams], u: np.ndarray) -> np.ndarray:
+    """The token each row of penalized logits `x` draws with its uniform u: inverse CDF over the
+    filtered distribution in descending order (also the speculative verifier's draw, so a seeded
+    request samples the same tokens with speculation on or off)."""
+    order, p, cdf, n_keep = _filter_sorted(x, params)
+    target = u * cdf[np.arange(len(u)), n_keep - 1]  # u * kept mass
+    pos = np.count_nonzero(cdf <= target[:, None], axis=1)  # first index whose cdf exceeds it
+    # u*mass can round up to the mass itself: clamp to the last kept token with nonzero prob.
+    pos = np.minimum(pos, np.minimum(n_keep, np.count_nonzero(p, axis=1)) - 1)
+    return np.take_along_axis(order, pos[:, None], axis=1)[:, 0]
 
 
 def apply_penalties(logits: np.ndarray, states: Sequence[SamplingState]) -> np.ndarray:
@@ -183,7 +190,8 @@ def _filter_sorted(
     return order, p, cdf, n_keep
 
 
-def _logprobs(x: np.ndarray, token_ids: np.ndarray, states: Sequence[SamplingState]) -> list[TokenLogprobs | None]:
+def token_logprobs(x: np.ndarray, token_ids: np.ndarray, states: Sequence[SamplingState]) -> list[TokenLogprobs | None]:
+    """Per row whose params ask for logprobs: the log-softmax of penalized logits `x` at token_ids[i], and the top-n."""
     out: list[TokenLogprobs | None] = [None] * len(states)
     rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
     if not rows:

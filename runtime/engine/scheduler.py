@@ -1,7 +1,9 @@
 """The scheduler: which requests run this step, and how many tokens each.
 
 Per step, under a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`):
-1. running requests in decode (one token each), highest priority first: never held back;
+1. running requests in decode (one token each, plus their speculative drafts while the budget has
+   room beyond every decode's own token and `min_prefill_tokens` for pending prompts, and the pool
+   has free blocks: drafts never preempt), highest priority first: never held back;
 2. prefill chunks, by priority class: running requests still prefilling (one chunk each) before
    waiting ones of the same class, which come in queue order (earliest TTFT deadline, then
    arrival) with their prefix-cache hits, while the budget, the sequence cap and the pool allow.
@@ -122,21 +124,46 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(budget=self.config.max_num_batched_tokens)
         order = sorted(self.running, key=Request.sort_key)
-        for request in [r for r in order if r.num_tokens_to_compute == 1]:
+        decodes = [r for r in order if r.num_tokens_to_compute == 1]
+        # What drafts may take: every decode's own token comes first, and prompts keep their minimum share.
+        prefilling = self.waiting or len(decodes) < len(order)
+        spare = batch.budget - len(decodes) - (self.config.min_prefill_tokens if prefilling else 0)
+        # Blocks the decodes' own next tokens need: drafts never take them (so never cause a preemption).
+        reserve = sum(self.kv.blocks_for(r.num_computed_tokens + 1) > len(r.block_ids) for r in decodes)
+        for request in decodes:
+            reserve -= self.kv.blocks_for(request.num_computed_tokens + 1) > len(request.block_ids)
             if batch.budget == 0:
                 break
-            if request.status is RequestStatus.RUNNING and self._allocate_or_preempt(request, 1, batch):
-                batch.num_tokens[request] = 1  # a later allocation may still preempt it: read below
-                batch.budget -= 1
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            drafts = self._schedule_drafts(request, min(spare, batch.budget - 1), reserve)
+            if drafts or self._allocate_or_preempt(request, 1, batch):
+                batch.num_tokens[request] = 1 + drafts  # a later allocation may still preempt it: read below
+                batch.budget -= 1 + drafts
+                spare -= drafts
         decoding = list(batch.num_tokens)
         step = StepBudget(self.cost, self._target_s(decoding), self.config.min_prefill_tokens)
         for request in decoding:
-            step.add(1, request.num_computed_tokens, prefill=False)
+            step.add(batch.num_tokens[request], request.num_computed_tokens, prefill=False)
         batch.target_s = step.target_s
         batch.token_budget = len(decoding) + step.fit(batch.budget, 0)
         self._schedule_prefills(deque(r for r in order if r.num_tokens_to_compute > 1), batch, step)
         batch.predicted_s = self.cost.predict(step.shape)  # a request preempted after it was added still counts
         return batch
+
+    def _schedule_drafts(self, request: Request, room: int, reserve: int) -> int:
+        """Allocate slots for the request's token plus as many of its drafts as `room` allows and the
+        pool spares beyond `reserve` blocks; returns the drafts kept (0: nothing allocated; the caller
+        allocates the token alone). Drafts are a bet: they never preempt, and shrink when blocks are short."""
+        drafts = max(0, min(len(request.draft_token_ids), room))
+        spare_blocks = self.kv.pool.num_free_blocks - reserve
+        held, computed = len(request.block_ids), request.num_computed_tokens
+        while drafts and self.kv.blocks_for(computed + 1 + drafts) - held > spare_blocks:
+            drafts -= 1
+        if drafts:
+            assert self.kv.allocate_slots(request, 1 + drafts), "fits: checked above"
+        del request.draft_token_ids[drafts:]
+        return drafts
 
     def _target_s(self, decoding: list[Request]) -> float | None:
         """The step-time target: the tightest ITL target among this step's decodes; none without decodes."""
@@ -185,6 +212,7 @@ class Scheduler:
         batch.budget += batch.num_tokens.pop(victim, 0)  # undo if scheduled earlier this step
         self.kv.free(victim)
         victim.num_computed_tokens = 0
+        victim.draft_token_ids.clear()  # its slots are gone; drafts are proposed again once it decodes
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1

@@ -51,6 +51,45 @@ class StepRecord:
     token_budget: int  # decodes + the prefill the ITL target allowed a fresh prompt
 
 
+@dataclass(frozen=True)
+class SpecDecodeStats:
+    """Speculative decoding since start (vLLM's spec-decode metrics)."""
+
+    drafts: int  # verify passes that carried drafts (one per request per step)
+    draft_tokens: int  # drafts proposed and verified
+    accepted_tokens: int  # of which accepted
+    accepted_per_position: tuple[int, ...]  # accepted at draft position 0, 1, ...
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verify pass: the accepted drafts plus the one the target adds."""
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 0.0
+
+
+@dataclass
+class SpecDecodeCounters:
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += num_drafts
+        self.accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_drafts:
+            self.accepted_per_position += [0] * (num_drafts - len(self.accepted_per_position))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+    def snapshot(self) -> SpecDecodeStats:
+        return SpecDecodeStats(self.drafts, self.draft_tokens, self.accepted_tokens, tuple(self.accepted_per_position))
+
+
 @dataclass
 class EngineCounters:
     prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
@@ -65,6 +104,7 @@ class EngineCounters:
     prefill_per_step: Histogram = field(default_factory=lambda: Histogram(PREFILL_TOKEN_BUCKETS))
     step_token_budget: int = 0  # the last step's
     recent_steps: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=MAX_STEP_RECORDS))
+    spec: SpecDecodeCounters = field(default_factory=SpecDecodeCounters)
 
     def record_step(self, record: StepRecord) -> None:
         self.step_time.observe(record.seconds)
@@ -102,3 +142,4 @@ class EngineStats:
     step_token_budget: int = 0  # the last step's: decodes + the prefill its ITL target allowed
     itl_target_s: float | None = None  # the engine's (requests may carry tighter ones)
     step_cost: StepCost | None = None  # the learned cost model's coefficients
+    spec_decode: SpecDecodeStats | None = None  # None: speculation off

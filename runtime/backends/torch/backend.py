@@ -73,6 +73,8 @@ class TorchBackend:
     def step_sample(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingRow | None]) -> DeviceSample:
         if len(rows) != len(chunks):
             raise ValueError(f"{len(rows)} sampling rows for {len(chunks)} chunks")
+        if any(c.num_logits != 1 for c in chunks):  # speculative verify steps: `step`, rejection-sampled on the host
+            raise ValueError("step_sample samples one row per chunk; verify drafts through step()")
         return self.sampler.sample_rows(self._logits(chunks), rows)
 
     def close(self) -> None:

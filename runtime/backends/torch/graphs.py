@@ -98,7 +98,7 @@ class DecodeGraphs:
         for region in range(4):  # input_ids, positions, kv_block, kv_offset: one row per sequence
             host[region * n : region * n + b] = packed[region * b : (region + 1) * b]
         tables = host[4 * n :].reshape(n, self.width)
-        tables[:b, : step.table_width] = packed[6 * b + 1 :].reshape(b, step.table_width)
+        tables[:b, : step.table_width] = packed[6 * b + 1 :].reshape(b, step.table_width)  # rows == b: decodes
         self.static.copy_(self.host, non_blocking=True)  # the step's one host -> device copy
         graph = self.graphs.get(bucket) or self._make(bucket)
         return graph()[:b]

@@ -7,7 +7,8 @@ Per layer: the fused RMSNorm -> QKV -> RoPE prologue (plugins_cuda/fused_qkv.py;
 where that kernel does not apply: head_dim < 32, FP8 activations), `paged_kv_write` of the new
 K/V rows into the pool, `launch_ragged` paged attention over the pool in place (split-KV decode
 path and query-tiled prefill path, per-layer sliding window), then o_proj, RMSNorm, SwiGLU MLP
-in torch. The final norm and lm_head run on each sequence's last token only.
+in torch. The final norm and lm_head run only on the rows the step asks logits for (`logit_rows`:
+each sequence's last token, plus the draft positions of a speculative verify chunk).
 
 `Decoder.forward` never reads device memory on the host (no sync), so a decode step can be
 captured in a CUDA graph (graphs.py).
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 from engine_format import EngineConfig, EngineLoadError, ceil_div
 from runtime.backends import check_chunks
-from runtime.backends.base import SequenceChunk
+from runtime.backends.base import SequenceChunk, logit_rows
 from runtime.backends.torch.weights import Layer, Weights
 
 PROLOGUE_MIN_HEAD_DIM = 32  # plugins_cuda.fused_qkv.check_head_dim: half a head must fill a tl.dot
@@ -69,6 +70,7 @@ class HostStep:
     batch: int
     table_width: int
     max_rows: int  # most tokens of one sequence
+    rows: int  # logit rows (sum of the chunks' num_logits)
 
     @classmethod
     def pack(cls, chunks: Sequence[SequenceChunk], config: EngineConfig, num_blocks: int) -> HostStep:
@@ -88,15 +90,16 @@ class HostStep:
         positions = ends[seq] - lengths[seq] + np.arange(len(ids)) - starts[seq]
         slot_blocks = tables[seq, positions // bs]
         query_start = np.concatenate([[0], np.cumsum(lengths)])
-        packed = np.concatenate([ids, positions, slot_blocks, positions % bs, query_start, query_start[1:] - 1,
-                                 tables.ravel()])  # fmt: skip
-        return cls(packed, len(ids), len(chunks), width, int(lengths.max()))
+        num_logits = np.array([c.num_logits for c in chunks], np.int64)
+        picked = logit_rows(lengths, num_logits, query_start[:-1])
+        packed = np.concatenate([ids, positions, slot_blocks, positions % bs, query_start, picked, tables.ravel()])
+        return cls(packed, len(ids), len(chunks), width, int(lengths.max()), int(num_logits.sum()))
 
     def views(self, device_packed: torch.Tensor) -> StepTensors:
         t, b = self.tokens, self.batch
         ids, pos, kv_block, kv_offset, rest = device_packed.split([t, t, t, t, device_packed.numel() - 4 * t])
-        query_start, logit_rows, tables = rest.split([b + 1, b, b * self.table_width])
-        return StepTensors(ids, pos, kv_block, kv_offset, query_start, logit_rows,
+        query_start, rows, tables = rest.split([b + 1, self.rows, b * self.table_width])
+        return StepTensors(ids, pos, kv_block, kv_offset, query_start, rows,
                            tables.view(b, self.table_width), self.max_rows)  # fmt: skip
 
 
@@ -110,7 +113,7 @@ class StepTensors:
     kv_block: torch.Tensor  # [T]
     kv_offset: torch.Tensor  # [T]
     query_start: torch.Tensor  # [B + 1]: sequence b owns rows query_start[b] .. query_start[b + 1] - 1
-    logit_rows: torch.Tensor  # [B]: each sequence's last row
+    logit_rows: torch.Tensor  # [rows]: the token rows whose logits are returned
     block_tables: torch.Tensor  # [B, M]
     max_rows: int
 
@@ -137,7 +140,7 @@ class Decoder:
         self.fused_prologue = self.spec.head_dim >= PROLOGUE_MIN_HEAD_DIM
 
     def forward(self, s: StepTensors) -> torch.Tensor:
-        """float32 logits [B, vocab] of each sequence's last token; writes the step's K/V into the pool."""
+        """float32 logits [rows, vocab] of the `logit_rows` tokens; writes the step's K/V into the pool."""
         spec, w = self.spec, self.w
         hidden = F.embedding(s.input_ids, w.embed)
         ones = torch.ones_like(s.kv_block)  # seq_lens of the one-token rows paged_kv_write sees

@@ -1,0 +1,99 @@
+"""Draft-engine proposer: a second (smaller or quantized) engine of the same tokenizer greedily
+decodes k tokens per request, in the same process, over its own KV pool and block tables.
+
+Per request it keeps what its pool holds: the tokens it computed and their blocks. Each call first
+catches up: the target's context is compared with what the draft computed (its own rejected drafts
+diverge), the common prefix is kept, and the rest (the accepted tokens and the target's new one)
+runs as one chunk whose last logits give draft 1; drafts 2..k take one batched single-token step
+each. Drafts are the draft model's argmax, so q is one-hot at them: the rejection sampler's n-gram
+rule applies and sampled requests keep exactly the target's distribution (sampling drafts from the
+draft's own filtered distribution would raise acceptance for them: later work).
+A request whose draft state cannot grow (pool full, past the draft's max_seq_len) proposes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from engine_format import EngineConfig, EngineLoadError
+from runtime.backends import create_backend
+from runtime.backends.base import EngineBackend, SequenceChunk
+
+
+@dataclass
+class _DraftState:
+    tokens: list[int] = field(default_factory=list)  # token ids whose K/V the draft pool holds, in order
+    blocks: list[int] = field(default_factory=list)
+
+
+class DraftEngineProposer:
+    def __init__(self, backend: EngineBackend) -> None:
+        self.backend, self.config = backend, backend.config
+        self.free_blocks = list(range(backend.num_blocks - 1, -1, -1))  # pop() hands out the lowest id
+        self.states: dict[str, _DraftState] = {}
+
+    @classmethod
+    def load(cls, draft_dir: str | Path, target: EngineConfig, threads: int | None = None,
+             backend: str | None = None, num_blocks: int | None = None) -> DraftEngineProposer:  # fmt: skip
+        """The draft engine at `draft_dir`; refuses one whose vocabulary differs from the target's."""
+        from runtime.engine.tokenizer import load_tokenizer
+
+        draft = EngineConfig.load(draft_dir)
+        ours, theirs = load_tokenizer(draft_dir).get_vocab(), load_tokenizer(target.engine_dir).get_vocab()
+        if draft.model.vocab_size != target.model.vocab_size or ours != theirs:
+            raise EngineLoadError(
+                f"draft engine {draft_dir} has another vocabulary than the target (vocab_size "
+                f"{draft.model.vocab_size} vs {target.model.vocab_size}, {len(ours)} vs {len(theirs)} tokenizer "
+                "entries): speculative drafts need the same tokenizer"
+            )
+        return cls(create_backend(draft, num_blocks, threads, backend))
+
+    def release(self, request_id: str) -> None:
+        state = self.states.pop(request_id, None)
+        if state is not None:
+            self.free_blocks.extend(reversed(state.blocks))
+
+    def propose(
+        self, contexts: Sequence[Sequence[int]], max_tokens: Sequence[int], request_ids: Sequence[str] = ()
+    ) -> list[list[int]]:
+        if len(request_ids) != len(contexts):
+            raise ValueError("the draft engine keeps KV per request: pass one request id per context")
+        out: list[list[int]] = [[] for _ in contexts]
+        fits = [i for i, k in enumerate(max_tokens) if k > 0 and len(contexts[i]) + k <= self.config.max_seq_len]
+        chunks = {i: c for i in fits if (c := self._catch_up(request_ids[i], list(contexts[i]))) is not None}
+        while chunks:  # one batched draft step per token: the catch-up chunks first, then single tokens
+            logits = self.backend.step(list(chunks.values()))
+            for i, row in zip(chunks, logits, strict=True):
+                out[i].append(int(np.argmax(row)))
+            # The next step feeds the draft just made, so its K/V is computed too.
+            going = [i for i in chunks if len(out[i]) < max_tokens[i]]
+            chunks = {i: c for i in going if (c := self._extend(request_ids[i], [out[i][-1]])) is not None}
+        return out
+
+    def _catch_up(self, request_id: str, context: list[int]) -> SequenceChunk | None:
+        """The chunk that brings the draft's pool up to `context`: what it computed beyond their
+        common prefix (rejected drafts) is dropped, at least the last token is recomputed."""
+        state = self.states.setdefault(request_id, _DraftState())
+        keep = 0
+        limit = min(len(state.tokens), len(context) - 1)
+        while keep < limit and state.tokens[keep] == context[keep]:
+            keep += 1
+        del state.tokens[keep:]
+        return self._extend(request_id, context[keep:])
+
+    def _extend(self, request_id: str, tokens: list[int]) -> SequenceChunk | None:
+        """A chunk of `tokens` after the request's computed ones, with blocks for them (None, the
+        request's state released, when the pool has none left)."""
+        state = self.states[request_id]
+        past, bs = len(state.tokens), self.config.block_size
+        need = -(-(past + len(tokens)) // bs) - len(state.blocks)
+        if need > len(self.free_blocks):
+            self.release(request_id)
+            return None
+        state.blocks += [self.free_blocks.pop() for _ in range(max(need, 0))]
+        state.tokens += tokens
+        return SequenceChunk(tokens, past, list(state.blocks))
