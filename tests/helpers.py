@@ -1,12 +1,17 @@
-"""Reference computations for tests (HF eager, run independently of the engine) and a way to break an engine."""
+"""Reference computations for tests (HF eager, run independently of the engine), a way to break an engine,
+and a step-by-step engine driver."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 import torch
+
+if TYPE_CHECKING:
+    from runtime import LLMEngine
 
 
 def hf_logits(model, token_ids: list[int]) -> np.ndarray:
@@ -51,3 +56,19 @@ def corrupt_scales(engine: Path, factor: float) -> None:
         values = np.frombuffer(raw[start : start + length], np.float32) * factor
         raw[start : start + length] = values.astype(np.float32).tobytes()
     data.write_bytes(bytes(raw))
+
+
+def run_with_arrivals(engine: LLMEngine, prompts, params, arrival_steps) -> dict[int, list[int]]:
+    """Add prompt i at engine step arrival_steps[i]; returns generated ids per prompt."""
+    ids: dict[str, int] = {}
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    step = 0
+    while len(ids) < len(prompts) or engine.has_unfinished_requests():
+        for i, at in enumerate(arrival_steps):
+            if at == step:
+                ids[engine.add_request(prompts[i], params)] = i
+        for delta in engine.step():
+            out[ids[delta.request_id]] += delta.token_ids
+        engine.check_invariants()
+        step += 1
+    return out

@@ -8,8 +8,8 @@ import pytest
 
 from runtime import EngineArgs, InvalidRequest, LLMEngine, Overloaded, SamplingParams
 from runtime.engine.step_cost import OnlineStepCost, StepCost, StepShape
-from tests.helpers import random_prompts
-from tests.test_llm_engine import FakeClock, run_with_arrivals
+from tests.helpers import random_prompts, run_with_arrivals
+from tests.test_llm_engine import FakeClock
 
 # Synthetic step costs (seconds) the fake backend clock charges: unlike the prior on every term.
 SYNTHETIC = StepCost(base_s=0.004, prefill_token_s=0.0003, decode_seq_s=0.0015, kilo_pair_s=0.002)

@@ -12,7 +12,7 @@ from runtime import LLM, EngineArgs, InvalidRequest, LLMEngine, Overloaded, Samp
 from runtime.backends import create_backend
 from runtime.backends.greedy import greedy_generate
 from runtime.engine.tokenizer import load_tokenizer, stop_token_ids
-from tests.helpers import random_prompts
+from tests.helpers import random_prompts, run_with_arrivals
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
@@ -28,22 +28,6 @@ def reference(llama_engine):
         return greedy_generate(backend, [prompt], max_tokens, stops)[0]
 
     return run
-
-
-def run_with_arrivals(engine: LLMEngine, prompts, params, arrival_steps) -> dict[int, list[int]]:
-    """Add prompt i at engine step arrival_steps[i]; returns generated ids per prompt."""
-    ids: dict[str, int] = {}
-    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    step = 0
-    while len(ids) < len(prompts) or engine.has_unfinished_requests():
-        for i, at in enumerate(arrival_steps):
-            if at == step:
-                ids[engine.add_request(prompts[i], params)] = i
-        for delta in engine.step():
-            out[ids[delta.request_id]] += delta.token_ids
-        engine.check_invariants()
-        step += 1
-    return out
 
 
 def shared_prefix_prompts(vocab: int, n: int, prefix_len: int = 37, seed: int = 0) -> list[list[int]]:

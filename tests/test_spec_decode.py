@@ -20,7 +20,7 @@ from runtime.backends.greedy import greedy_generate
 from runtime.engine.outputs import CompletionOutput
 from runtime.engine.spec import rejection_sampler as rejection_module
 from runtime.engine.spec.rejection_sampler import VerifyResult
-from tests.helpers import hf_logits, random_prompts
+from tests.helpers import hf_logits, random_prompts, run_with_arrivals
 
 ATOL = 1e-4  # as test_engine_parity: float32 both sides, summation order only
 # itl_target_ms=None: schedules from the token budget alone, never from measured step times.
@@ -71,20 +71,9 @@ def reference(llama_engine):
 
 def run(engine: LLMEngine, prompts, params, arrivals=None) -> list[list[int]]:
     """Add prompt i at step arrivals[i] (default all at once); invariants checked every step."""
-    arrivals = arrivals or [0] * len(prompts)
-    ids: dict[str, int] = {}
-    out: list[list[int]] = [[] for _ in prompts]
-    step = 0
-    while len(ids) < len(prompts) or engine.has_unfinished_requests():
-        for i, at in enumerate(arrivals):
-            if at == step:
-                ids[engine.add_request(prompts[i], params)] = i
-        for delta in engine.step():
-            out[ids[delta.request_id]] += delta.token_ids
-        engine.check_invariants()
-        step += 1
+    out = run_with_arrivals(engine, prompts, params, arrivals or [0] * len(prompts))
     assert engine.kv.pool.counts()["used"] == 0
-    return out
+    return [out[i] for i in range(len(prompts))]
 
 
 def copy_heavy_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
