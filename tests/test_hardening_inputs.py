@@ -118,6 +118,13 @@ def post(gateway, path: str, body: bytes | dict, key: str = KEY) -> tuple[int, d
         return err.code, json.loads(err.read())
 
 
+def test_limits_refuse_a_zero_bound_that_would_refuse_every_request():
+    assert Limits(max_stop_strings=1).max_stop_strings == 1
+    for name in ("max_prompt_chars", "max_messages", "max_stop_strings", "max_stop_chars", "max_json_depth"):
+        with pytest.raises(ValueError, match=name):
+            Limits(**{name: 0})
+
+
 def test_a_20_mb_prompt_is_refused_by_name_while_another_stream_runs(triton, engine):
     """The size is checked before tokenizing (off the event loop anyway): the other stream's answer
     is whole and right, and the huge prompt's refusal names the field."""

@@ -82,6 +82,11 @@ class Limits:
     max_stop_chars: int = 256  # per stop string (the stream holds back this much text)
     max_json_depth: int = 32  # `messages` JSON nesting (a chat message needs 3)
 
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():  # a zero bound would refuse every request
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer (got {value!r})")
+
     @property
     def max_prompt_bytes(self) -> int:
         return 4 * self.max_prompt_chars  # UTF-8: at most 4 bytes a character
