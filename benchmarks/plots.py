@@ -40,9 +40,7 @@ def throughput_vs_concurrency(rows: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     if not _empty(ax, list(systems.values())):
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def latency_percentiles(rows: list[dict], concurrency: int, path: Path) -> None:
@@ -60,9 +58,7 @@ def latency_percentiles(rows: list[dict], concurrency: int, path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
     if not _empty(axes[0], picked):
         axes[0].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def prefix_ttft(rows: list[dict], path: Path) -> None:
@@ -78,9 +74,7 @@ def prefix_ttft(rows: list[dict], path: Path) -> None:
     ax.grid(axis="y", alpha=0.3)
     if not _empty(ax, picked):
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def routing_quality_cost(payload: dict, path: Path) -> None:
@@ -104,9 +98,7 @@ def routing_quality_cost(payload: dict, path: Path) -> None:
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def itl_curves(curves: dict[str, dict[str, list[float]]], quantiles, modes: list[str], path: Path) -> None:
@@ -142,9 +134,7 @@ def goodput_vs_load(series: dict[str, dict[str, list[tuple[float, float]]]], xla
         ax.grid(alpha=0.3)
         if not _empty(ax, list(systems.values())):
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def scaleout(runs: dict[str, dict], path: Path) -> None:
@@ -169,9 +159,7 @@ def scaleout(runs: dict[str, dict], path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
         if not _empty(ax, names):
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def _empty(ax, picked: list[dict]) -> bool:
@@ -188,3 +176,9 @@ def write_all(rows: list[dict], out_dir: Path, focus_concurrency: int, stem: str
         paths.append(out_dir / f"{stem}_prefix_cache_ttft.png")
         prefix_ttft(rows, paths[-1])
     return paths
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
