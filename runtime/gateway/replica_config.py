@@ -62,11 +62,7 @@ _LIMITS: dict[str, tuple[float, bool]] = {
 
 def routing_from(path: str, value: object) -> RoutingSettings:
     """The `routing:` section (a mapping of RoutingSettings fields), unknown fields refused."""
-    entries = _mapping(path, value)
-    allowed = [f.name for f in fields(RoutingSettings)]
-    for key in entries:
-        if key not in allowed:
-            raise ValueError(f"{path}.{key}: unknown field (expected {', '.join(allowed)})")
+    entries = _fields_of(RoutingSettings, path, value)
     settings = RoutingSettings(**entries)
     check_routing(path, settings)
     return settings
@@ -97,10 +93,7 @@ def replicas_from(path: str, value: object) -> tuple[Replica, ...]:
     for i, entry in enumerate(value):
         if isinstance(entry, str):
             entry = {"url": entry}
-        item = _mapping(f"{path}[{i}]", entry)
-        for key in item:
-            if key not in ("url", "metrics_url"):
-                raise ValueError(f"{path}[{i}].{key}: unknown field (expected url, metrics_url)")
+        item = _fields_of(Replica, f"{path}[{i}]", entry)
         if "url" not in item:
             raise ValueError(f"{path}[{i}].url: required field missing")
         out.append(Replica(**item))
@@ -108,11 +101,7 @@ def replicas_from(path: str, value: object) -> tuple[Replica, ...]:
 
 
 def discovery_from(path: str, value: object) -> Discovery:
-    item = _mapping(path, value)
-    allowed = [f.name for f in fields(Discovery)]
-    for key in item:
-        if key not in allowed:
-            raise ValueError(f"{path}.{key}: unknown field (expected {', '.join(allowed)})")
+    item = _fields_of(Discovery, path, value)
     if "host" not in item:
         raise ValueError(f"{path}.host: required field missing")
     return Discovery(**item)
@@ -163,6 +152,16 @@ def check_grpc_url(path: str, url: object) -> None:
     host, sep, port = url.rpartition(":")
     if not (host and sep and port.isdigit() and 0 < int(port) < 65536) or "/" in url:
         raise ValueError(f"{path}: expected tritonserver's gRPC host:port, got {url!r}")
+
+
+def _fields_of(cls: type, path: str, value: object) -> dict[str, Any]:
+    """A mapping whose keys are all fields of the dataclass `cls` (the unknown one is named)."""
+    item = _mapping(path, value)
+    allowed = [f.name for f in fields(cls)]
+    for key in item:
+        if key not in allowed:
+            raise ValueError(f"{path}.{key}: unknown field (expected {', '.join(allowed)})")
+    return item
 
 
 def _mapping(path: str, value: object) -> dict[str, Any]:
