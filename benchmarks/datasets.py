@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 CHAT_PROMPTS = Path(__file__).parent / "data" / "chat_prompts.txt"
-DATASETS = ("fixed", "chat", "prefix")
+DATASETS = ("fixed", "chat", "prefix", "mixed")
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,35 @@ def many_system_prompts(
             for j, (s, q) in enumerate(picks)]  # fmt: skip
 
 
+def mixed(
+    tokenizer,
+    count: int,
+    seed: int = 0,
+    systems: int = 3,
+    system_len: int = 300,
+    turn_mean: int = 80,
+    answer_range: tuple[int, int] = (16, 256),
+) -> list[BenchRequest]:
+    """Traffic shaped like a chat service: every request starts with one of `systems` shared
+    ~system_len-token system prompts (the prefix cache's share), then a user turn of lognormal length
+    (mean ~turn_mean tokens, at least 8) cut from the corpus, and asks for a uniform answer length in
+    answer_range with EOS ignored (so every server does the same work). Seeded; the system prompts
+    depend only on `systems`/`system_len`, so every seed shares them and only the turns differ."""
+    texts = [tokenizer.decode(s) for s in text_slices(tokenizer, systems, system_len, 3000)]
+    prompts = [f"You are assistant {i}. Use the reference text below when it helps.\n\n{t}"
+               for i, t in enumerate(texts)]  # fmt: skip
+    rng = np.random.default_rng(seed)
+    sigma = 0.6  # lognormal spread of user turns; mu keeps the mean at turn_mean
+    lengths = np.maximum(8, rng.lognormal(np.log(turn_mean) - sigma**2 / 2, sigma, count).astype(int))
+    turns = [tokenizer.decode(text_slices(tokenizer, 1, int(n), seed * 100_003 + i)[0]) for i, n in enumerate(lengths)]
+    out = []
+    for turn in turns:
+        system = prompts[int(rng.integers(systems))]
+        max_tokens = int(rng.integers(answer_range[0], answer_range[1] + 1))
+        out.append(_request(tokenizer, _chat(tokenizer, f"Reply to this note:\n{turn}", system), max_tokens, True))
+    return out
+
+
 def build(name: str, tokenizer, count: int, input_len: int, output_len: int, seed: int = 0) -> list[BenchRequest]:
     if name == "fixed":
         return fixed(tokenizer, count, input_len, output_len, seed)
@@ -129,6 +158,8 @@ def build(name: str, tokenizer, count: int, input_len: int, output_len: int, see
         return chat(tokenizer, count, output_len, seed)
     if name == "prefix":
         return shared_prefix(tokenizer, count, output_len, seed=seed)
+    if name == "mixed":
+        return mixed(tokenizer, count, seed=seed)
     raise ValueError(f"unknown dataset {name!r} (one of {DATASETS})")
 
 

@@ -123,14 +123,14 @@ def itl_curves(curves: dict[str, dict[str, list[float]]], quantiles, modes: list
 
 
 def goodput_vs_load(series: dict[str, dict[str, list[tuple[float, float]]]], xlabels: tuple[str, ...],
-                    path: Path) -> None:  # fmt: skip
+                    path: Path, ylabel: str = "goodput, req/s (TTFT ≤ 2 s, TPOT ≤ 200 ms)") -> None:  # fmt: skip
     """Goodput (req/s) against load, one panel per workload (title -> system -> [(load, goodput)])."""
     fig, axes = plt.subplots(1, len(series), figsize=(6 * len(series), 4.5), squeeze=False)
     for ax, (title, systems), xlabel in zip(axes[0], series.items(), xlabels, strict=True):
         for system, points in systems.items():
             xs, ys = zip(*sorted(points), strict=True)
             ax.plot(xs, ys, marker="o", label=system)
-        ax.set(xlabel=xlabel, ylabel="goodput, req/s (TTFT ≤ 2 s, TPOT ≤ 200 ms)", title=title)
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
         ax.grid(alpha=0.3)
         if not _empty(ax, list(systems.values())):
             ax.legend(fontsize=7)

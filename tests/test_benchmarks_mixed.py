@@ -1,0 +1,38 @@
+"""Issue 17's mixed-traffic workload (seeded, shared system prompts, varied turns and answers) and
+its target check (ratios to vLLM per rate, TPOT no worse), on synthetic rows."""
+
+from __future__ import annotations
+
+from benchmarks.mixed import TRTSERVE, targets
+from benchmarks.slo_report import poisson_mode, vllm_system
+
+
+def test_mixed_workload_is_seeded_shares_three_system_prompts_and_varies_turns(llama_engine):
+    from benchmarks.datasets import mixed
+    from runtime.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(llama_engine)
+    a = mixed(tok, 30, seed=1, system_len=40, turn_mean=20, answer_range=(4, 9))
+    assert a == mixed(tok, 30, seed=1, system_len=40, turn_mean=20, answer_range=(4, 9))
+    b = mixed(tok, 30, seed=2, system_len=40, turn_mean=20, answer_range=(4, 9))
+    heads = {r.prompt.split("Reply to this note:")[0] for r in a}
+    assert len(heads) == 3 and heads == {r.prompt.split("Reply to this note:")[0] for r in b}
+    assert {r.prompt for r in a}.isdisjoint({r.prompt for r in b})  # new turns per seed, same system prompts
+    assert all(4 <= r.max_tokens <= 9 and r.ignore_eos for r in a) and len({r.max_tokens for r in a}) > 1
+    assert len({len(r.prompt_ids) for r in a}) > 5  # turn lengths vary
+
+
+def _row(system: str, rate: float, tok_s: float, goodput: float, tpot: float) -> dict:
+    median = {"output_tok_s": tok_s, "goodput_req_s": goodput, "tpot_ms_p50": tpot}
+    return {"system": system, "mode": poisson_mode(rate), "median": median}
+
+
+def test_mixed_targets_need_every_ratio_and_no_worse_tpot():
+    vllm = vllm_system("float32")
+    rows = [_row(TRTSERVE, 1.0, 130, 1.5, 40), _row(vllm, 1.0, 100, 1.0, 50),  # all met
+            _row(TRTSERVE, 2.0, 140, 1.5, 60), _row(vllm, 2.0, 100, 1.0, 50),  # TPOT worse
+            _row(TRTSERVE, 3.0, 120, 2.0, 40), _row(vllm, 3.0, 100, 1.0, 50)]  # tok/s short  # fmt: skip
+    got = {t["rate"]: t for t in targets(rows, (1.0, 2.0, 3.0, 4.0), vllm)}
+    assert got[1.0]["met"] and got[1.0]["tok_s_ratio"] == 1.3 and got[1.0]["goodput_ratio"] == 1.5
+    assert not got[2.0]["met"] and not got[3.0]["met"]
+    assert got[4.0] == {"rate": 4.0, "status": "not measured"}
