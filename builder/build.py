@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import tempfile
 from collections.abc import Callable
@@ -22,9 +23,11 @@ from builder.sources import load_checkpoint, resolve_model
 from calibration.data import DataConfig, TextSets, load_text_sets
 from calibration.gate import run_gate
 from calibration.job import write_gate_report
+from calibration.kv_scales import measure_kv_scales
 from calibration.quantize import QuantConfig, quantize_model
 from engine_format import TARGETS, EngineConfig, ModelSpec, TensorRTLimits, ceil_div
 from engine_format.files import GATE_REPORT_JSON, SOURCE_CONFIG_FILE
+from engine_format.kv_cache import KV_CACHE_DTYPES, QUANTIZED_KV_DTYPES, SCALES_SHAPE, bytes_per_token, pool_dtype
 from runtime.backends import create_backend
 from runtime.backends.base import SequenceChunk
 
@@ -37,6 +40,9 @@ VERIFY_TOLERANCE = {"float32": 1e-3, "float16": 3e-2}
 # (fake-quantized in torch); what remains is ORT's arithmetic: MatMulNBits computes INT4
 # GEMMs with int8-quantized activations, and FP8 engines quantize activations per tensor.
 QUANTIZED_VERIFY_TOLERANCE = {"int4-awq": 5e-2, "int4-rtn": 5e-2, "fp8": 1e-1}
+# A quantized KV cache adds its rounding to every attention read (the HF reference keeps fp32 K/V);
+# its quality is judged by the gate, verification only catches a wrong pool or kernel.
+KV_VERIFY_TOLERANCE = {"int8": 3e-2, "fp8": 1e-1}
 
 StepReporter = Callable[[str], AbstractContextManager]
 
@@ -55,6 +61,12 @@ class BuildOptions:
     calibration: DataConfig = field(default_factory=DataConfig)
     gate_config: Path | None = None  # default: calibration/gate_v1.json
     accept_gate_failure: bool = False  # promote even if the gate fails (recorded in the manifest)
+    kv_cache_dtype: str = "auto"  # engine_format.kv_cache.KV_CACHE_DTYPES
+
+    @property
+    def gated(self) -> bool:
+        """Quantized weights or KV cache: the quality gate decides whether the engine is promoted."""
+        return bool(self.quantize) or self.kv_cache_dtype in QUANTIZED_KV_DTYPES
 
     def validate(self) -> None:
         if self.max_batch_size < 1:
@@ -67,6 +79,16 @@ class BuildOptions:
             raise BuildError(f"--dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
         if self.target not in TARGETS:
             raise BuildError(f"--target must be one of {', '.join(TARGETS)} (got {self.target!r})")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise BuildError(
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {self.kv_cache_dtype})"
+            )
+        if self.kv_cache_dtype in QUANTIZED_KV_DTYPES and (self.target != "onnxruntime-cpu" or self.dtype != "float32"):
+            # Only the CPU backend's kernel reads a quantized pool so far (runtime/backends/kv_pool.py).
+            raise BuildError(
+                f"--kv-cache-dtype {self.kv_cache_dtype} is supported for --target onnxruntime-cpu --dtype float32 "
+                f"only (the CPU kernel backend); got --target {self.target} --dtype {self.dtype}"
+            )
 
 
 def _no_report(title: str) -> AbstractContextManager:
@@ -93,15 +115,18 @@ def build_engine(options: BuildOptions, step: StepReporter = _no_report) -> dict
     export_options = ExportOptions(options.block_size, options.max_seq_len, options.dtype)
     with atomic_directory(options.output) as staging, tempfile.TemporaryDirectory() as scratch:
         quantization = None
-        if options.quantize:
+        if options.gated:
             quantization = _calibrate(model, tokenizer, spec, options, Path(scratch), step)
         with step("export ONNX graph with paged KV interface"):
-            graph_files = export_onnx(model, spec, export_options, staging, quantization and quantization.weights)
+            weights = quantization.weights if quantization and quantization.weights else None
+            graph_files = export_onnx(model, spec, export_options, staging, weights)
         with step("rewrite to the TensorRT plugin graph (fused prologue, paged attention)"):
             write_plugin_graph(staging)
             tokenizer.save_pretrained(staging)
             (staging / SOURCE_CONFIG_FILE).write_text(model.config.to_json_string())
         config = engine_config(staging, options, spec, len(graph_files) - 1, options.quantize)
+        if options.kv_cache_dtype != "auto":
+            config = _with_kv_cache(config, options, quantization, step)
         trt_section = {}
         if options.target == "tensorrt":
             from builder.tensorrt_build import build_plan
@@ -116,7 +141,11 @@ def build_engine(options: BuildOptions, step: StepReporter = _no_report) -> dict
         if trt_section:
             manifest["tensorrt"].update(trt_section)
         if quantization:
-            manifest["quantization"].update(_gate(quantization, tokenizer, options, config, step))
+            gate = _gate(quantization, tokenizer, options, config, step)
+            if options.quantize:
+                manifest["quantization"].update({**quantization.record, "gate": gate})
+            if config.kv_quantized:
+                manifest["kv_cache"].update(gate=gate, calibration_data=quantization.record["calibration_data"])
         write_manifest(staging, manifest)
     return manifest
 
@@ -143,13 +172,16 @@ def export_reference(model, spec: ModelSpec, block_size: int, max_seq_len: int, 
 
 
 def _calibrate(model, tokenizer, spec: ModelSpec, options: BuildOptions, scratch: Path, step: StepReporter):
-    """Export the unquantized reference engine (for the gate) into `scratch`, then calibrate
-    and quantize the model in place."""
-    config = QuantConfig(options.quantize, options.int4_block_size)
-    if problems := config.problems(spec):
+    """Load the calibration and held-out text. Quantized weights: export the unquantized reference
+    engine (for the gate) into `scratch`, then calibrate and quantize the model in place. A quantized
+    KV cache alone is gated against the same engine with a model-dtype cache (reference None)."""
+    config = QuantConfig(options.quantize, options.int4_block_size) if options.quantize else None
+    if config and (problems := config.problems(spec)):
         raise BuildError("; ".join(problems))
     with step("load calibration and held-out text"):
         texts = load_text_sets(tokenizer, options.calibration)
+    if config is None:
+        return _Quantization({}, {"calibration_data": texts.record}, texts, None)
     with step("export the unquantized reference engine for the quality gate"):
         reference = export_reference(model, spec, options.block_size, options.max_seq_len, scratch)
     with step(f"calibrate and quantize ({options.quantize}, {len(texts.calibration)} sequences)"):
@@ -162,15 +194,28 @@ class _Quantization:
     weights: dict
     record: dict
     texts: TextSets
-    reference: EngineConfig
+    reference: EngineConfig | None  # None: the candidate itself with a model-dtype KV cache
+
+
+def _with_kv_cache(config: EngineConfig, options: BuildOptions, quantization: _Quantization | None,
+                   step: StepReporter) -> EngineConfig:  # fmt: skip
+    """The engine with its quantized KV cache; fp8 scales are measured on the calibration text."""
+    scales = None
+    if options.kv_cache_dtype == "fp8":
+        assert quantization is not None
+        sequences = quantization.texts.calibration
+        with step(f"calibrate fp8 KV-cache scales per layer ({len(sequences)} sequences)"):
+            scales = measure_kv_scales(config, sequences)
+    return dataclasses.replace(config, kv_cache_dtype=options.kv_cache_dtype, kv_scales=scales)
 
 
 def _gate(quantization: _Quantization, tokenizer, options: BuildOptions, candidate: EngineConfig,
           step: StepReporter) -> dict:  # fmt: skip
     """Run the quality gate; write its report into the engine; fail the build unless it passes
-    or the override flag is given. Returns the manifest's quantization record."""
-    with step("quality gate: quantized vs unquantized engine on held-out text (ONNX Runtime CPU)"):
-        report = run_gate(quantization.reference, candidate, quantization.texts, tokenizer, options.gate_config)
+    or the override flag is given. Returns the manifest's gate record."""
+    reference = quantization.reference or dataclasses.replace(candidate, kv_cache_dtype="auto", kv_scales=None)
+    with step(f"quality gate: quantized (KV cache {candidate.kv_cache_dtype}) vs unquantized engine on held-out text"):
+        report = run_gate(reference, candidate, quantization.texts, tokenizer, options.gate_config)
     write_gate_report(candidate.engine_dir, report)
     if not report.passed and not options.accept_gate_failure:
         # The engine is not promoted, but the evidence is kept beside where it would have gone.
@@ -180,25 +225,27 @@ def _gate(quantization: _Quantization, tokenizer, options: BuildOptions, candida
             f"quality gate failed; the engine was not written to {options.output} (full report: {evidence})\n"
             f"{report.table()}"
         )
-    return {
-        **quantization.record,
-        "gate": {"passed": report.passed, "overridden": not report.passed, "report": GATE_REPORT_JSON,
-                 "gate_config_version": report.config_version},
-    }  # fmt: skip
+    return {"passed": report.passed, "overridden": not report.passed, "report": GATE_REPORT_JSON,
+            "gate_config_version": report.config_version}  # fmt: skip
 
 
 def _provenance(options: BuildOptions, source, spec: ModelSpec, verification: dict) -> dict:
     """Manifest fields beyond the format's: where the engine came from and how it was checked."""
-    itemsize = np.dtype(DTYPES[options.dtype][0]).itemsize
+    kv = options.kv_cache_dtype
+    layout = {
+        "pool_shape": ["num_layers", 2, "num_blocks", options.block_size, spec.kv_width],
+        "pool_dtype": pool_dtype(options.dtype, kv),
+        "per_layer_inputs": ["key_cache.{layer}", "value_cache.{layer}"],
+        "row_layout": "[kv_heads, head_dim] flattened; RoPE applied to keys before caching",
+        "bytes_per_token": bytes_per_token(spec, options.dtype, kv),
+    }
+    if kv == "int8":
+        layout["scales"] = {"shape": list(SCALES_SHAPE), "dtype": "float32", "per": "token x kv head, absmax/127"}
+    elif kv == "fp8":
+        layout["scales"] = {"per": "layer, K and V (manifest kv_cache.scales)", "encoding": "float8_e4m3fn bits"}
     return {
         "source": {"model": options.model, "name": source.name, **source.origin},
-        "kv_layout": {
-            "pool_shape": ["num_layers", 2, "num_blocks", options.block_size, spec.kv_width],
-            "pool_dtype": options.dtype,
-            "per_layer_inputs": ["key_cache.{layer}", "value_cache.{layer}"],
-            "row_layout": "[kv_heads, head_dim] flattened; RoPE applied to keys before caching",
-            "bytes_per_token": 2 * spec.num_layers * spec.kv_width * itemsize,
-        },
+        "kv_layout": layout,
         "verification": verification,
         "build_options": {k: str(v) for k, v in asdict(options).items()},
     }
@@ -219,12 +266,15 @@ def verify_engine(config: EngineConfig, model, options: BuildOptions) -> dict:
         ref_logits = model(torch.tensor([tokens])).logits[0].float().numpy()
     want = {"prefill": ref_logits[-2], "chunked_prefill": ref_logits[-2], "decode": ref_logits[-1]}
     scale = float(np.abs(ref_logits).max())
-    tolerance = (QUANTIZED_VERIFY_TOLERANCE.get(options.quantize) or VERIFY_TOLERANCE[options.dtype]) * scale
+    tolerance = max(QUANTIZED_VERIFY_TOLERANCE.get(options.quantize or "", 0.0), VERIFY_TOLERANCE[options.dtype],
+                    KV_VERIFY_TOLERANCE.get(config.kv_cache_dtype, 0.0)) * scale  # fmt: skip
     blocks = ceil_div(prompt_len + 1, options.block_size)
     table_a, table_b = list(range(blocks)), list(range(blocks, 2 * blocks))
     split = prompt_len // 2
     result = {"prompt_tokens": prompt_len, "max_abs_logit": scale, "tolerance": tolerance, "backends": {}}
     kinds = ("graph", "plugin", "cpu") if config.has_cpu_segments else ("graph", "plugin")
+    if config.kv_quantized:  # the one backend that reads a quantized pool (the others refuse such engines)
+        kinds = ("cpu",)
     for kind in kinds + (("tensorrt",) if options.target == "tensorrt" else ()):
         backend = create_backend(config, num_blocks=2 * blocks, kind=kind)
         got = {

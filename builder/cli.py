@@ -21,6 +21,7 @@ from calibration.data import DataConfig
 from calibration.job import CalibrationJobError
 from calibration.quantize import QUANT_METHODS
 from engine_format import TARGETS, EngineLoadError
+from engine_format.kv_cache import KV_CACHE_DTYPES
 
 console = Console(stderr=True)
 
@@ -40,6 +41,7 @@ Examples:
   build-engine --model smollm2-135m --output engines/smollm2-135m
   build-engine --model /models/Qwen2-0.5B-Instruct --output engines/qwen2 --max-seq-len 4096
   build-engine --model smollm2-135m --output engines/smollm2-135m-int4 --quantize int4-awq
+  build-engine --model smollm2-135m --output engines/smollm2-135m-kv8 --kv-cache-dtype int8
 
 Exit status is 0 on success and 1 on any build failure (the message names the problem);
 a failed build leaves an existing engine directory at --output untouched.""",
@@ -102,6 +104,15 @@ a failed build leaves an existing engine directory at --output untouched.""",
     "fp8 (E4M3 weights per channel, activations per tensor), int4-awq (activation-aware INT4 weight-only), "
     "int4-rtn (round-to-nearest INT4). Calibrates on packaged text and must pass the quality gate.",
 )
+@click.option(
+    "--kv-cache-dtype",
+    default="auto",
+    show_default=True,
+    type=click.Choice(KV_CACHE_DTYPES),
+    help="KV-cache storage: auto (the model dtype), int8 (a scale per token and kv head, set as rows are "
+    "written) or fp8 (E4M3, static per-layer K/V scales calibrated on packaged text). A quantized cache holds "
+    "~4x the tokens of fp32 in the same memory; it must pass the quality gate. CPU target, float32 only.",
+)
 @click.option("--int4-block-size", default=32, show_default=True, type=int, help="INT4 weights per scale.")
 @click.option("--calib-samples", default=DataConfig.calibration_samples, show_default=True,
               type=click.IntRange(min=2), help="Calibration sequences (half chat, half plain text).")  # fmt: skip
@@ -116,8 +127,9 @@ a failed build leaves an existing engine directory at --output untouched.""",
     help="Promote the engine even when the quality gate fails (the manifest records the override).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout when done.")
-def main(model, output, max_batch_size, max_seq_len, block_size, dtype, target, quantize, int4_block_size,
-         calib_samples, heldout_samples, calib_seed, gate_config, accept_gate_failure, as_json) -> None:  # fmt: skip
+def main(model, output, max_batch_size, max_seq_len, block_size, dtype, target, quantize, kv_cache_dtype,
+         int4_block_size, calib_samples, heldout_samples, calib_seed, gate_config, accept_gate_failure,
+         as_json) -> None:  # fmt: skip
     """Export a decoder LLM to an ONNX graph with a paged KV-cache interface, verify it
     against the Hugging Face eager model, and write an engine directory (graph, weights,
     tokenizer, manifest.json) that `trtserve generate` and `trtserve serve` load.
@@ -130,6 +142,7 @@ def main(model, output, max_batch_size, max_seq_len, block_size, dtype, target, 
     options = BuildOptions(
         model, output, max_batch_size, max_seq_len, block_size, dtype, target, quantize, int4_block_size,
         DataConfig(calib_samples, heldout_samples, DataConfig.seq_len, calib_seed), gate_config, accept_gate_failure,
+        kv_cache_dtype,
     )  # fmt: skip
     try:
         manifest = build_engine(options, step=_report_step)
@@ -138,10 +151,10 @@ def main(model, output, max_batch_size, max_seq_len, block_size, dtype, target, 
         raise SystemExit(1) from None
     verify = manifest["verification"]
     console.print(
-        f"[green]engine written to {output}[/] ({manifest['source']['name']}, {dtype}, "
+        f"[green]engine written to {output}[/] ({manifest['source']['name']}, {dtype}, KV cache {kv_cache_dtype}, "
         f"max logit error {max(e for b in verify['backends'].values() for e in b['max_abs_error'].values()):.2e})"
     )
-    if quantize:
+    if quantize or kv_cache_dtype != "auto":
         console.print((output / "gate_report.md").read_text(), markup=False)
     if as_json:
         click.echo(json.dumps(manifest, indent=2))

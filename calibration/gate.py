@@ -8,6 +8,11 @@ questions with known answers (greedy). Metrics:
 - greedy answers: of the questions the reference answers correctly, the share the quantized
   engine also answers correctly; and the share of identical answers (reported).
 Thresholds live in a versioned JSON config (gate_v1.json); `passed` needs every check.
+
+The quantized engine runs with its KV cache dtype (engine_format/kv_cache.py), so an int8/fp8
+KV cache is scored like a weight format: on its own (KV-only engines, thresholds "kv-int8" /
+"kv-fp8", against the same engine with a model-dtype cache) or together with quantized weights
+(the weight method's thresholds then judge both). The report names the KV dtype.
 """
 
 from __future__ import annotations
@@ -28,25 +33,37 @@ QUESTION_TOKENS = 128  # a question's prompt is cut to this many tokens
 ANSWER_TOKENS = 32
 
 
+def gate_method(config) -> str:
+    """The thresholds an engine is judged by: its weight method's, else its KV dtype's ("kv-int8")."""
+    if config.quantization:
+        return config.quantization
+    if config.kv_quantized:
+        return f"kv-{config.kv_cache_dtype}"
+    raise ValueError(f"{config.engine_dir} is not quantized (weights or KV cache): nothing to gate")
+
+
 @dataclass
 class GateReport:
     method: str
     config_version: int
     metrics: dict
     checks: dict[str, dict] = field(default_factory=dict)
+    kv_cache_dtype: str = "auto"  # the quantized engine's KV cache while it was scored
 
     @property
     def passed(self) -> bool:
         return all(c["passed"] for c in self.checks.values())
 
     def to_dict(self) -> dict:
-        return {"method": self.method, "gate_config_version": self.config_version, "passed": self.passed,
+        return {"method": self.method, "kv_cache_dtype": self.kv_cache_dtype,
+                "gate_config_version": self.config_version, "passed": self.passed,
                 "checks": self.checks, "metrics": self.metrics}  # fmt: skip
 
     def table(self) -> str:
         """A markdown table: one row per check."""
         verdict = "PASSED" if self.passed else "FAILED"
-        lines = [f"Quality gate v{self.config_version} for {self.method}: {verdict}", "",
+        title = f"Quality gate v{self.config_version} for {self.method} (KV cache {self.kv_cache_dtype}): {verdict}"
+        lines = [title, "",
                  "| check | value | threshold | result |", "|---|---|---|---|"]  # fmt: skip
         for name, check in self.checks.items():
             op = "<=" if check["kind"] == "max" else ">="
@@ -84,11 +101,12 @@ def run_gate(reference_config, quantized_config, texts: TextSets, tokenizer, con
     num_blocks = max(ceil_div(longest, block), len(texts.qa_prompts) * ceil_div(QUESTION_TOKENS + ANSWER_TOKENS, block))
     reference = create_backend(reference_config, num_blocks=num_blocks, kind="cpu")
     quantized = create_backend(quantized_config, num_blocks=num_blocks, kind="cpu")
-    return evaluate_gate(reference, quantized, quantized_config.quantization, texts, tokenizer, config)
+    return evaluate_gate(reference, quantized, gate_method(quantized_config), texts, tokenizer, config)
 
 
 def evaluate_gate(reference, quantized, method: str, texts: TextSets, tokenizer, config: dict) -> GateReport:
-    """`reference`, `quantized`: OrtCpuBackend-like objects (prompt_logits, step, config, num_blocks)."""
+    """`reference`, `quantized`: OrtCpuBackend-like objects (prompt_logits, step, config, num_blocks);
+    the quantized one runs with its own KV cache dtype."""
     thresholds = config["thresholds"].get(method)
     if thresholds is None:
         raise ValueError(f"gate config v{config['version']} has no thresholds for {method!r}")
@@ -106,7 +124,7 @@ def evaluate_gate(reference, quantized, method: str, texts: TextSets, tokenizer,
             "min", thresholds[f"min_{name}"])  # fmt: skip
         ok = value <= threshold if kind == "max" else value >= threshold
         checks[name] = {"value": float(value), "threshold": threshold, "kind": kind, "passed": bool(ok)}
-    return GateReport(method, config["version"], metrics, checks)
+    return GateReport(method, config["version"], metrics, checks, quantized.config.kv_cache_dtype)
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:

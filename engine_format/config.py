@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_format.files import GRAPH_FILE, MANIFEST, PLUGIN_GRAPH_FILE, WEIGHTS_FILE, segment_file
+from engine_format.kv_cache import QUANTIZED_KV_DTYPES, check_kv_cache, pool_dtype
 from engine_format.model_spec import ModelSpec
 
 FORMAT = "trtserve-engine"
@@ -66,6 +67,19 @@ class EngineConfig:
     cpu_segments: int = 0  # segment.NN.onnx files for the CPU kernel backend (float32 engines)
     quantization: str | None = None  # calibration method (fp8, int4-awq, int4-rtn) or None
     tensorrt: TensorRTLimits | None = None  # target "tensorrt" only
+    # The KV pool's storage (engine_format/kv_cache.py): "auto" (model dtype), "int8" or "fp8";
+    # fp8 engines carry one static (k_scale, v_scale) per layer.
+    kv_cache_dtype: str = "auto"
+    kv_scales: tuple[tuple[float, float], ...] | None = None
+
+    @property
+    def kv_quantized(self) -> bool:
+        return self.kv_cache_dtype in QUANTIZED_KV_DTYPES
+
+    @property
+    def kv_pool_dtype(self) -> str:
+        """numpy dtype name of the pool's elements (float32, float16, int8, uint8 for fp8 bits)."""
+        return pool_dtype(self.dtype, self.kv_cache_dtype)
 
     @property
     def has_cpu_segments(self) -> bool:
@@ -101,6 +115,9 @@ class EngineConfig:
         }
         if self.quantization:
             fields["quantization"] = {"method": self.quantization}
+        fields["kv_cache"] = {"dtype": self.kv_cache_dtype}
+        if self.kv_scales is not None:
+            fields["kv_cache"]["scales"] = [list(pair) for pair in self.kv_scales]
         if self.tensorrt:
             fields["tensorrt"] = {"limits": dataclasses.asdict(self.tensorrt)}
         return fields
@@ -124,6 +141,8 @@ class EngineConfig:
                 )
             limits = manifest["limits"]
             trt = manifest.get("tensorrt")
+            kv = manifest.get("kv_cache") or {}  # absent (engines built before it): "auto"
+            kv_scales = kv.get("scales")
             config = cls(
                 engine_dir=engine_dir,
                 target=manifest["backend"],
@@ -136,11 +155,15 @@ class EngineConfig:
                 cpu_segments=len(manifest["graph"].get("cpu_segments", [])),
                 quantization=(manifest.get("quantization") or {}).get("method"),
                 tensorrt=TensorRTLimits(**trt["limits"]) if trt else None,
+                kv_cache_dtype=kv.get("dtype", "auto"),
+                kv_scales=tuple((float(k), float(v)) for k, v in kv_scales) if kv_scales is not None else None,
             )
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise EngineLoadError(f"{path} is malformed ({type(exc).__name__}: {exc}); rebuild") from None
         if config.target not in TARGETS:
             raise EngineLoadError(f"{path}: target {config.target!r} is not one of {', '.join(TARGETS)}; rebuild")
+        if problem := check_kv_cache(config.kv_cache_dtype, config.kv_scales, config.model.num_layers):
+            raise EngineLoadError(f"{path}: {problem}; rebuild")
         if not (engine_dir / config.graph_file).is_file():
             raise EngineLoadError(f"{engine_dir}: graph file {config.graph_file} is missing; rebuild")
         return config

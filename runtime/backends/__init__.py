@@ -29,6 +29,7 @@ import numpy as np
 from engine_format import EngineConfig
 from engine_format.files import PLUGIN_GRAPH_FILE
 from runtime.backends.base import EngineBackend, SequenceChunk
+from runtime.backends.kv_pool import require_kv_support
 
 BACKENDS = ("cpu", "graph", "plugin", "tensorrt", "torch")
 
@@ -131,7 +132,10 @@ def cuda_present() -> bool:
 
 def default_backend(config: EngineConfig) -> str:
     """TensorRT for its own engines where it is installed; else torch on a GPU (unless this process
-    runs Triton interpreted, TRITON_INTERPRET=1, as the kernel tests do); else ONNX Runtime."""
+    runs Triton interpreted, TRITON_INTERPRET=1, as the kernel tests do); else ONNX Runtime.
+    An int8/fp8 KV cache: the CPU kernel backend, the only one that reads it so far."""
+    if config.kv_quantized and config.has_cpu_segments:
+        return "cpu"
     if config.target == "tensorrt" and importlib.util.find_spec("tensorrt") is not None:
         return "tensorrt"
     if cuda_present() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
@@ -148,6 +152,8 @@ def create_backend(
     """The backend `kind` (one of BACKENDS; default: default_backend) over `num_blocks` KV blocks.
     `max_num_batched_tokens`: the engine's step budget, checked against a TensorRT plan's profiles."""
     kind = kind or default_backend(config)
+    if kind in BACKENDS:
+        require_kv_support(config, kind)
     if kind == "tensorrt":
         from runtime.backends.tensorrt import TrtBackend  # imports TensorRT and CUDA: GPU machines only
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.backends.cpus import usable_cpus
+from runtime.backends.kv_quant import KVQuant
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import runtime.backends._paged_attention as _paged_attention  # noqa: E402 - after the policy is set
 
+KERNEL_ABI = 2  # the call interface this file speaks (the C module's ABI constant)
+if getattr(_paged_attention, "ABI", 1) != KERNEL_ABI:
+    raise ImportError(
+        f"{_paged_attention.__file__} is a stale build of runtime/backends/kernels/paged_attention.c "
+        f"(ABI {getattr(_paged_attention, 'ABI', 1)}, need {KERNEL_ABI}); rebuild it: "
+        "`pip install -e .` or `python -c 'import setuptools; setuptools.setup()' build_ext --inplace`"
+    )
+
 
 @dataclass(frozen=True)
 class AttentionShape:
@@ -42,6 +51,10 @@ class AttentionShape:
     num_kv_heads: int
     head_dim: int
     block_size: int
+
+
+KV_KINDS = {None: 0, "int8": 1, "fp8": 2}  # the kernel's kv_kind codes
+CACHE_DTYPES = {None: np.float32, "int8": np.int8, "fp8": np.uint8}
 
 
 def paged_attention(
@@ -55,15 +68,23 @@ def paged_attention(
     window: int | None = None,
     out: np.ndarray | None = None,
     threads: int | None = None,
+    quant: KVQuant | None = None,
 ) -> np.ndarray:
-    """Attention of each query token over its sequence's cached keys, read in place."""
+    """Attention of each query token over its sequence's cached keys, read in place. `quant`: the
+    caches hold int8 or fp8 codes (None: float32)."""
     tokens = q.shape[0]
     width = shape.num_heads * shape.head_dim
     if q.dtype != np.float32 or q.shape != (tokens, width) or not q.flags.c_contiguous:
         raise ValueError(f"q must be C-contiguous float32 [tokens, {width}], got {q.dtype} {q.shape}")
+    kind = quant.kind if quant else None
+    cache_dtype = np.dtype(CACHE_DTYPES.get(kind, np.float32))
     for cache in (k_cache, v_cache):
-        if cache.dtype != np.float32 or not cache.flags.c_contiguous or cache.shape[1] != shape.block_size:
-            raise ValueError("k/v cache must be C-contiguous float32 [num_blocks, block_size, kv_width]")
+        if cache.dtype != cache_dtype or not cache.flags.c_contiguous or cache.shape[1] != shape.block_size:
+            raise ValueError(f"k/v cache must be C-contiguous {cache_dtype} [num_blocks, block_size, kv_width]")
+    if quant:
+        quant.check(k_cache.shape, shape.num_kv_heads)
+    k_scales = quant.k_scales.ctypes.data if quant and quant.k_scales is not None else 0
+    v_scales = quant.v_scales.ctypes.data if quant and quant.v_scales is not None else 0
     tables = np.ascontiguousarray(block_tables, np.int64)
     seqs = np.ascontiguousarray(seq_of_token, np.int64)
     pos = np.ascontiguousarray(positions, np.int64)
@@ -74,5 +95,6 @@ def paged_attention(
         tables.ctypes.data, seqs.ctypes.data, pos.ctypes.data,
         tokens, tables.shape[1], shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.block_size,
         window or 0, shape.head_dim**-0.5, threads or usable_cpus(),
+        KV_KINDS[kind], k_scales, v_scales, quant.k_scale if quant else 1.0, quant.v_scale if quant else 1.0,
     )  # fmt: skip
     return out

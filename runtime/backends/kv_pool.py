@@ -2,7 +2,9 @@
 
 One C-contiguous allocation [layers, 2 (K, V), num_blocks, block_size, kv_width]: each
 layer's K and V are contiguous views, which both ONNX Runtime (bound zero-copy) and the
-paged-attention kernel read in place.
+paged-attention kernel read in place. A quantized pool (engine_format/kv_cache.py) holds int8
+or fp8 codes; int8 has a second allocation of scales [layers, 2, num_blocks, block_size, kv_heads]
+(`KVPool`), and rows are quantized as they are written.
 
 The pool is committed at start-up: np.zeros maps pages lazily (calloc), so a pool larger than
 memory used to start fine and die of an OOM kill under load, as blocks filled. Now the bytes it
@@ -14,12 +16,15 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
-from engine_format import EngineConfig
+from engine_format import EngineConfig, EngineLoadError
+from engine_format.kv_cache import bytes_per_token
+from runtime.backends.kv_quant import KVQuant, encode_fp8, quantize_int8
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +76,46 @@ def _cgroup_files() -> list[tuple[Path, Path]]:
     return candidates
 
 
-def allocate_pool(config: EngineConfig, num_blocks: int, dtype: npt.DTypeLike) -> np.ndarray:
+# The backends that read an int8/fp8 pool (the others refuse such an engine at load, naming themselves).
+KV_QUANT_BACKENDS = ("cpu",)
+
+
+def require_kv_support(config: EngineConfig, backend: str) -> None:
+    """EngineLoadError unless `backend` reads the engine's KV dtype: never run a quantized pool wrong."""
+    if config.kv_quantized and backend not in KV_QUANT_BACKENDS:
+        raise EngineLoadError(
+            f"the {backend!r} backend does not read a {config.kv_cache_dtype} KV cache (engine "
+            f"{config.engine_dir} has kv_cache_dtype {config.kv_cache_dtype!r}); use backend "
+            f"{' or '.join(repr(b) for b in KV_QUANT_BACKENDS)}, or rebuild with --kv-cache-dtype auto"
+        )
+
+
+def pool_bytes(config: EngineConfig, num_blocks: int) -> int:
+    """Bytes of a pool of num_blocks blocks in the engine's KV dtype, scales included."""
+    return num_blocks * config.block_size * bytes_per_token(config.model, config.dtype, config.kv_cache_dtype)
+
+
+def blocks_for_budget(config: EngineConfig, budget_bytes: int) -> int:
+    """The most blocks a pool in the engine's KV dtype holds within budget_bytes."""
+    return budget_bytes // pool_bytes(config, 1)
+
+
+def capacity_line(config: EngineConfig, num_blocks: int) -> str:
+    """The capacity the server logs at start: KV dtype, blocks, tokens, bytes, max concurrency."""
+    tokens = num_blocks * config.block_size
+    return (
+        f"KV pool {config.kv_pool_dtype} (kv_cache_dtype {config.kv_cache_dtype}): {num_blocks} blocks x "
+        f"{config.block_size} tokens = {tokens} tokens, {pool_bytes(config, num_blocks) / 2**20:.1f} MiB "
+        f"({bytes_per_token(config.model, config.dtype, config.kv_cache_dtype)} bytes/token incl. scales); "
+        f"max concurrency at max_seq_len {config.max_seq_len}: {tokens / config.max_seq_len:.1f} sequences"
+    )
+
+
+def allocate_pool(config: EngineConfig, num_blocks: int, dtype: npt.DTypeLike, extra_bytes: int = 0) -> np.ndarray:
+    """`extra_bytes`: allocated beside the pool (its scales), counted in the memory check."""
     spec = config.model
     shape = (spec.num_layers, 2, num_blocks, config.block_size, spec.kv_width)
-    needed = math.prod(shape) * np.dtype(dtype).itemsize
+    needed = math.prod(shape) * np.dtype(dtype).itemsize + extra_bytes
     available = available_memory()
     if available is not None and needed > available[0]:
         raise PoolMemoryError(
@@ -84,11 +125,56 @@ def allocate_pool(config: EngineConfig, num_blocks: int, dtype: npt.DTypeLike) -
         )
     pool = np.empty(shape, dtype)
     pool.fill(0)  # writes every page: the memory is committed now, not under load
-    log.info(
-        "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB",
-        num_blocks, config.block_size, num_blocks * config.block_size, pool.nbytes / 2**20,
-    )  # fmt: skip
+    log.info(capacity_line(config, num_blocks))
     return pool
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """The pool in the engine's KV dtype, with its scales; `write` quantizes rows in place."""
+
+    config: EngineConfig
+    data: np.ndarray  # [layers, 2, num_blocks, block_size, kv_width], dtype config.kv_pool_dtype
+    scales: np.ndarray | None  # int8: [layers, 2, num_blocks, block_size, kv_heads] float32
+
+    @classmethod
+    def allocate(cls, config: EngineConfig, num_blocks: int) -> KVPool:
+        spec = config.model
+        scales_shape = (spec.num_layers, 2, num_blocks, config.block_size, spec.num_kv_heads)
+        int8 = config.kv_cache_dtype == "int8"
+        data = allocate_pool(config, num_blocks, config.kv_pool_dtype, math.prod(scales_shape) * 4 if int8 else 0)
+        scales = np.ones(scales_shape, np.float32) if int8 else None  # ones: commits the pages too
+        return cls(config, data, scales)
+
+    def write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Rows k, v [T, kv_width] (float) into pool slots [T] of `layer`, quantized per the KV dtype."""
+        rows = pool_rows(self.data)
+        kind = self.config.kv_cache_dtype
+        for index, values in ((2 * layer, k), (2 * layer + 1, v)):
+            if kind == "int8":
+                assert self.scales is not None
+                codes, scales = quantize_int8(values, self.config.model.num_kv_heads)
+                rows[index, slots] = codes
+                pool_rows(self.scales)[index, slots] = scales
+            elif kind == "fp8":
+                rows[index, slots] = encode_fp8(values, self.layer_scales(layer)[index % 2])
+            else:
+                rows[index, slots] = values
+
+    def layer_scales(self, layer: int) -> tuple[float, float]:
+        """fp8: the layer's static (k_scale, v_scale)."""
+        assert self.config.kv_scales is not None
+        return self.config.kv_scales[layer]
+
+    def quant(self, layer: int) -> KVQuant | None:
+        """How the kernel reads `layer` (None: float32)."""
+        kind = self.config.kv_cache_dtype
+        if kind == "int8":
+            assert self.scales is not None
+            return KVQuant("int8", self.scales[layer, 0], self.scales[layer, 1])
+        if kind == "fp8":
+            return KVQuant("fp8", k_scale=self.layer_scales(layer)[0], v_scale=self.layer_scales(layer)[1])
+        return None
 
 
 def pool_rows(pool: np.ndarray) -> np.ndarray:

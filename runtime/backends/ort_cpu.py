@@ -5,7 +5,8 @@ with no padding, and run through the engine's segments (`segment.NN.onnx`, see
 engine_format/INTERFACE.md): segment i does layer i-1's o_proj + MLP and layer i's norm + QKV +
 RoPE; between segments the runtime writes the new K/V rows into the pool and the C kernel
 (runtime/backends/kernels/paged_attention.c) attends over each sequence's blocks in place. A step of
-a single sequence runs the whole-graph session on the same pool instead (see SMALL_BATCH).
+a single sequence runs the whole-graph session on the same pool instead (see SMALL_BATCH), except
+with a quantized KV cache (int8/fp8), which only the segments and the kernel read.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from engine_format.files import segment_file
 from runtime.backends.base import SequenceChunk, logit_rows
 from runtime.backends.cpu_attention import AttentionShape, paged_attention
 from runtime.backends.cpus import usable_cpus
-from runtime.backends.kv_pool import allocate_pool, pool_rows
+from runtime.backends.kv_pool import KVPool
 from runtime.backends.ort_graph import OrtGraphBackend
 from runtime.backends.ort_session import create_session
 
@@ -83,13 +84,15 @@ class OrtCpuBackend:
             if not path.is_file():
                 raise EngineLoadError(f"{path.name} is missing: rebuild the engine with build-engine")
             self.segments.append(create_session(path, self.threads, spinning=False, quantization=config.quantization))
-        self.pool = allocate_pool(config, self.num_blocks, np.float32)
-        self._rows = pool_rows(self.pool)
+        self.kv = KVPool.allocate(config, self.num_blocks)
+        self.pool = self.kv.data
         # The same pool, read by the whole graph for single-sequence steps (a second weights copy).
-        self.small_steps = OrtGraphBackend(config, self.num_blocks, self.threads, pool=self.pool)
+        self.small_steps = (
+            None if config.kv_quantized else OrtGraphBackend(config, self.num_blocks, self.threads, pool=self.pool)
+        )
 
     def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
-        if len(chunks) <= SMALL_BATCH:
+        if self.small_steps is not None and len(chunks) <= SMALL_BATCH:
             return self.small_steps.step(chunks)
         flat = FlatStep.pack(chunks, self.config.block_size)
         return self._run(flat, flat.logit_rows)
@@ -104,11 +107,11 @@ class OrtCpuBackend:
         spec = self.config.model
         hidden, q, k, v = self.segments[0].run(None, {"input_ids": flat.input_ids, "positions": flat.positions})
         for layer in range(spec.num_layers):
-            self._rows[2 * layer, flat.slots] = k[:, 0]
-            self._rows[2 * layer + 1, flat.slots] = v[:, 0]
+            self.kv.write(layer, flat.slots, k[:, 0], v[:, 0])
             attn = paged_attention(
                 q[:, 0], self.pool[layer, 0], self.pool[layer, 1], flat.block_tables, flat.seq_of_token,
                 flat.positions[:, 0], self.shape, window=spec.sliding_windows[layer], threads=self.threads,
+                quant=self.kv.quant(layer),
             )[:, None]  # fmt: skip
             feeds = {"hidden": hidden, "attn": attn}
             if layer + 1 < spec.num_layers:

@@ -16,7 +16,7 @@ import onnxruntime as ort
 
 from engine_format import EngineConfig, EngineLoadError
 from runtime.backends.base import SequenceChunk, StepTensors, num_logit_rows
-from runtime.backends.kv_pool import allocate_pool, pool_rows
+from runtime.backends.kv_pool import allocate_pool, pool_rows, require_kv_support
 from runtime.backends.ort_session import create_session
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -31,6 +31,7 @@ class OrtGraphBackend:
         """`pool`: share another backend's KV pool (same layout) instead of allocating one.
         `cover_step`: block tables also cover the step's new rows (the plugin graph needs it)."""
         self.cover_step = cover_step
+        require_kv_support(config, "plugin" if cover_step else "graph")
         if config.dtype not in NP_DTYPES:
             raise EngineLoadError(f"engine dtype {config.dtype!r} has no ONNX Runtime CPU backend")
         self.config = config

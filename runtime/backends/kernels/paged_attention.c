@@ -12,6 +12,13 @@
  * keys per pass and values are accumulated four keys at a time, so the inner loops carry
  * independent vector FMAs instead of one latency-bound chain per key (1.4-1.9x per layer on
  * AVX2 vs one dot product per key).
+ *
+ * Quantized pools (engine_format/kv_cache.py) are read at 1 byte per element, a quarter of fp32's
+ * memory traffic, which is what bounds attention at large batch x context. int8 (a float32 scale
+ * per token and kv head): the same loops read int8 rows in place (attention_ops.h, instantiated per
+ * element type), a key's score is scaled by its k scale and its p by its v scale. fp8 E4M3 (one
+ * static scale per layer for K and one for V): each chunk of keys is dequantized into an
+ * L1-resident float buffer and the float loops run on it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -28,68 +35,71 @@
 #define MAX_HEAD_DIM 128
 #define MAX_KEYS 128     /* keys per inner chunk (a block, or part of one) */
 
+enum { KV_F32 = 0, KV_INT8 = 1, KV_FP8 = 2 };
+
 typedef struct {
     const float *q;          /* [T, Hq*D] */
-    const float *k_cache;    /* [N, bs, Hkv*D] */
-    const float *v_cache;    /* [N, bs, Hkv*D] */
+    const void *k_cache;     /* [N, bs, Hkv*D] float32, int8 or fp8 bits (kv_kind) */
+    const void *v_cache;     /* [N, bs, Hkv*D] */
+    const float *k_scales;   /* int8: [N, bs, Hkv] */
+    const float *v_scales;
     float *out;              /* [T, Hq*D] */
     const int64_t *block_tables; /* [B, M] */
     const int64_t *seq_of_token; /* [T] */
     const int64_t *positions;    /* [T] */
     int64_t T, M, Hq, Hkv, D, bs, window;
     float scale;
+    int kv_kind;
+    float k_scale, v_scale;  /* fp8: the layer's static scales */
 } Args;
 
 static inline int64_t first_key(const Args *a, int64_t pos) {
     return a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
 }
 
-static inline float dot(const float *x, const float *y, int64_t n) {
-    float acc = 0.0f;
-    for (int64_t d = 0; d < n; d++) acc += x[d] * y[d];
-    return acc;
+#define KV_T float
+#define OPS(name) name##_f32
+#include "attention_ops.h"
+#undef KV_T
+#undef OPS
+#define KV_T int8_t
+#define OPS(name) name##_i8
+#include "attention_ops.h"
+#undef KV_T
+#undef OPS
+
+/* E4M3 (fn) bits -> float, exactly: (implicit bit | mantissa) x 2^(exponent - 10), with normal-float
+ * arithmetic only (subnormal fp8 values stay normal floats, safe under flush-to-zero), so it vectorizes.
+ * 0x7f / 0xff are NaN; the writer saturates at +-448 and never stores them. */
+static inline float fp8_e4m3fn_value(uint32_t b) {
+    const uint32_t e = (b >> 3) & 15u, m = b & 7u;
+    const uint32_t bits = ((e ? e : 1u) + 117u) << 23; /* 2^(max(e, 1) - 10) */
+    float pow2;
+    memcpy(&pow2, &bits, sizeof pow2);
+    const float v = (float)(e ? (m | 8u) : m) * pow2;
+    return (b & 0x80u) ? -v : v;
 }
 
-/* x against 4 rows of y (`stride` apart) at once: four independent vector accumulators
- * instead of one FMA dependency chain per key (a lone dot of 64 floats is latency-bound). */
-static inline void dot4(const float *x, const float *y, int64_t stride, int64_t n, float *out) {
-    const float *y0 = y, *y1 = y + stride, *y2 = y + 2 * stride, *y3 = y + 3 * stride;
-    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-    for (int64_t d = 0; d < n; d++) {
-        const float xd = x[d];
-        s0 += xd * y0[d];
-        s1 += xd * y1[d];
-        s2 += xd * y2[d];
-        s3 += xd * y3[d];
+/* Rows slot..slot+n-1 of kv head g of an fp8 pool as floats [n, D] in dst (x the layer's scale). */
+static void dequantize_fp8(const Args *a, const void *cache, float layer_scale, int64_t slot, int64_t n, int64_t g,
+                           float *dst) {
+    const int64_t D = a->D, row = a->Hkv * D;
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *src = (const uint8_t *)cache + (slot + j) * row + g * D;
+        for (int64_t d = 0; d < D; d++) dst[j * D + d] = layer_scale * fp8_e4m3fn_value(src[d]);
     }
-    out[0] = s0;
-    out[1] = s1;
-    out[2] = s2;
-    out[3] = s3;
-}
-
-/* Two rows of x against 4 rows of y: 8 accumulators, each y row loaded once for both. */
-static inline void dot2x4(const float *x0, const float *x1, const float *y, int64_t stride, int64_t n,
-                          float *out0, float *out1) {
-    const float *y0 = y, *y1 = y + stride, *y2 = y + 2 * stride, *y3 = y + 3 * stride;
-    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f, b0 = 0.0f, b1 = 0.0f, b2 = 0.0f, b3 = 0.0f;
-    for (int64_t d = 0; d < n; d++) {
-        const float u = x0[d], w = x1[d];
-        a0 += u * y0[d]; a1 += u * y1[d]; a2 += u * y2[d]; a3 += u * y3[d];
-        b0 += w * y0[d]; b1 += w * y1[d]; b2 += w * y2[d]; b3 += w * y3[d];
-    }
-    out0[0] = a0; out0[1] = a1; out0[2] = a2; out0[3] = a3;
-    out1[0] = b0; out1[1] = b1; out1[2] = b2; out1[3] = b3;
 }
 
 /* Tokens t0..t0+nt-1 (same sequence, increasing positions) x the G query heads of kv head g.
  * Each K/V block is brought into cache once for all nt*G query rows. */
 static void attend_tile(const Args *a, int64_t t0, int64_t nt, int64_t g) {
-    const int64_t G = a->Hq / a->Hkv, D = a->D, bs = a->bs, row = a->Hkv * D, R = nt * G;
+    const int64_t G = a->Hq / a->Hkv, D = a->D, bs = a->bs, R = nt * G;
     const int64_t *table = a->block_tables + a->seq_of_token[t0] * a->M;
     int64_t lo[MAX_ROWS], hi[MAX_ROWS];
     const float *q[MAX_ROWS];
     float m[MAX_ROWS], l[MAX_ROWS], acc[MAX_ROWS][MAX_HEAD_DIM], s[MAX_ROWS][MAX_KEYS];
+    float kbuf[MAX_KEYS * MAX_HEAD_DIM], vbuf[MAX_KEYS * MAX_HEAD_DIM]; /* fp8: the chunk as floats */
+    float kscale[MAX_KEYS], vscale[MAX_KEYS];                             /* int8: the chunk's row scales */
     for (int64_t r = 0; r < R; r++) {
         const int64_t t = t0 + r / G, h = g * G + r % G;
         hi[r] = a->positions[t];
@@ -104,27 +114,33 @@ static void attend_tile(const Args *a, int64_t t0, int64_t nt, int64_t g) {
         const int64_t off = start % bs;
         int64_t n = (bs - off) < (last + 1 - start) ? (bs - off) : (last + 1 - start);
         n = n < MAX_KEYS ? n : MAX_KEYS;
-        const int64_t block = table[start / bs];
-        const float *k = a->k_cache + (block * bs + off) * row + g * D;
-        const float *v = a->v_cache + (block * bs + off) * row + g * D;
-        /* Raw scores of every row against every key of the chunk. Keys a row must not see
-         * (causal within a prefill tile, sliding window) are still written K rows of this
-         * sequence, so scoring them is harmless; they get p = 0 below (no infinities: this
-         * file is built with -ffast-math). */
-        int64_t r = 0;
-        for (; r + 2 <= R; r += 2) {
-            int64_t j = 0;
-            for (; j + 4 <= n; j += 4) dot2x4(q[r], q[r + 1], k + j * row, row, D, s[r] + j, s[r + 1] + j);
-            for (; j < n; j++) {
-                s[r][j] = dot(q[r], k + j * row, D);
-                s[r + 1][j] = dot(q[r + 1], k + j * row, D);
+        const int64_t slot = table[start / bs] * bs + off;
+        const int64_t row = a->Hkv * D;
+        const int8_t *k8 = NULL, *v8 = NULL;
+        const float *k = NULL, *v = NULL;
+        if (a->kv_kind == KV_INT8) {  /* int8 rows read in place: scores x k scale, p x v scale */
+            k8 = (const int8_t *)a->k_cache + slot * row + g * D;
+            v8 = (const int8_t *)a->v_cache + slot * row + g * D;
+            for (int64_t j = 0; j < n; j++) {
+                kscale[j] = a->k_scales[(slot + j) * a->Hkv + g];
+                vscale[j] = a->v_scales[(slot + j) * a->Hkv + g];
             }
+            score_i8(q, R, k8, row, D, n, s);
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t j = 0; j < n; j++) s[r][j] *= kscale[j];
+        } else {
+            if (a->kv_kind == KV_F32) {
+                k = (const float *)a->k_cache + slot * row + g * D;
+                v = (const float *)a->v_cache + slot * row + g * D;
+            } else {  /* fp8: the chunk dequantized into L1-resident buffers */
+                dequantize_fp8(a, a->k_cache, a->k_scale, slot, n, g, kbuf);
+                dequantize_fp8(a, a->v_cache, a->v_scale, slot, n, g, vbuf);
+                k = kbuf;
+                v = vbuf;
+            }
+            score_f32(q, R, k, a->kv_kind == KV_F32 ? row : D, D, n, s);
         }
-        for (; r < R; r++) {
-            int64_t j = 0;
-            for (; j + 4 <= n; j += 4) dot4(q[r], k + j * row, row, D, s[r] + j);
-            for (; j < n; j++) s[r][j] = dot(q[r], k + j * row, D);
-        }
+        int64_t r;
         for (r = 0; r < R; r++) {  /* mask, then the online-softmax update */
             const int64_t j0 = lo[r] > start ? lo[r] - start : 0;
             const int64_t j1 = hi[r] - start + 1 < n ? hi[r] - start + 1 : n;
@@ -147,21 +163,12 @@ static void attend_tile(const Args *a, int64_t t0, int64_t nt, int64_t g) {
             }
             m[r] = new_max;
         }
-        for (int64_t r = 0; r < R; r++) {
-            const float *p = s[r];
-            float *out = acc[r];
-            int64_t j = 0;
-            for (; j + 4 <= n; j += 4) {
-                if (p[j] == 0.0f && p[j + 1] == 0.0f && p[j + 2] == 0.0f && p[j + 3] == 0.0f) continue;
-                const float *v0 = v + j * row, *v1 = v0 + row, *v2 = v1 + row, *v3 = v2 + row;
-                for (int64_t d = 0; d < D; d++)
-                    out[d] += p[j] * v0[d] + p[j + 1] * v1[d] + p[j + 2] * v2[d] + p[j + 3] * v3[d];
-            }
-            for (; j < n; j++) {
-                if (p[j] == 0.0f) continue;
-                const float *vj = v + j * row;
-                for (int64_t d = 0; d < D; d++) out[d] += p[j] * vj[d];
-            }
+        if (a->kv_kind == KV_INT8) {
+            for (r = 0; r < R; r++)
+                for (int64_t j = 0; j < n; j++) s[r][j] *= vscale[j];
+            accumulate_i8(R, s, v8, row, D, n, acc);
+        } else {
+            accumulate_f32(R, s, v, a->kv_kind == KV_F32 ? row : D, D, n, acc);
         }
         start += n;
     }
@@ -175,18 +182,27 @@ static void attend_tile(const Args *a, int64_t t0, int64_t nt, int64_t g) {
 
 static PyObject *paged_attention(PyObject *self, PyObject *args) {
     Args a;
-    unsigned long long q, k, v, out, tables, seqs, positions;
+    unsigned long long q, k, v, out, tables, seqs, positions, k_scales = 0, v_scales = 0;
     int threads;
-    if (!PyArg_ParseTuple(args, "KKKKKKKLLLLLLLfi", &q, &k, &v, &out, &tables, &seqs, &positions,
-                          &a.T, &a.M, &a.Hq, &a.Hkv, &a.D, &a.bs, &a.window, &a.scale, &threads))
+    a.kv_kind = KV_F32;
+    a.k_scale = a.v_scale = 1.0f;
+    if (!PyArg_ParseTuple(args, "KKKKKKKLLLLLLLfi|iKKff", &q, &k, &v, &out, &tables, &seqs, &positions,
+                          &a.T, &a.M, &a.Hq, &a.Hkv, &a.D, &a.bs, &a.window, &a.scale, &threads,
+                          &a.kv_kind, &k_scales, &v_scales, &a.k_scale, &a.v_scale))
         return NULL;
     if (a.Hkv <= 0 || a.Hq % a.Hkv || a.Hq / a.Hkv > MAX_ROWS || a.D > MAX_HEAD_DIM) {
         PyErr_SetString(PyExc_ValueError, "paged_attention: unsupported head/group/block size");
         return NULL;
     }
+    if (a.kv_kind < KV_F32 || a.kv_kind > KV_FP8 || (a.kv_kind == KV_INT8 && (!k_scales || !v_scales))) {
+        PyErr_SetString(PyExc_ValueError, "paged_attention: kv_kind must be 0 (float32), 1 (int8 + row scales) or 2 (fp8)");
+        return NULL;
+    }
     a.q = (const float *)q;
-    a.k_cache = (const float *)k;
-    a.v_cache = (const float *)v;
+    a.k_cache = (const void *)k;
+    a.v_cache = (const void *)v;
+    a.k_scales = (const float *)k_scales;
+    a.v_scales = (const float *)v_scales;
     a.out = (float *)out;
     a.block_tables = (const int64_t *)tables;
     a.seq_of_token = (const int64_t *)seqs;
@@ -216,9 +232,18 @@ static PyObject *paged_attention(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"paged_attention", paged_attention, METH_VARARGS,
      "paged_attention(q, k_cache, v_cache, out, block_tables, seq_of_token, positions, T, M, Hq, Hkv, D, "
-     "block_size, window, scale, threads): raw data pointers; see runtime/paged_attention.py"},
+     "block_size, window, scale, threads[, kv_kind, k_scales, v_scales, k_scale, v_scale]): raw data pointers; "
+     "see runtime/backends/cpu_attention.py"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_paged_attention", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__paged_attention(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__paged_attention(void) {
+    PyObject *m = PyModule_Create(&module);
+    /* The call's interface version (cpu_attention.py refuses an older build of this file). 2: kv_kind + scales. */
+    if (m && PyModule_AddIntConstant(m, "ABI", 2) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
