@@ -35,6 +35,7 @@ class Endpoint:
     kind: str  # "triton" (generate_stream), "openai" (vLLM's /v1/completions) or "gateway" (trtserve's)
     url: str  # http://host:port
     model: str = "llm"
+    metrics_url: str | None = None  # the server's Prometheus /metrics, where known
 
 
 async def _sse_events(response: aiohttp.ClientResponse):

@@ -6,7 +6,7 @@ engine sees the same tokens; the client checks the server's prompt token count a
 
 Text comes with Python itself: `pydoc_data.topics` (the Python language reference, PSF
 licence, ~465k characters of English prose), never a hub download. Chat questions are in
-data/chat_prompts.txt (written for this repo).
+data/chat_prompts.txt, copy-heavy requests in data/copy_heavy_prompts.json (both written for this repo).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 CHAT_PROMPTS = Path(__file__).parent / "data" / "chat_prompts.txt"
+COPY_HEAVY_PROMPTS = Path(__file__).parent / "data" / "copy_heavy_prompts.json"
 DATASETS = ("fixed", "chat", "prefix", "mixed")
 
 
@@ -90,6 +91,17 @@ def chat(tokenizer, count: int, output_len: int, seed: int = 0) -> list[BenchReq
             user = questions[int(rng.integers(len(questions)))]
         out.append(_request(tokenizer, _chat(tokenizer, user), output_len, False))
     return out
+
+
+def copy_heavy(tokenizer, count: int, output_len: int, seed: int = 0) -> list[BenchRequest]:
+    """Requests whose answer repeats or edits a passage given in the prompt (rewrite with one change,
+    rename in code, fix a typo: data/copy_heavy_prompts.json, written for this repo), in the chat
+    template, cycling through the prompts in a seeded order. EOS honoured, capped at output_len."""
+    prompts = json.loads(COPY_HEAVY_PROMPTS.read_text())
+    order = np.random.default_rng(seed).permutation(len(prompts))
+    users = [prompts[order[i % len(prompts)]] for i in range(count)]
+    return [_request(tokenizer, _chat(tokenizer, f"{u['instruction']}\n\n{u['passage']}"), output_len, False)
+            for u in users]  # fmt: skip
 
 
 def shared_prefix(

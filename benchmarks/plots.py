@@ -1,5 +1,5 @@
 """PNG plots: the suite's (throughput vs concurrency, TTFT/ITL percentiles, prefix-cache TTFT) and those of
-the routing, SLO and scale-out benchmarks."""
+the routing, SLO, scale-out and speculative-decoding benchmarks."""
 
 from __future__ import annotations
 
@@ -159,6 +159,32 @@ def scaleout(runs: dict[str, dict], path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
         if not _empty(ax, names):
             ax.legend(fontsize=7)
+    _save(fig, path)
+
+
+def speedup_bars(panels: dict[str, dict[str, list[tuple[int, float, float, float]]]], ylabel: str,
+                 path: Path) -> None:  # fmt: skip
+    """benchmarks/spec_decode.py: speedup (median, min–max bars) per level, one bar per system, one panel
+    per workload (title -> system -> [(level, median, min, max)]); 1.0 marks no change."""
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(6 * max(len(panels), 1), 4.5), squeeze=False)
+    for ax, (title, systems) in zip(axes[0], panels.items(), strict=False):
+        levels = sorted({c for points in systems.values() for c, *_ in points})
+        width = 0.8 / max(len(systems), 1)
+        for i, (system, points) in enumerate(systems.items()):
+            by_level = {c: (m, lo, hi) for c, m, lo, hi in points}
+            xs = [x + i * width for x, c in enumerate(levels) if c in by_level]
+            meds = [by_level[c][0] for c in levels if c in by_level]
+            err = [[by_level[c][0] - by_level[c][1] for c in levels if c in by_level],
+                   [by_level[c][2] - by_level[c][0] for c in levels if c in by_level]]  # fmt: skip
+            ax.bar(xs, meds, width, yerr=err, capsize=3, label=system)
+        ax.axhline(1.0, color="grey", ls="--", lw=1)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(levels))], [f"c={c}" for c in levels])
+        ax.set(ylabel=ylabel, title=title)
+        ax.grid(axis="y", alpha=0.3)
+        if not _empty(ax, list(systems.values())):
+            ax.legend(fontsize=7)
+    if not panels:
+        _empty(axes[0][0], [])
     _save(fig, path)
 
 

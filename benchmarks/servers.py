@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.client import Endpoint
@@ -40,6 +40,7 @@ class ServingSettings:
     max_model_len: int = 2048
     vllm_dtype: str = "auto"  # "auto" (see vllm_dtype), "float32" or "bfloat16"
     itl_target_ms: str | None = None  # trtserve's step budget: None its default (SLO), "0" the fixed token budget
+    extra_params: dict[str, str] = field(default_factory=dict)  # more trtserve config parameters (e.g. speculative)
 
 
 def trtserve_params(engine_dir: Path, settings: ServingSettings) -> dict[str, str]:
@@ -53,7 +54,7 @@ def trtserve_params(engine_dir: Path, settings: ServingSettings) -> dict[str, st
     }
     if settings.itl_target_ms is not None:
         params["itl_target_ms"] = settings.itl_target_ms
-    return params
+    return {**params, **settings.extra_params}
 
 
 @contextlib.contextmanager
@@ -61,7 +62,7 @@ def trtserve(engine_dir: Path, settings: ServingSettings, log_path: Path | None 
     config = ServerConfig.on_free_ports(engine_dir, engine_params=trtserve_params(engine_dir, settings))
     with TritonServer(config, log_path) as server:
         server.wait_ready(timeout_s=300)
-        yield Endpoint("triton", config.http_url, "llm")
+        yield Endpoint("triton", config.http_url, "llm", f"http://{config.host}:{config.metrics_port}/metrics")
 
 
 def vllm_dtype(settings: ServingSettings) -> str:

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import sys
 import time
+from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
+from typing import Any, TypedDict, cast
 
 import click
 
 from engine_format import EngineConfig, EngineLoadError
 from runtime.backends import BACKENDS
+from runtime.engine.engine_args import MAX_SPECULATIVE_TOKENS, EngineArgs
 from runtime.engine.errors import InvalidRequest
+from runtime.engine.spec.proposer import SPECULATIVE_METHODS
 from runtime.gateway.cli import API_KEY_ENV, DEFAULT_PORT
 from runtime.gateway.cli import gateway as gateway_command
 from runtime.serve.serve_loop import ADMIN_KEY_ENV
@@ -49,6 +54,61 @@ def main() -> None:
 main.add_command(gateway_command)
 
 
+class SpeculativeFields(TypedDict, total=False):
+    """The EngineArgs fields the speculative-decoding options set (absent: the engine's default)."""
+
+    speculative: str
+    draft_engine: str
+    num_speculative_tokens: int
+    speculative_disable_batch_size: int
+
+
+SPECULATIVE_OPTIONS = (
+    click.option("--speculative", type=click.Choice(SPECULATIVE_METHODS), default=None,
+                 help="Speculative decoding: 'ngram' proposes the tokens that followed the latest earlier occurrence "
+                      "of the text's last words (prompt lookup); 'draft' lets --draft-engine (same tokenizer) "
+                      "propose. Greedy output is unchanged; sampled output keeps the model's distribution."),
+    click.option("--draft-engine", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+                 help="Engine directory of the draft model (with --speculative draft), e.g. an INT4 build of the "
+                      "same model."),
+    click.option("--num-speculative-tokens", type=click.IntRange(1, MAX_SPECULATIVE_TOKENS), default=None,
+                 help=f"Draft tokens verified per step (default {EngineArgs.num_speculative_tokens})."),
+    click.option("--speculative-disable-batch-size", type=click.IntRange(min=1), default=None,
+                 help="Speculation pauses while more requests than this run: a large batch pays for drafts in "
+                      f"compute (default {EngineArgs.speculative_disable_batch_size})."),
+)  # fmt: skip
+
+
+def speculative_options(command: Callable[..., None]) -> Callable[..., None]:
+    """The speculative-decoding options of `generate` and `serve`, defined once: checked together and
+    handed to `command` as one `speculative` argument, the EngineArgs fields they set."""
+
+    @functools.wraps(command)
+    def run(*args: Any, speculative: str | None, draft_engine: Path | None, num_speculative_tokens: int | None,
+            speculative_disable_batch_size: int | None, **kwargs: Any) -> None:  # fmt: skip
+        fields = speculative_args(speculative, draft_engine, num_speculative_tokens, speculative_disable_batch_size)
+        command(*args, speculative=fields, **kwargs)
+
+    for option in reversed(SPECULATIVE_OPTIONS):
+        run = option(run)
+    return run
+
+
+def speculative_args(method: str | None, draft_engine: Path | None, num_tokens: int | None,
+                     disable_batch_size: int | None) -> SpeculativeFields:  # fmt: skip
+    """EngineArgs fields of the options (none: speculation off); a missing or stray one is a usage error
+    naming it (raised before any engine loads or server starts)."""
+    if method == "draft" and draft_engine is None:
+        raise click.UsageError("--speculative draft needs --draft-engine DIR (the draft model's engine directory)")
+    if draft_engine is not None and method != "draft":
+        raise click.UsageError("--draft-engine is only used with --speculative draft")
+    if method is None and (num_tokens is not None or disable_batch_size is not None):
+        raise click.UsageError("--num-speculative-tokens and --speculative-disable-batch-size need --speculative")
+    fields = {"speculative": method, "draft_engine": None if draft_engine is None else str(draft_engine),
+              "num_speculative_tokens": num_tokens, "speculative_disable_batch_size": disable_batch_size}  # fmt: skip
+    return cast(SpeculativeFields, {k: v for k, v in fields.items() if v is not None})
+
+
 @main.command()
 @click.option(
     "--engine",
@@ -78,22 +138,13 @@ main.add_command(gateway_command)
 @click.option("--stop", multiple=True, help="Stop string (repeatable); not included in the output.")
 @click.option("--stats", is_flag=True, help="Print token counts and timing to stderr.")
 @click.option("--backend", type=click.Choice(BACKENDS), default=None, help=BACKEND_HELP)
-@click.option("--speculative", type=click.Choice(["ngram", "draft"]), default=None,
-              help="Speculative decoding: 'ngram' proposes the tokens that followed the latest earlier "
-                   "occurrence of the text's last words (prompt lookup); 'draft' lets --draft-engine (same "
-                   "tokenizer) propose. Greedy output is unchanged.")  # fmt: skip
-@click.option("--draft-engine", type=click.Path(path_type=Path), default=None,
-              help="Engine directory of the draft model (with --speculative draft).")  # fmt: skip
-@click.option("--num-speculative-tokens", default=4, show_default=True, type=click.IntRange(1, 16),
-              help="Draft tokens verified per step.")  # fmt: skip
+@speculative_options
 def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, temperature: float, top_p: float,
              top_k: int, seed: int | None, stop: tuple[str, ...], stats: bool,
-             backend: str | None, speculative: str | None, draft_engine: Path | None,
-             num_speculative_tokens: int) -> None:  # fmt: skip
+             backend: str | None, speculative: SpeculativeFields) -> None:  # fmt: skip
     """Generate an answer to --prompt and stream it to stdout."""
     from transformers.utils import logging as transformers_logging
 
-    from runtime.engine.engine_args import EngineArgs
     from runtime.engine.llm_engine import LLMEngine
     from runtime.engine.sampling_params import SamplingParams
 
@@ -104,8 +155,7 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
             raise InvalidRequest("--prompt", "must not be empty")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=stop)  # fmt: skip
-        args = EngineArgs(backend=backend, speculative=speculative, num_speculative_tokens=num_speculative_tokens,
-                          draft_engine=None if draft_engine is None else str(draft_engine))  # fmt: skip
+        args = EngineArgs(backend=backend, **speculative)
         engine = LLMEngine(engine_dir, args)
         engine.add_request([{"role": "user", "content": prompt}] if chat else prompt, params)
     except (EngineLoadError, InvalidRequest, ValueError) as exc:
@@ -204,11 +254,12 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
     type=click.FloatRange(min=0.1),
     help="Seconds between health probes of the model; three failures in a row stop the server (exit code 3).",
 )
+@speculative_options
 def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_port: int, metrics_port: int,
           max_num_seqs: int | None, max_num_batched_tokens: int | None, num_kv_blocks: int | None,
           max_waiting: int | None, no_prefix_caching: bool, openai_port: int, no_openai: bool, api_key: str | None,
           admin_key: str | None, drain_timeout_s: float, health_interval_s: float, itl_target_ms: float | None,
-          backend: str | None) -> None:  # fmt: skip
+          backend: str | None, speculative: SpeculativeFields) -> None:  # fmt: skip
     """Serve an engine with NVIDIA Triton Inference Server (HTTP, gRPC, Prometheus metrics).
 
     Starts the real tritonserver with the trtserve `llm` model, waits until it is ready,
@@ -218,18 +269,21 @@ def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_po
     On Ctrl-C or SIGTERM it stops admitting requests, lets running ones finish within
     --drain-timeout, ends the rest with an error, and exits with code 4 if any had to be cut.
     """
+    from runtime.engine.spec.draft import check_draft_vocabulary
     from runtime.gateway.process import GatewayProcess, GatewayProcessError, start_beside_triton
     from runtime.serve.launcher import ServerConfig, ServerError, TritonServer
     from runtime.serve.serve_loop import run_serve
 
     try:
-        EngineConfig.load(engine_dir)
+        target = EngineConfig.load(engine_dir)
+        if "draft_engine" in speculative:  # refused here, not in tritonserver's log
+            check_draft_vocabulary(speculative["draft_engine"], target)
     except EngineLoadError as exc:
         raise click.ClickException(str(exc)) from None
     params = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
               "num_kv_blocks": num_kv_blocks, "max_waiting": max_waiting, "itl_target_ms": itl_target_ms,
               "backend": backend}  # fmt: skip
-    engine_params = {k: str(v) for k, v in params.items() if v is not None}
+    engine_params = {k: str(v) for k, v in {**params, **speculative}.items() if v is not None}
     engine_params["enable_prefix_caching"] = "false" if no_prefix_caching else "true"
     config = ServerConfig(engine_dir, triton_host, http_port, grpc_port, metrics_port, engine_params,
                           drain_timeout_s=drain_timeout_s)  # fmt: skip

@@ -133,4 +133,4 @@ def test_generate_command_with_a_draft_engine(llama_engine, mistral_engine):
     assert plain.exit_code == 0 and spec.exit_code == 0, spec.output
     assert spec.stdout == plain.stdout and "speculative:" in spec.stderr
     missing = CliRunner().invoke(trtserve_cli, [*base, "--speculative", "draft"])
-    assert missing.exit_code != 0 and "draft_engine" in missing.output
+    assert missing.exit_code == 2 and "--speculative draft needs --draft-engine" in missing.output

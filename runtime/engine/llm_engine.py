@@ -1,4 +1,4 @@
-"""The engine loop: schedule -> run the backend -> sample -> detokenize and finish.
+"""The engine loop: schedule -> run the backend -> postprocess (sample, detokenize, finish: postprocess.py).
 
 `LLMEngine` is synchronous and driven by `step()`; `add_request` and `abort` may be called
 from other threads (the async engine does), so engine state is guarded by one lock that
@@ -26,15 +26,16 @@ from runtime.engine.detokenizer import DetokenizedStream
 from runtime.engine.engine_args import EngineArgs
 from runtime.engine.errors import InvalidRequest, Overloaded
 from runtime.engine.kv_cache_manager import KVCacheManager
-from runtime.engine.outputs import RequestOutput, RequestStats
-from runtime.engine.request import Request, RequestStatus, RequestTiming
-from runtime.engine.sampler import Sampler, SampleResult, SamplingState, TokenLogprobs
+from runtime.engine.outputs import RequestOutput
+from runtime.engine.postprocess import Postprocessor
+from runtime.engine.request import Request, RequestTiming
+from runtime.engine.sampler import SamplingState
 from runtime.engine.sampling_params import SamplingParams
 from runtime.engine.scheduler import Scheduler, SchedulerConfig
 from runtime.engine.spec.decoding import create_spec_decoder
 from runtime.engine.stats import EngineCounters, EngineStats, StepRecord
 from runtime.engine.step_cost import OnlineStepCost, StepShape
-from runtime.engine.step_inputs import ScheduledChunk, build_chunks
+from runtime.engine.step_inputs import build_chunks
 from runtime.engine.tokenizer import load_tokenizer, stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -77,13 +78,14 @@ class LLMEngine:
             self.kv,
             self.cost_model,
         )
-        self.sampler = Sampler()
         self.spec = create_spec_decoder(args, config, max_num_seqs)
         self.admission = Admission(self.tokenizer, config.model.vocab_size, config.max_seq_len, self.kv.capacity_tokens)
         self.eos_token_ids = frozenset(stop_token_ids(self.tokenizer, config))
         self.requests: dict[str, Request] = {}
         self.streams: dict[str, DetokenizedStream] = {}
         self.counters = EngineCounters()
+        self.post = Postprocessor(self.requests, self.streams, self.scheduler, self.kv, self.spec, self.counters,
+                                  self.eos_token_ids, clock, self.itl_target_s)  # fmt: skip
         self._lock = threading.RLock()
         self._arrivals = itertools.count()
         log.info(
@@ -141,7 +143,7 @@ class LLMEngine:
         """Finish a request now and free its KV blocks; None if it is not live."""
         with self._lock:
             request = self.requests.get(request_id)
-            return None if request is None else self._finish(request, "abort", "", [], None)
+            return None if request is None else self.post.finish(request, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -172,10 +174,10 @@ class LLMEngine:
             log.exception("backend step failed; finishing its %d requests with an error", len(chunks))
             with self._lock:
                 failed = [s.request for s in scheduled if not s.request.is_finished]
-                return outputs + [self._finish(r, "error", "", [], None, error=str(exc)) for r in failed]
+                return outputs + [self.post.finish(r, "error", error=str(exc)) for r in failed]
         with self._lock:
             self.counters.steps += 1
-            outputs += self._postprocess(scheduled, logits)
+            outputs += self.post.run(scheduled, logits)
             seconds = self.clock() - step_start
             shape = StepShape.of((len(c.token_ids), c.past_len) for c in chunks)
             if seconds > 0:  # a clock that did not move (a test's) measured nothing
@@ -185,122 +187,13 @@ class LLMEngine:
             )
             return outputs
 
-    def _postprocess(self, scheduled: list[ScheduledChunk], logits: np.ndarray | DeviceSample) -> list[RequestOutput]:
-        to_sample: list[tuple[Request, int]] = []
-        to_verify: list[tuple[Request, int, list[int]]] = []
-        for chunk in scheduled:
-            request = chunk.request
-            if request.is_finished:  # aborted while the backend ran
-                continue
-            if request.num_computed_tokens < request.num_prompt_tokens:
-                self.counters.prompt_tokens += chunk.num_tokens
-            if chunk.drafts:  # computed length advances by the accepted tokens only (_verify)
-                to_verify.append((request, chunk.first_row, chunk.drafts))
-                continue
-            request.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_computed_blocks(request)
-            if request.num_computed_tokens == request.num_tokens:
-                to_sample.append((request, chunk.first_row))
-        outputs = self._sample(to_sample, logits)
-        if to_verify:
-            assert isinstance(logits, np.ndarray), "verify steps return host logits"
-            outputs += self._verify(to_verify, logits)
-        if self.spec is not None:
-            self.spec.propose([r for r, _ in to_sample] + [r for r, _, _ in to_verify], self.scheduler.running)
-        return outputs
-
-    def _verify(self, to_verify: list[tuple[Request, int, list[int]]], logits: np.ndarray) -> list[RequestOutput]:
-        """Keep each request's accepted drafts plus one token; roll the rest back."""
-        assert self.spec is not None
-        now, outputs = self.clock(), []
-        for request, tokens, logprobs in self.spec.verify(logits, to_verify):
-            outputs.append(self._append_tokens(request, tokens, logprobs, now))
-            if not request.is_finished:
-                self.kv.trim(request)  # blocks that held only rejected drafts go back to the pool
-                self.kv.cache_computed_blocks(request)
-        return outputs
-
-    def _sample(self, to_sample: list[tuple[Request, int]], logits: np.ndarray | DeviceSample) -> list[RequestOutput]:
-        if not to_sample:
-            return []
-        requests = [r for r, _ in to_sample]
-        picked = [row for _, row in to_sample]
-        if isinstance(logits, DeviceSample):  # sampled by the backend
-            lps = [logits.logprobs[row] for row in picked]
-            result = SampleResult(logits.token_ids[picked], [None if lp is None else TokenLogprobs(*lp) for lp in lps])
-        else:
-            result = self.sampler.sample(logits[picked], [r.sampling for r in requests])
-        now = self.clock()
-        return [
-            self._append_tokens(request, [int(token)], None if logprobs is None else [logprobs], now)
-            for request, token, logprobs in zip(requests, result.token_ids, result.logprobs, strict=True)
-        ]
-
-    def _append_tokens(
-        self, request: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None, now: float
-    ) -> RequestOutput:
-        """Append a step's tokens (one, or accepted drafts + one) in order, up to the first that
-        finishes the request; one output carries them all."""
-        timing, params, stream = request.timing, request.params, self.streams[request.request_id]
-        text = ""
-        for i, token in enumerate(tokens):
-            request.append_output_token(token)
-            request.sampling.append(token)
-            if timing.last_token is None:
-                self.counters.record_latency("ttft", now - timing.arrival, params.ttft_target_s)
-            else:
-                self.counters.record_latency("itl", now - timing.last_token, params.itl_target_s or self.itl_target_s)
-            timing.on_token(now)
-            self.counters.generation_tokens += 1
-            kept, lp = tokens[: i + 1], None if logprobs is None else logprobs[: i + 1]
-            if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-                return self._finish(request, "stop", text, kept, lp)  # the stop token's text is not output
-            delta, stopped = stream.add(token)
-            text += delta
-            if stopped:
-                return self._finish(request, "stop", text, kept, lp)
-            if request.num_output_tokens >= params.max_tokens:
-                return self._finish(request, "length", text, kept, lp)
-        return self._output(request, text, tokens, logprobs)
-
-    def _finish(
-        self,
-        request: Request,
-        reason: str,
-        text: str,
-        token_ids: list[int],
-        lp: list[TokenLogprobs] | None,
-        error: str | None = None,
-    ) -> RequestOutput:
-        stream = self.streams.pop(request.request_id)
-        text += stream.finish()
-        self.scheduler.remove(request)
-        del self.requests[request.request_id]
-        if self.spec is not None:
-            self.spec.release(request)
-        request.status, request.finish_reason = RequestStatus.FINISHED, reason
-        request.timing.finished = self.clock()
-        self.counters.finished[reason] += 1
-        out = self._output(request, text, token_ids, lp)
-        out.finished, out.finish_reason, out.error = True, reason, error
-        out.stats = RequestStats(**request.timing.summary(), num_preemptions=request.num_preemptions)
-        return out
-
-    def _output(
-        self, request: Request, text: str, token_ids: list[int], lp: list[TokenLogprobs] | None
-    ) -> RequestOutput:
-        return RequestOutput(
-            request.request_id, text, token_ids, logprobs=lp,
-            num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
-        )  # fmt: skip
-
     def _expire_deadlines(self) -> list[RequestOutput]:
         now = self.clock()
         expired = [
             r for r in self.requests.values()
             if r.params.deadline_s is not None and now - r.timing.arrival > r.params.deadline_s
         ]  # fmt: skip
-        return [self._finish(r, "deadline", "", [], None) for r in expired]
+        return [self.post.finish(r, "deadline") for r in expired]
 
     # ---- observability ---------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ ADMIN_HEADER = "admin-key"  # HTTP header; gRPC clients send it as `triton-grpc-
 # Everything but health, metadata, model-config, statistics and inference: no client needs them.
 ADMIN_APIS = ("shared-memory", "model-repository", "logging", "trace")
 SHM_ROOT = Path("/dev/shm")
+PATH_PARAMS = frozenset({"engine_dir", "draft_engine"})  # config.pbtxt parameters naming directories
 
 
 class ServerError(RuntimeError):
@@ -101,7 +102,9 @@ def prepare(config: ServerConfig, workdir: Path) -> tuple[list[str], dict[str, s
         (workdir / "models" / adapter / "1").mkdir(parents=True)
         for name in ("config.pbtxt", "1/model.py"):
             (workdir / "models" / adapter / name).symlink_to(TEMPLATE_REPOSITORY / adapter / name)
-    params = {"engine_dir": str(Path(config.engine_dir).resolve()), **config.engine_params}
+    params = {"engine_dir": str(config.engine_dir), **config.engine_params}
+    for key in PATH_PARAMS & {k for k, v in params.items() if v}:  # the model runs elsewhere: absolute paths
+        params[key] = str(Path(params[key]).resolve())
     restricted = f"{','.join(ADMIN_APIS)}:{ADMIN_HEADER}={config.admin_key}"
     (model_dir / "config.pbtxt").write_text(fill_parameters(
         (TEMPLATE_REPOSITORY / MODEL_NAME / "config.pbtxt").read_text(), params))  # fmt: skip

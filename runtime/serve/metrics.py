@@ -2,7 +2,8 @@
 
 Histograms are observed when a request finishes (TTFT, inter-token latency, queue time,
 end-to-end) and, per engine step, from the step records the refresh thread drains (step time,
-prefill tokens per step); gauges and counters are refreshed from the engine's stats by that thread.
+prefill tokens per step); gauges and counters (labelled ones too: accepted drafts per position) are
+refreshed from the engine's stats by that thread. Speculative decoding's families exist only while it is on.
 `pb_utils` is passed in because it only exists inside Triton's Python backend stub.
 """
 
@@ -13,7 +14,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from runtime.engine.outputs import FINISH_REASONS, RequestOutput
-from runtime.engine.stats import PREFILL_TOKEN_BUCKETS, STEP_TIME_BUCKETS, EngineStats, StepRecord
+from runtime.engine.stats import (
+    PREFILL_TOKEN_BUCKETS,
+    STEP_TIME_BUCKETS,
+    EngineStats,
+    SpecDecodeStats,
+    StepRecord,
+)
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5]
@@ -21,6 +28,14 @@ ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1
 
 def _slo(key: str) -> Callable[[EngineStats], float]:
     return lambda s: s.slo.get(key, 0)
+
+
+def _spec(read: Callable[[SpecDecodeStats], float]) -> Callable[[EngineStats], float]:
+    return lambda s: 0.0 if s.spec_decode is None else read(s.spec_decode)
+
+
+def _accepted_per_position(stats: EngineStats) -> dict[str, float]:
+    return {str(i): n for i, n in enumerate(stats.spec_decode.accepted_per_position if stats.spec_decode else ())}
 
 
 # name -> (description, how to read it from EngineStats)
@@ -56,6 +71,31 @@ COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
     "trtserve_itl_slo_met_total": ("Inter-token latencies within their ITL target.", _slo("itl_met")),
     "trtserve_itl_slo_missed_total": ("Inter-token latencies past their ITL target.", _slo("itl_missed")),
 }  # fmt: skip
+# Speculative decoding, exported while it is on (vLLM's names where vLLM has them: its
+# vllm:spec_decode_* counters; it derives the rate and the mean length in PromQL).
+SPEC_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
+    "trtserve_spec_decode_acceptance_rate": ("Accepted / proposed draft tokens since start.",
+                                             _spec(lambda d: d.acceptance_rate)),
+    "trtserve_spec_decode_mean_acceptance_length": ("Tokens emitted per verify pass since start (accepted + 1).",
+                                                    _spec(lambda d: d.mean_acceptance_length)),
+}  # fmt: skip
+SPEC_COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
+    "trtserve_spec_decode_drafts_total": ("Verify passes with drafts (one per request).", _spec(lambda d: d.drafts)),
+    "trtserve_spec_decode_draft_tokens_total": ("Draft tokens proposed and verified.", _spec(lambda d: d.draft_tokens)),
+    "trtserve_spec_decode_accepted_tokens_total": ("Draft tokens accepted.", _spec(lambda d: d.accepted_tokens)),
+    "vllm:spec_decode_num_drafts_total": ("Number of spec decoding drafts (vLLM's name).", _spec(lambda d: d.drafts)),
+    "vllm:spec_decode_num_draft_tokens_total": ("Number of draft tokens (vLLM's name).",
+                                                _spec(lambda d: d.draft_tokens)),
+    "vllm:spec_decode_num_accepted_tokens_total": ("Number of accepted tokens (vLLM's name).",
+                                                   _spec(lambda d: d.accepted_tokens)),
+}  # fmt: skip
+# name -> (description, label, how to read {label value: value} from EngineStats)
+SPEC_LABELLED_COUNTERS: dict[str, tuple[str, str, Callable[[EngineStats], dict[str, float]]]] = {
+    "trtserve_spec_decode_accepted_tokens_per_position_total": ("Draft tokens accepted at each draft position.",
+                                                                "position", _accepted_per_position),
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total": ("Accepted tokens per draft position (vLLM's name).",
+                                                           "position", _accepted_per_position),
+}  # fmt: skip
 HISTOGRAMS = {
     "trtserve_time_to_first_token_seconds": ("Time to first token.", LATENCY_BUCKETS),
     "trtserve_inter_token_latency_seconds": ("Time between consecutive output tokens.", ITL_BUCKETS),
@@ -68,17 +108,29 @@ HISTOGRAMS = {
 
 
 class TritonMetrics:
-    def __init__(self, pb_utils: Any, labels: dict[str, str]) -> None:
-        """`pb_utils`: Triton's triton_python_backend_utils module (untyped; only inside the stub)."""
+    def __init__(self, pb_utils: Any, labels: dict[str, str], speculative: bool = False) -> None:
+        """`pb_utils`: Triton's triton_python_backend_utils module (untyped; only inside the stub).
+        `speculative`: the engine speculates, so the SPEC_* families are exported too."""
         kinds = pb_utils.MetricFamily
         self._families: list[Any] = []  # must outlive their metrics
+        self._labels = labels
 
         def family(name: str, description: str, kind: Any) -> Any:
             self._families.append(kinds(name=name, description=description, kind=kind))
             return self._families[-1]
 
-        self.gauges = {n: family(n, d, kinds.GAUGE).Metric(labels=labels) for n, (d, _) in GAUGES.items()}
-        self.counters = {n: family(n, d, kinds.COUNTER).Metric(labels=labels) for n, (d, _) in COUNTERS.items()}
+        self._gauge_reads = {**GAUGES, **(SPEC_GAUGES if speculative else {})}
+        self._counter_reads = {**COUNTERS, **(SPEC_COUNTERS if speculative else {})}
+        self.gauges = {n: family(n, d, kinds.GAUGE).Metric(labels=labels) for n, (d, _) in self._gauge_reads.items()}
+        self.counters = {
+            n: family(n, d, kinds.COUNTER).Metric(labels=labels) for n, (d, _) in self._counter_reads.items()
+        }
+        # Labelled counters: a family each, a metric per label value as values appear (draft positions).
+        self._labelled = {
+            n: (family(n, d, kinds.COUNTER), label, read)
+            for n, (d, label, read) in (SPEC_LABELLED_COUNTERS if speculative else {}).items()
+        }
+        self.labelled: dict[str, dict[str, Any]] = {n: {} for n in self._labelled}
         self.histograms = {
             n: family(n, d, kinds.HISTOGRAM).Metric(labels=labels, buckets=b) for n, (d, b) in HISTOGRAMS.items()
         }
@@ -86,7 +138,7 @@ class TritonMetrics:
         self.finished = {
             reason: finished.Metric(labels={**labels, "finish_reason": reason}) for reason in FINISH_REASONS
         }
-        self._last: dict[str, float] = {}
+        self._last: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()
 
     def observe_finished(self, out: RequestOutput) -> None:
@@ -111,10 +163,20 @@ class TritonMetrics:
             for step in steps:
                 self.histograms["trtserve_step_duration_seconds"].observe(step.seconds)
                 self.histograms["trtserve_prefill_tokens_per_step"].observe(step.prefill_tokens)
-            for name, (_, read) in GAUGES.items():
+            for name, (_, read) in self._gauge_reads.items():
                 self.gauges[name].set(float(read(stats)))
-            for name, (_, read) in COUNTERS.items():
-                value = float(read(stats))
-                if value > self._last.get(name, 0.0):
-                    self.counters[name].increment(value - self._last.get(name, 0.0))
-                self._last[name] = value
+            for name, (_, read) in self._counter_reads.items():
+                self._advance(self.counters[name], (name, ""), float(read(stats)))
+            for name, (fam, label, read_labelled) in self._labelled.items():
+                for value_label, value in read_labelled(stats).items():
+                    metrics = self.labelled[name]
+                    if value_label not in metrics:
+                        metrics[value_label] = fam.Metric(labels={**self._labels, label: value_label})
+                    self._advance(metrics[value_label], (name, value_label), float(value))
+
+    def _advance(self, counter: Any, key: tuple[str, str], value: float) -> None:
+        """Increment `counter` to the engine's running total `value` (Triton counters only go up)."""
+        last = self._last.get(key, 0.0)
+        if value > last:
+            counter.increment(value - last)
+        self._last[key] = value

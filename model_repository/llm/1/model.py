@@ -39,7 +39,9 @@ from runtime.serve.request_inputs import INPUTS, Limits, parse_request, prompt_c
 CANCEL_POLL_S = 0.5  # default of the `cancel_poll_s` parameter
 METRICS_INTERVAL_S = 0.5
 LIMIT_ARGS = ("max_prompt_chars", "max_messages", "max_stop_strings", "max_stop_chars")  # request_inputs.Limits
-INT_ARGS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_waiting", "min_prefill_tokens")
+INT_ARGS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_waiting", "min_prefill_tokens",
+            "num_speculative_tokens", "speculative_disable_batch_size")  # fmt: skip
+STR_ARGS = ("backend", "speculative")  # EngineArgs strings (empty: the engine's default)
 
 
 class TritonPythonModel:
@@ -50,14 +52,15 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("config parameter 'engine_dir' is empty: point it at an engine")
         engine_args = {k: int(params[k]) for k in INT_ARGS if params.get(k)}
         engine_args["enable_prefix_caching"] = params.get("enable_prefix_caching", "true").lower() == "true"
-        if params.get("backend", "").strip():
-            engine_args["backend"] = params["backend"].strip()
+        engine_args.update({k: params[k].strip() for k in STR_ARGS if params.get(k, "").strip()})
+        if params.get("draft_engine"):  # a path: taken as it is, like engine_dir
+            engine_args["draft_engine"] = params["draft_engine"]
         if params.get("itl_target_ms", "").strip():
             engine_args["itl_target_ms"] = _itl_target_ms(params["itl_target_ms"])
         self.cancel_poll_s = _cancel_poll_s(params.get("cancel_poll_s", ""))
         limits = {k: int(_non_negative(k, params[k], "a count")) for k in LIMIT_ARGS if params.get(k, "").strip()}
         labels = {"model": args["model_name"], "version": args["model_version"]}
-        self.metrics = TritonMetrics(pb_utils, labels)
+        self.metrics = TritonMetrics(pb_utils, labels, speculative="speculative" in engine_args)
         try:
             self.engine = AsyncLLM(
                 params["engine_dir"], EngineArgs(**engine_args), on_finished=self.metrics.observe_finished

@@ -40,17 +40,7 @@ class DraftEngineProposer:
     def load(cls, draft_dir: str | Path, target: EngineConfig, threads: int | None = None,
              backend: str | None = None, num_blocks: int | None = None) -> DraftEngineProposer:  # fmt: skip
         """The draft engine at `draft_dir`; refuses one whose vocabulary differs from the target's."""
-        from runtime.engine.tokenizer import load_tokenizer
-
-        draft = EngineConfig.load(draft_dir)
-        ours, theirs = load_tokenizer(draft_dir).get_vocab(), load_tokenizer(target.engine_dir).get_vocab()
-        if draft.model.vocab_size != target.model.vocab_size or ours != theirs:
-            raise EngineLoadError(
-                f"draft engine {draft_dir} has another vocabulary than the target (vocab_size "
-                f"{draft.model.vocab_size} vs {target.model.vocab_size}, {len(ours)} vs {len(theirs)} tokenizer "
-                "entries): speculative drafts need the same tokenizer"
-            )
-        return cls(create_backend(draft, num_blocks, threads, backend))
+        return cls(create_backend(check_draft_vocabulary(draft_dir, target), num_blocks, threads, backend))
 
     def release(self, request_id: str) -> None:
         state = self.states.pop(request_id, None)
@@ -97,3 +87,19 @@ class DraftEngineProposer:
         state.blocks += [self.free_blocks.pop() for _ in range(max(need, 0))]
         state.tokens += tokens
         return SequenceChunk(tokens, past, list(state.blocks))
+
+
+def check_draft_vocabulary(draft_dir: str | Path, target: EngineConfig) -> EngineConfig:
+    """The draft engine's config; EngineLoadError when its vocabulary (size or tokenizer entries) differs
+    from the target's: its drafts would be other tokens. `trtserve serve` checks before starting Triton."""
+    from runtime.engine.tokenizer import load_tokenizer
+
+    draft = EngineConfig.load(draft_dir)
+    ours, theirs = load_tokenizer(draft_dir).get_vocab(), load_tokenizer(target.engine_dir).get_vocab()
+    if draft.model.vocab_size != target.model.vocab_size or ours != theirs:
+        raise EngineLoadError(
+            f"draft engine {draft_dir} has another vocabulary than the target (vocab_size "
+            f"{draft.model.vocab_size} vs {target.model.vocab_size}, {len(ours)} vs {len(theirs)} tokenizer "
+            "entries): speculative drafts need the same tokenizer"
+        )
+    return draft
