@@ -84,10 +84,13 @@ class BuildOptions:
                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {self.kv_cache_dtype})"
             )
         if self.kv_cache_dtype in QUANTIZED_KV_DTYPES and (self.target != "onnxruntime-cpu" or self.dtype != "float32"):
-            # Only the CPU backend's kernel reads a quantized pool so far (runtime/backends/kv_pool.py).
+            # Both graph forms read and write a quantized pool for any dtype, but the quality gate and the
+            # fp8 scale calibration run on the CPU backend (float32 segments), and the TensorRT plugins
+            # (plugins_cuda/trt_plugins.py) register the float-pool ops only.
             raise BuildError(
                 f"--kv-cache-dtype {self.kv_cache_dtype} is supported for --target onnxruntime-cpu --dtype float32 "
-                f"only (the CPU kernel backend); got --target {self.target} --dtype {self.dtype}"
+                f"only (the quality gate runs on the float32 CPU backend; no TensorRT plugin takes a quantized "
+                f"pool yet); got --target {self.target} --dtype {self.dtype}"
             )
 
 
@@ -112,7 +115,7 @@ def build_engine(options: BuildOptions, step: StepReporter = _no_report) -> dict
             f"--max-seq-len {options.max_seq_len} exceeds the model's max_position_embeddings "
             f"({spec.max_position_embeddings})"
         )
-    export_options = ExportOptions(options.block_size, options.max_seq_len, options.dtype)
+    export_options = ExportOptions(options.block_size, options.max_seq_len, options.dtype, options.kv_cache_dtype)
     with atomic_directory(options.output) as staging, tempfile.TemporaryDirectory() as scratch:
         quantization = None
         if options.gated:
@@ -273,8 +276,6 @@ def verify_engine(config: EngineConfig, model, options: BuildOptions) -> dict:
     split = prompt_len // 2
     result = {"prompt_tokens": prompt_len, "max_abs_logit": scale, "tolerance": tolerance, "backends": {}}
     kinds = ("graph", "plugin", "cpu") if config.has_cpu_segments else ("graph", "plugin")
-    if config.kv_quantized:  # the one backend that reads a quantized pool (the others refuse such engines)
-        kinds = ("cpu",)
     for kind in kinds + (("tensorrt",) if options.target == "tensorrt" else ()):
         backend = create_backend(config, num_blocks=2 * blocks, kind=kind)
         got = {

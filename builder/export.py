@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
+from builder.kv_graph import PagedKV
 from builder.onnx_graph import GraphBuilder
 from engine_format import ModelSpec
 from engine_format.files import GRAPH_FILE, WEIGHTS_FILE, segment_file
@@ -36,6 +37,7 @@ class ExportOptions:
     block_size: int
     max_seq_len: int
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"  # engine_format/kv_cache.py; int8/fp8 pools are read and written in the graph
 
 
 def export_onnx(
@@ -174,38 +176,29 @@ class _DecoderParts:
     def paged_graph(self) -> onnx.ModelProto:
         self.g, self._saved = GraphBuilder(f"trtserve_{self.spec.model_type}_paged"), {}
         g, spec = self.g, self.spec
-        kv = spec.kv_width
         input_ids = g.input("input_ids", TensorProto.INT64, ["batch", "step"])
         positions = g.input("positions", TensorProto.INT64, ["batch", "step"])
         seq_lens = g.input("seq_lens", TensorProto.INT64, ["batch"])
         past_lens = g.input("past_lens", TensorProto.INT64, ["batch"])
         block_tables = g.input("block_tables", TensorProto.INT64, ["batch", "table_blocks"])
         logit_rows = g.input("logit_rows", TensorProto.INT64, ["rows"])
-        pool_shape = ["num_blocks", self.options.block_size, kv]
-        caches = [
-            (g.input(f"key_cache.{i}", self.onnx_dtype, pool_shape),
-             g.input(f"value_cache.{i}", self.onnx_dtype, pool_shape))
-            for i in range(spec.num_layers)
-        ]  # fmt: skip
+        paged_kv = PagedKV(g, spec, self.options.block_size, self.onnx_dtype, self.options.kv_cache_dtype)
+        paged_kv.add_inputs()
         masks = {
             window: self.attention_mask(positions, seq_lens, past_lens, block_tables, window)
             for window in set(spec.sliding_windows)
         }
         hidden = self.embed(input_ids)
-        new_kv: list[str] = []
-        for i, (key_cache, value_cache) in enumerate(caches):
+        for i in range(spec.num_layers):
             q, k, v = self.pre_attention(i, hidden, positions)
-            keys = g.op("Concat", self.gather_cached(key_cache, block_tables, f"layer{i}.k"), k, axis=1)
-            values = g.op("Concat", self.gather_cached(value_cache, block_tables, f"layer{i}.v"), v, axis=1)
+            keys, values = paged_kv.attention_inputs(i, k, v, block_tables)
             ctx = g.op(
                 "Attention", q, keys, values, masks[spec.sliding_windows[i]],
                 q_num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads,
                 scale=float(spec.head_dim) ** -0.5, name=f"layer{i}.attention",
             )  # fmt: skip
             hidden = self.post_attention(i, hidden, ctx)
-            new_kv += [g.op("Unsqueeze", k, g.const([0])), g.op("Unsqueeze", v, g.const([0]))]
-        g.op("Concat", *new_kv, axis=0, name="new_kv", out="new_kv")
-        g.output("new_kv", self.onnx_dtype, [2 * spec.num_layers, "batch", "step", kv])
+        paged_kv.add_outputs()
         self.logits(self.picked_rows(hidden, logit_rows))
         g.output("logits", TensorProto.FLOAT, ["rows", spec.vocab_size])
         return g.to_model(producer="trtserve.builder")
@@ -234,11 +227,6 @@ class _DecoderParts:
         if window is not None:
             mask = g.op("And", mask, g.op("Greater", key_pos_b, g.op("Sub", query_pos, g.const(window))))
         return g.op("Unsqueeze", mask, g.const([1]), name=f"attn_mask_w{window or 0}")
-
-    def gather_cached(self, cache: str, block_tables: str, name: str) -> str:
-        """[num_blocks, bs, kv] pool + [B, M] table -> [B, M*bs, kv] cached rows in order."""
-        rows = self.g.op("Gather", cache, block_tables, axis=0, name=name + "_gather_blocks")
-        return self.g.op("Reshape", rows, self.g.const([0, -1, self.spec.kv_width]), name=name + "_cached")
 
     def picked_rows(self, hidden: str, logit_rows: str) -> str:
         """hidden [B, S, H] -> [rows, H]: the flat rows b*S + i the runtime asks logits for (each

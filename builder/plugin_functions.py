@@ -64,13 +64,15 @@ def prologue_function() -> onnx.FunctionProto:
     ], ["epsilon", "split_sizes", "num_heads", "num_kv_heads"])  # fmt: skip
 
 
-def kv_write_function() -> onnx.FunctionProto:
-    """Padding rows (i >= seq_lens[b]) are sent to one extra row appended to the flat pool and
+def slot_nodes() -> list[onnx.NodeProto]:
+    """Each row's pool slot as `indices` [B, S, 1] into a flat pool of `num_slots` rows plus a spare.
+
+    Padding rows (i >= seq_lens[b]) are sent to one extra row appended to the flat pool and
     dropped afterwards: ScatterND would otherwise need their (duplicate) slots to be harmless."""
-    nodes = [
+    return [
         _node("Constant", [], ["bs"], {"value_int": ("block_size", INT)}),
         _const("zero", 0), _const("one", 1), _const("first", [0]), _const("second", [1]), _const("last", [-1]),
-        _const("kv_axis", [2]), _const("kv_axis_end", [3]),
+        _const("width_axis", [2]), _const("width_axis_end", [3]),
         _node("Div", ["positions", "bs"], ["block_index"]),
         _node("Mod", ["positions", "bs"], ["offset"]),
         _node("GatherElements", ["block_tables", "block_index"], ["blocks"], axis=1),
@@ -82,29 +84,54 @@ def kv_write_function() -> onnx.FunctionProto:
         _node("Unsqueeze", ["row", "first"], ["row_2d"]),
         _node("Unsqueeze", ["seq_lens", "second"], ["seq_lens_2d"]),
         _node("Less", ["row_2d", "seq_lens_2d"], ["real"]),
-        _node("Shape", ["key_cache"], ["pool_shape"]),
-        _node("Shape", ["key_cache"], ["pool_dims"]),
-        _node("Slice", ["pool_dims", "kv_axis", "kv_axis_end"], ["kv_width"]),
-        _node("Concat", ["last", "kv_width"], ["flat_shape"], axis=0),
-        _node("Shape", ["key_cache"], ["block_dims"], start=0, end=2),
-        _node("ReduceProd", ["block_dims"], ["num_slots"], keepdims=1),
-        _node("Where", ["real", "slots", "num_slots"], ["target"]),  # padding rows -> the spare row
-        _node("Unsqueeze", ["target", "last"], ["indices"]),
     ]  # fmt: skip
-    for pool, rows in (("key_cache", "k"), ("value_cache", "v")):
+
+
+def scatter_nodes(pool: str, rows: str, out: str) -> list[onnx.NodeProto]:
+    """`pool` [num_blocks, block_size, width] with `rows` [B, S, width] written at `indices`."""
+    return [
+        _node("Shape", [pool], [f"{pool}_shape"]),
+        _node("Slice", [f"{pool}_shape", "width_axis", "width_axis_end"], [f"{pool}_width"]),
+        _node("Concat", ["last", f"{pool}_width"], [f"{pool}_flat_shape"], axis=0),
+        _node("Shape", [pool], [f"{pool}_block_dims"], start=0, end=2),
+        _node("ReduceProd", [f"{pool}_block_dims"], [f"{pool}_slots"], keepdims=1),
+        _node("Where", ["real", "slots", f"{pool}_slots"], [f"{pool}_target"]),  # padding rows -> the spare row
+        _node("Unsqueeze", [f"{pool}_target", "last"], [f"{pool}_indices"]),
+        _node("Reshape", [pool, f"{pool}_flat_shape"], [f"{pool}_flat"]),
+        _node("Slice", [f"{pool}_flat", "first", "second"], [f"{pool}_spare"]),
+        _node("Concat", [f"{pool}_flat", f"{pool}_spare"], [f"{pool}_padded"], axis=0),
+        _node("ScatterND", [f"{pool}_padded", f"{pool}_indices", rows], [f"{pool}_scattered"]),
+        _node("Slice", [f"{pool}_scattered", "first", f"{pool}_slots", "first"], [f"{pool}_trimmed"]),
+        _node("Reshape", [f"{pool}_trimmed", f"{pool}_shape"], [out]),
+    ]
+
+
+KV_WRITE_INPUTS = ["k", "v", "key_cache", "value_cache", "block_tables", "positions", "seq_lens"]
+
+
+def kv_write_function() -> onnx.FunctionProto:
+    nodes = slot_nodes() + scatter_nodes("key_cache", "k", "key_cache_out")
+    nodes += scatter_nodes("value_cache", "v", "value_cache_out")
+    return _function(KV_WRITE, KV_WRITE_INPUTS, ["key_cache_out", "value_cache_out"], nodes, ["block_size"])
+
+
+ATTENTION_INPUTS = ["q", "key_cache", "value_cache", "block_tables", "positions"]
+ATTENTION_ATTRIBUTES = ["cached_shape", "num_heads", "num_kv_heads", "scale", "window"]
+
+
+def gather_nodes() -> list[onnx.NodeProto]:
+    """The sequences' cached rows `key_cache_rows`, `value_cache_rows` [B, M*block_size, width]."""
+    nodes = []
+    for pool in ("key_cache", "value_cache"):
         nodes += [
-            _node("Reshape", [pool, "flat_shape"], [f"{pool}_flat"]),
-            _node("Slice", [f"{pool}_flat", "first", "second"], [f"{pool}_spare"]),
-            _node("Concat", [f"{pool}_flat", f"{pool}_spare"], [f"{pool}_padded"], axis=0),
-            _node("ScatterND", [f"{pool}_padded", "indices", rows], [f"{pool}_scattered"]),
-            _node("Slice", [f"{pool}_scattered", "first", "num_slots", "first"], [f"{pool}_trimmed"]),
-            _node("Reshape", [f"{pool}_trimmed", "pool_shape"], [f"{pool}_out"]),
+            _node("Gather", [pool, "block_tables"], [f"{pool}_blocks"], axis=0),
+            _node("Reshape", [f"{pool}_blocks", "cached_shape"], [f"{pool}_rows"]),
         ]
-    inputs = ["k", "v", "key_cache", "value_cache", "block_tables", "positions", "seq_lens"]
-    return _function(KV_WRITE, inputs, ["key_cache_out", "value_cache_out"], nodes, ["block_size"])
+    return nodes
 
 
-def attention_function() -> onnx.FunctionProto:
+def attention_nodes(read: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """`read` makes `key_cache_rows`, `value_cache_rows` (float rows in position order, from the pool)."""
     nodes = [
         _const("zero", 0),
         _const("one", 1),
@@ -114,12 +141,8 @@ def attention_function() -> onnx.FunctionProto:
         _node("Constant", [], ["window"], {"value_int": ("window", INT)}),
         # A constant shape: ONNX Runtime's Attention shape inference needs the static KV width.
         _node("Constant", [], ["cached_shape"], {"value_ints": ("cached_shape", INTS)}),
+        *read,
     ]
-    for pool in ("key_cache", "value_cache"):
-        nodes += [
-            _node("Gather", [pool, "block_tables"], [f"{pool}_blocks"], axis=0),
-            _node("Reshape", [f"{pool}_blocks", "cached_shape"], [f"{pool}_rows"]),
-        ]
     nodes += [
         _node("Shape", ["key_cache_rows"], ["rows"], start=1, end=2),
         _node("Squeeze", ["rows"], ["rows_scalar"]),
@@ -136,10 +159,12 @@ def attention_function() -> onnx.FunctionProto:
             "q_num_heads": ("num_heads", INT), "kv_num_heads": ("num_kv_heads", INT), "scale": ("scale", FLOAT)}),
     ]  # fmt: skip
     nodes.append(_node("Constant", [], ["partials"], value_floats=[0.0]))
-    inputs = ["q", "key_cache", "value_cache", "block_tables", "positions"]
-    return _function(
-        ATTENTION, inputs, ["ctx", "partials"], nodes, ["cached_shape", "num_heads", "num_kv_heads", "scale", "window"]
-    )
+    return nodes
+
+
+def attention_function() -> onnx.FunctionProto:
+    return _function(ATTENTION, ATTENTION_INPUTS, ["ctx", "partials"], attention_nodes(gather_nodes()),
+                     ATTENTION_ATTRIBUTES)  # fmt: skip
 
 
 def merge_function() -> onnx.FunctionProto:

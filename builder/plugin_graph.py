@@ -11,6 +11,11 @@ are not ONNX ops), each implemented on the GPU by one Triton kernel in plugins_c
   masks by position itself, and `PagedAttentionMerge(ctx, partials, block_tables, positions)
   -> ctx` (split-KV decode's second kernel); the mask subgraph is then dead and removed.
 
+With a quantized KV cache (int8/fp8) the KV write and attention are `PagedKVWriteInt8` /
+`PagedAttentionInt8` (scale pools in and out) or `...FP8` (the per-layer `kv_scales`), fed the
+float rows that enter the portable graph's `layer{i}.{k,v}_quantize`; the portable graph's own
+quantize nodes stay for `new_kv`, its dequantize nodes die.
+
 The plugin graph's `block_tables` must cover this step's positions too (INTERFACE.md).
 Semantics live in builder/plugin_functions.py as model-local function bodies, so ONNX Runtime
 on the CPU runs the plugin graph; `strip_reference_functions` removes them for TensorRT.
@@ -27,7 +32,19 @@ import onnx
 from onnx import helper, numpy_helper
 
 from builder.errors import BuildError
-from builder.plugin_functions import ATTENTION, DOMAIN, KV_WRITE, MERGE, PROLOGUE, reference_functions
+from builder.kv_graph import KV_SCALES, cache_names, scale_names
+from builder.kv_onnx import POOL_ELEM_TYPES
+from builder.plugin_functions import (
+    ATTENTION,
+    DOMAIN,
+    KV_WRITE,
+    MERGE,
+    PROLOGUE,
+    merge_function,
+    prologue_function,
+    reference_functions,
+)  # fmt: skip
+from builder.plugin_functions_kv import QUANTIZED_OPS, quantized_functions
 from engine_format.files import GRAPH_FILE, PLUGIN_GRAPH_FILE
 
 __all__ = ["ATTENTION", "DOMAIN", "KV_WRITE", "MERGE", "PROLOGUE", "rewrite_to_plugins"]
@@ -44,6 +61,7 @@ class _Graph:
             for name in n.input:
                 self.consumers[name].append(n)
         self.constants = {t.name: t for t in graph.initializer}
+        self.by_name = {n.name: n for n in graph.node}
 
     def only_consumer(self, name: str, op: str) -> onnx.NodeProto | None:
         users = self.consumers.get(name, [])
@@ -120,19 +138,62 @@ def _paged(g: _Graph, attention: onnx.NodeProto, block_size: int):
         KV_WRITE, [ck.input[1], cv.input[1], key_cache, value_cache, block_tables, "positions", "seq_lens"], written,
         name=attention.name.replace("attention", "kv_write"), domain=DOMAIN, block_size=block_size,
     )  # fmt: skip
+    return [write, *_attention(g, attention, ATTENTION, written, g.ints(rk.input[1]), block_size)], \
+        [attention, *parts[0], *parts[1]]  # fmt: skip
+
+
+def _paged_quantized(g: _Graph, attention: onnx.NodeProto, block_size: int, kind: str):
+    """The quantized pool's KV write + paged attention; the rest of the old subgraph dies."""
+    match = re.fullmatch(r"layer(\d+)\.attention", attention.name)
+    anchors = [match and g.by_name.get(f"layer{match.group(1)}.{side}_quantize") for side in "kv"]
+    cached = match and g.by_name.get(f"layer{match.group(1)}.k_cached")
+    if not (match and anchors[0] and anchors[1] and cached):
+        raise BuildError(f"plugin rewrite: {attention.name} does not read a quantized paged pool")
+    layer = int(match.group(1))
+    caches, kv_heads = list(cache_names(layer)), _attr(attention, "kv_num_heads")
+    cached_shape = g.ints(cached.input[1])
+    extra: dict
+    if kind == "int8":  # the scale pools go in, the attention reads the written ones
+        scales_in, scales_out = list(scale_names(layer)), [f"{s}.written" for s in scale_names(layer)]
+        attention_scales, extra = scales_out, {"kv_head_shape": [kv_heads, cached_shape[-1] // kv_heads]}
+    else:  # both read the per-layer scales
+        scales_in, scales_out, attention_scales, extra = [KV_SCALES], [], [KV_SCALES], {"layer": layer}
+    written = [f"{c}.written" for c in caches]
+    write_op, attention_op = QUANTIZED_OPS[kind]
+    write = helper.make_node(
+        write_op, [anchors[0].input[0], anchors[1].input[0], *caches, "block_tables", "positions", "seq_lens",
+                   *scales_in], written + scales_out,
+        name=attention.name.replace("attention", "kv_write"), domain=DOMAIN, block_size=block_size, **extra,
+    )  # fmt: skip
+    nodes = _attention(g, attention, attention_op, written, cached_shape, block_size, attention_scales, **extra)
+    return [write, *nodes], [attention]
+
+
+def _attention(g: _Graph, attention: onnx.NodeProto, op: str, pools: list[str], cached_shape: list[int],
+               block_size: int, extra_inputs: tuple | list = (), **extra) -> list[onnx.NodeProto]:  # fmt: skip
+    """Paged attention over the written pools + the split-KV merge, replacing `attention`."""
     ctx, heads, kv_heads = attention.output[0], _attr(attention, "q_num_heads"), _attr(attention, "kv_num_heads")
     paged = helper.make_node(
-        ATTENTION, [attention.input[0], *written, block_tables, "positions"], [f"{ctx}.unmerged", f"{ctx}.partials"],
-        name=attention.name.replace("attention", "paged_attention"), domain=DOMAIN,
-        num_heads=heads, num_kv_heads=kv_heads,
-        scale=_attr(attention, "scale"), window=_window(g, attention), cached_shape=g.ints(rk.input[1]),
+        op, [attention.input[0], *pools, "block_tables", "positions", *extra_inputs],
+        [f"{ctx}.unmerged", f"{ctx}.partials"], name=attention.name.replace("attention", "paged_attention"),
+        domain=DOMAIN, num_heads=heads, num_kv_heads=kv_heads,
+        scale=_attr(attention, "scale"), window=_window(g, attention), cached_shape=cached_shape, **extra,
     )  # fmt: skip
     merge = helper.make_node(
-        MERGE, [*paged.output, block_tables, "positions"], [ctx], name=attention.name.replace("attention", "merge"),
-        domain=DOMAIN, num_heads=heads, num_kv_heads=kv_heads, head_dim=g.ints(rk.input[1])[-1] // kv_heads,
+        MERGE, [*paged.output, "block_tables", "positions"], [ctx], name=attention.name.replace("attention", "merge"),
+        domain=DOMAIN, num_heads=heads, num_kv_heads=kv_heads, head_dim=cached_shape[-1] // kv_heads,
         block_size=block_size,
     )  # fmt: skip
-    return [write, paged, merge], [attention, *parts[0], *parts[1]]
+    return [paged, merge]
+
+
+def _kv_kind(model: onnx.ModelProto) -> str:
+    """The pool's KV dtype, from key_cache.0's element type ("auto": a float pool)."""
+    kinds = {elem: kind for kind, elem in POOL_ELEM_TYPES.items()}
+    for value in model.graph.input:
+        if value.name == "key_cache.0":
+            return kinds.get(value.type.tensor_type.elem_type, "auto")
+    return "auto"
 
 
 def _block_size(model: onnx.ModelProto) -> int:
@@ -151,7 +212,12 @@ def rewrite_to_plugins(model: onnx.ModelProto) -> onnx.ModelProto:
     replacements: dict[int, list[onnx.NodeProto]] = {}  # index of the last removed node -> new nodes
     index = {id(n): k for k, n in enumerate(model.graph.node)}
     matches = [_prologue(g, model, n) for n in model.graph.node if n.op_type == "RMSNormalization"]
-    matches += [_paged(g, n, block_size) for n in model.graph.node if n.op_type == "Attention"]
+    kind = _kv_kind(model)
+    attentions = [n for n in model.graph.node if n.op_type == "Attention"]
+    if kind == "auto":
+        matches += [_paged(g, n, block_size) for n in attentions]
+    else:
+        matches += [_paged_quantized(g, n, block_size, kind) for n in attentions]
     for new, old in filter(None, matches):
         positions = [index[id(n)] for n in old]
         removed.update(positions)
@@ -163,7 +229,8 @@ def rewrite_to_plugins(model: onnx.ModelProto) -> onnx.ModelProto:
             counts[node.op_type] += 1
     layers = sum(1 for n in model.graph.node if n.op_type == "Attention")
     float_qkv = sum(1 for n in model.graph.node if n.name.endswith("qkv_proj") and n.input[1] in g.constants)
-    expected = {PROLOGUE: float_qkv, KV_WRITE: layers, ATTENTION: layers, MERGE: layers}
+    write_op, attention_op = QUANTIZED_OPS.get(kind, (KV_WRITE, ATTENTION))
+    expected = {PROLOGUE: float_qkv, write_op: layers, attention_op: layers, MERGE: layers}
     if not layers or any(counts[op] != n for op, n in expected.items()):
         raise BuildError(f"plugin rewrite matched {dict(counts)} in a graph of {layers} attention layers")
     nodes = []
@@ -174,7 +241,10 @@ def rewrite_to_plugins(model: onnx.ModelProto) -> onnx.ModelProto:
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     _remove_dead_nodes(model.graph)
-    model.functions.extend(reference_functions())
+    if kind == "auto":
+        model.functions.extend(reference_functions())
+    else:
+        model.functions.extend([prologue_function(), *quantized_functions(kind), merge_function()])
     model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return model
 

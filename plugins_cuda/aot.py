@@ -29,14 +29,15 @@ def triton_pointer(dtype: str) -> str:
 
 
 def compile_kernel(fn, signature: dict[str, str], constexprs: dict, arch: int, num_warps: int = 4,
-                   num_stages: int = 3):  # fmt: skip
+                   num_stages: int = 3, fp_fusion: bool = True):  # fmt: skip
     """AOT-compile the `@triton.jit` kernel `fn` for one GPU architecture (80, 89, 90, ...);
     needs no GPU. Returns Triton's CompiledKernel: `.asm["ptx"]`, `.asm["cubin"]`, `.metadata`.
 
     FP fusion (FMA contraction) is pinned on, Triton 3.9's default, which Triton 3.10 turns
     off: the PTX does not change with the Triton version's default. Every pointer is declared
     16-byte aligned, as Triton's JIT specializes aligned launches (TensorRT aligns plugin I/O
-    to 256 bytes): without it no load is vectorized and every element costs its own address."""
+    to 256 bytes): without it no load is vectorized and every element costs its own address.
+    `fp_fusion=False`: kernels whose rounding must match numpy's bit for bit (the quantized KV writes)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -49,7 +50,7 @@ def compile_kernel(fn, signature: dict[str, str], constexprs: dict, arch: int, n
     aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
                if kind.startswith("*")}  # fmt: skip
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
-    options = {"enable_fp_fusion": True, "num_warps": num_warps, "num_stages": num_stages}
+    options = {"enable_fp_fusion": fp_fusion, "num_warps": num_warps, "num_stages": num_stages}
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 

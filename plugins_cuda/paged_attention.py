@@ -31,21 +31,29 @@ import triton
 import triton.language as tl
 
 from plugins_cuda.common import dot, row_offsets, slot_offsets
+from plugins_cuda.kv_codec import dequantize
 
 LOG2E = tl.constexpr(1.4426950408889634)  # softmax in base 2: exp2 is the native instruction
 
 
 @triton.jit
 def _attend(
-    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, positions_ptr, out_ptr, partials_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, positions_ptr, out_ptr, partials_ptr, k_scales_ptr, v_scales_ptr,
     seq, row0, n_real, owned, t0, split, splits, slot, table_width,
     SCALE: tl.constexpr, WINDOW: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):  # fmt: skip
     """Tokens t0 .. t0 + BLOCK_M // GROUP - 1 of sequence `seq` (q/out rows row0 + t) x the
     query heads of kv head program_id(1), over part `split` of `splits` of the tile's keys.
-    Tokens t < n_real are real; t < owned are the sequence's rows in `out`."""
+    Tokens t < n_real are real; t < owned are the sequence's rows in `out`. KV_QUANT (kv_codec.py):
+    0 a float pool; 1 int8 codes with scale pools k/v_scales_ptr; 2 fp8 with the scalars at k/v_scales_ptr."""
     kv_head = tl.program_id(1)
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_QUANT == 2:
+        k_scale = tl.load(k_scales_ptr)
+        v_scale = tl.load(v_scales_ptr)
     Q_ROW: tl.constexpr = NUM_KV_HEADS * GROUP * HEAD_DIM
     KV_ROW: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
     r = tl.arange(0, BLOCK_M)
@@ -77,6 +85,8 @@ def _attend(
         blocks = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0)
         kv = slot_offsets(blocks, keys % BLOCK_SIZE, BLOCK_SIZE, KV_ROW) + kv_head * HEAD_DIM
         k = tl.load(k_cache_ptr + kv[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
+        scale_rows = slot_offsets(blocks, keys % BLOCK_SIZE, BLOCK_SIZE, NUM_KV_HEADS) + kv_head  # int8 only
+        k = dequantize(k, k_scales_ptr, scale_rows, k_scale, key_ok, KV_QUANT).to(q.dtype)
         scores = dot(q, tl.trans(k)) * (SCALE * LOG2E)
         visible = keys[None, :] <= pos[:, None]
         if WINDOW > 0:
@@ -88,6 +98,7 @@ def _attend(
         p = tl.exp2(scores - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
+        v = dequantize(v, v_scales_ptr, scale_rows, v_scale, key_ok, KV_QUANT).to(q.dtype)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v)
         m_i = m_new
 
@@ -105,24 +116,24 @@ def _attend(
 
 @triton.jit
 def _dispatch(
-    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, positions_ptr, out_ptr, partials_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, positions_ptr, out_ptr, partials_ptr, k_scales_ptr, v_scales_ptr,
     seq, row0, n_real, owned, step, splits, table_width,
     SCALE: tl.constexpr, WINDOW: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DECODE_M: tl.constexpr, PREFILL_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, KV_QUANT: tl.constexpr,
 ):  # fmt: skip
     work = tl.program_id(0)
     if step <= DECODE_M // GROUP:
         slot = (seq * NUM_KV_HEADS + tl.program_id(1)) * splits + work
-        _attend(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, positions_ptr, out_ptr, partials_ptr,
-                seq, row0, n_real, owned, 0, work, splits, slot, table_width,
-                SCALE, WINDOW, NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, DECODE_M, BLOCK_N)  # fmt: skip
+        _attend(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, positions_ptr, out_ptr, partials_ptr, k_scales_ptr,
+                v_scales_ptr, seq, row0, n_real, owned, 0, work, splits, slot, table_width,
+                SCALE, WINDOW, NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, DECODE_M, BLOCK_N, KV_QUANT)  # fmt: skip
     else:
         rows: tl.constexpr = PREFILL_M // GROUP
         t0 = (tl.cdiv(step, rows) - 1 - work) * rows
-        _attend(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, positions_ptr, out_ptr, partials_ptr,
-                seq, row0, n_real, owned, t0, 0, 1, 0, table_width,
-                SCALE, WINDOW, NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, PREFILL_M, BLOCK_N)  # fmt: skip
+        _attend(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, positions_ptr, out_ptr, partials_ptr, k_scales_ptr,
+                v_scales_ptr, seq, row0, n_real, owned, t0, 0, 1, 0, table_width,
+                SCALE, WINDOW, NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, PREFILL_M, BLOCK_N, KV_QUANT)  # fmt: skip
 
 
 @triton.jit
@@ -145,8 +156,8 @@ def paged_attention_kernel(
     row0 = seq.to(tl.int64) * step
     n_real = (tl.load(positions_ptr + row0 + step - 1) - tl.load(positions_ptr + row0) + 1).to(tl.int32)
     _dispatch(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, positions_ptr, out_ptr, partials_ptr,
-              seq, row0, n_real, step, step, splits, table_width,
-              SCALE, WINDOW, NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, DECODE_M, PREFILL_M, BLOCK_N)  # fmt: skip
+              k_cache_ptr, v_cache_ptr, seq, row0, n_real, step, step, splits, table_width,
+              SCALE, WINDOW, NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, DECODE_M, PREFILL_M, BLOCK_N, 0)  # fmt: skip
 
 
 @triton.jit
@@ -163,8 +174,8 @@ def paged_attention_ragged_kernel(
     row0 = tl.load(query_start_ptr + seq).to(tl.int64)
     n_real = (tl.load(query_start_ptr + seq + 1) - row0).to(tl.int32)
     _dispatch(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, positions_ptr, out_ptr, partials_ptr,
-              seq, row0, n_real, n_real, max_rows, splits, table_width,
-              SCALE, WINDOW, NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, DECODE_M, PREFILL_M, BLOCK_N)  # fmt: skip
+              k_cache_ptr, v_cache_ptr, seq, row0, n_real, n_real, max_rows, splits, table_width,
+              SCALE, WINDOW, NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, DECODE_M, PREFILL_M, BLOCK_N, 0)  # fmt: skip
 
 
 @triton.jit

@@ -68,7 +68,7 @@ def test_manifest_records_the_kv_dtype_scales_and_gate(kv_engines):
         assert report["kv_cache_dtype"] == kv and report["method"] == f"kv-{kv}"
         assert f"(KV cache {kv})" in (engine / "gate_report.md").read_text()
         assert manifest["kv_layout"]["bytes_per_token"] == bytes_per_token(config.model, "float32", kv)
-        assert list(manifest["verification"]["backends"]) == ["cpu"]
+        assert list(manifest["verification"]["backends"]) == ["graph", "plugin", "cpu"]
     fp8 = EngineConfig.load(kv_engines["fp8"])
     assert fp8.kv_scales is not None and len(fp8.kv_scales) == fp8.model.num_layers
     assert EngineConfig.load(kv_engines["int8"]).kv_scales is None
@@ -100,7 +100,7 @@ def test_a_bad_kv_section_is_refused(kv_engines, tmp_path, edit, message):
         EngineConfig.load(copy)
 
 
-@pytest.mark.parametrize("kind", ["graph", "plugin", "torch", "tensorrt"])
+@pytest.mark.parametrize("kind", ["torch", "tensorrt"])
 def test_backends_that_cannot_read_a_quantized_pool_refuse_by_name(kv_engines, kind):
     config = EngineConfig.load(kv_engines["int8"])
     with pytest.raises(EngineLoadError, match=f"the '{kind}' backend does not read a int8 KV cache"):

@@ -6,7 +6,7 @@ engine_format/INTERFACE.md): segment i does layer i-1's o_proj + MLP and layer i
 RoPE; between segments the runtime writes the new K/V rows into the pool and the C kernel
 (runtime/backends/kernels/paged_attention.c) attends over each sequence's blocks in place. A step of
 a single sequence runs the whole-graph session on the same pool instead (see SMALL_BATCH), except
-with a quantized KV cache (int8/fp8), which only the segments and the kernel read.
+with a quantized KV cache (int8/fp8), whose steps all run the segments and the kernel.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from runtime.backends.base import SequenceChunk, logit_rows
 from runtime.backends.cpu_attention import AttentionShape, paged_attention
 from runtime.backends.cpus import usable_cpus
 from runtime.backends.kv_pool import KVPool
-from runtime.backends.ort_graph import OrtGraphBackend
+from runtime.backends.ort_graph import OrtGraphBackend, graph_pool_dtype
 from runtime.backends.ort_session import create_session
 
 if TYPE_CHECKING:  # at run time onnxruntime loads after the kernel (OpenMP policy, see cpu_attention)
@@ -86,9 +86,11 @@ class OrtCpuBackend:
             self.segments.append(create_session(path, self.threads, spinning=False, quantization=config.quantization))
         self.kv = KVPool.allocate(config, self.num_blocks)
         self.pool = self.kv.data
-        # The same pool, read by the whole graph for single-sequence steps (a second weights copy).
+        # The same pool, read by the whole graph for single-sequence steps (a second weights copy). Not
+        # for a float view of a quantized engine (the gate's reference, fp8 calibration): its graph reads codes.
+        float_graph = not config.kv_quantized and graph_pool_dtype(config) == config.kv_pool_dtype
         self.small_steps = (
-            None if config.kv_quantized else OrtGraphBackend(config, self.num_blocks, self.threads, pool=self.pool)
+            OrtGraphBackend(config, self.num_blocks, self.threads, pool=self.pool) if float_graph else None
         )
 
     def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:

@@ -56,6 +56,17 @@ def _load_tensorrt() -> Any:
     return trt
 
 
+def refuse_quantized_kv(config: EngineConfig) -> None:
+    """An int8/fp8 KV cache is refused here (and by build-engine for --target tensorrt): the quantized
+    ops' Triton kernels exist (plugins_cuda/kv_write_quant.py, paged_attention_quant.py) but no TensorRT
+    plugin registers them, so a plan cannot take the pool's codes, scale pools or kv_scales yet."""
+    if config.kv_quantized:
+        raise EngineLoadError(
+            f"the TensorRT backend does not read a {config.kv_cache_dtype} KV cache: plugins_cuda/trt_plugins.py "
+            "registers only the float-pool PagedKVWrite/PagedAttention plugins; use backend 'cpu', 'graph' or 'plugin'"
+        )
+
+
 def check_limits(config: EngineConfig, num_blocks: int | None, max_num_batched_tokens: int | None) -> TensorRTLimits:
     """The run's sizes (None: the default) against the shapes the plan's profiles accept."""
     limits = config.tensorrt
@@ -176,6 +187,7 @@ class ProfileContext:
 class TrtBackend:
     def __init__(self, config: EngineConfig, num_blocks: int | None = None,
                  max_num_batched_tokens: int | None = None) -> None:  # fmt: skip
+        refuse_quantized_kv(config)
         trt = _load_tensorrt()
         import torch
 
