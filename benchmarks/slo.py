@@ -3,7 +3,7 @@
 One run, three servers in turn, the same prompts and arrival times for each:
 - trtserve with the fixed step budget (`itl_target_ms` "0": every step takes up to 512 tokens, so a
   prefill chunk stalls every decode in its step),
-- trtserve with the SLO budget (`itl_target_ms` empty: the engine's default target, 150 ms),
+- trtserve with the SLO budget (`itl_target_ms` empty: the engine's default target, 200 ms),
 - vLLM's OpenAI server (chunked prefill, 512-token steps) in each of --vllm-dtypes (fp32: like for like with
   trtserve's fp32 engine; bf16: vLLM's fastest where the CPU has AMX), where benchmarks/.venvs/vllm exists.
 Workloads: the suite's fixed workload (500 -> 128 tokens, EOS ignored) in a closed loop at

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from benchmarks.slo import Config
 
 FIXED = "trtserve, fixed 512-token step budget (itl_target_ms 0)"
-SLO_BUDGET = "trtserve, SLO step budget (itl_target_ms default, 150 ms)"
+SLO_BUDGET = "trtserve, SLO step budget (itl_target_ms default, 200 ms)"  # engine_args.DEFAULT_ITL_TARGET_MS
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16"}
 
 

@@ -212,7 +212,7 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), help="Per-step token budget (default 512).")
 @click.option("--num-kv-blocks", type=click.IntRange(min=1), help="KV cache size in blocks (default: engine's).")
 @click.option("--max-waiting", type=click.IntRange(min=1), help="Waiting-queue bound before 'overloaded' errors.")
-@click.option("--itl-target-ms", type=click.FloatRange(min=0), help="ITL target; caps prefill (default 150, 0: off).")
+@click.option("--itl-target-ms", type=click.FloatRange(min=0), help="ITL target; caps prefill (default 200, 0: off).")
 @click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
 @click.option("--backend", type=click.Choice(BACKENDS), default=None, help=BACKEND_HELP)
 @click.option(

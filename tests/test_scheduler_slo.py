@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import pytest
 
+from runtime.engine.engine_args import DEFAULT_ITL_TARGET_MS, DEFAULT_MIN_PREFILL_TOKENS
 from runtime.engine.errors import InvalidRequest, Overloaded
 from runtime.engine.request import RequestStatus
 from runtime.engine.step_cost import StepCost, StepShape
 from tests.test_scheduler import Sim
+from tests.test_step_cost import Uncertain
+
+# The 2-core Xeon of benchmarks/results/slo.md in round "ms": decodes alone take 30 + 3 per stream
+# (~60 / 80 / 130 at 8 / 16 / 32 streams), a prefill token ~1.
+XEON = StepCost(base_s=30, prefill_token_s=1, decode_seq_s=3, kilo_pair_s=0)
 
 
 def decoders_then_long_prompt(num_decoders: int, **sim_args) -> Sim:
@@ -137,3 +143,66 @@ def test_a_ttft_target_the_queue_cannot_meet_is_rejected_with_a_retry_hint():
     # Nothing ahead and still too slow: no retry would help, so it is the request that is wrong.
     with pytest.raises(InvalidRequest, match=r"ttft_target_s: 37 s is less than this prompt's prefill alone"):
         sim.add("hopeless", prompt_len=28, priority=-3, ttft_target=37.0)
+
+
+def xeon_decoders_then_prompt(num_decoders: int, itl_target: float, prompt_len: int = 500) -> Sim:
+    """Engine defaults but the target on XEON: `num_decoders` decoding, then a prompt arrives."""
+    sim = Sim(num_blocks=1024, budget=512, max_num_seqs=40, itl_target=itl_target,
+              min_prefill=DEFAULT_MIN_PREFILL_TOKENS, cost=XEON)  # fmt: skip
+    for i in range(num_decoders):
+        sim.add(f"d{i}", prompt_len=2, max_tokens=100)
+    if num_decoders:
+        sim.step()  # their prompts, at full speed
+    sim.add("prompt", prompt_len=prompt_len, max_tokens=2)
+    return sim
+
+
+@pytest.mark.parametrize(("num_decoders", "chunk", "old_chunk"), [(1, 167, 117), (8, 146, 96), (16, 122, 72)])
+def test_the_default_target_leaves_prefill_what_the_decodes_do_not_take(num_decoders, chunk, old_chunk):
+    """200 ms less 30 + 3 per decode. The old default (150) left 50 tokens less, from 19 streams only
+    the floor: prompts fell behind the streams finishing, and the decode batch shrank."""
+    for target, expected in ((DEFAULT_ITL_TARGET_MS, chunk), (150, old_chunk)):
+        sim = xeon_decoders_then_prompt(num_decoders, target)
+        assert sim.step() == {**{f"d{i}": 1 for i in range(num_decoders)}, "prompt": expected}
+        assert sim.costs[-1] <= target or expected == DEFAULT_MIN_PREFILL_TOKENS
+
+
+def test_under_heavy_decode_load_no_step_passes_the_target_but_the_floor_still_prefills():
+    """16 streams: every step of the 500-token prompt stays within 200 and no decode waits. 40
+    streams (150 of the 200 alone): the prompt gets exactly the floor per step, no more."""
+    sim = xeon_decoders_then_prompt(16, DEFAULT_ITL_TARGET_MS)
+    steps = sim.run(5)
+    assert [s["prompt"] for s in steps] == [122, 122, 122, 122, 12]
+    assert all(all(s[f"d{i}"] == 1 for i in range(16)) for s in steps)
+    assert max(sim.costs[-5:]) == 200
+    sim = xeon_decoders_then_prompt(39, DEFAULT_ITL_TARGET_MS)
+    for _ in range(3):
+        step = sim.step()
+        assert step["prompt"] == DEFAULT_MIN_PREFILL_TOKENS and sum(step.values()) == 39 + DEFAULT_MIN_PREFILL_TOKENS
+        assert sim.costs[-1] == 30 + 39 * 3 + DEFAULT_MIN_PREFILL_TOKENS
+
+
+def test_a_prompts_last_chunk_uses_the_headroom_and_saves_a_step():
+    """The model's typical error is 25%: chunks aim at 100 / 1.25. A 140-token prompt beside two
+    decodes: 60 (aimed), then its last 80 whole at exactly the target, not 60 + 20 over two steps."""
+    sim = decoders_then_long_prompt(0, itl_target=100, cost=Uncertain(10, 1, 5, 0))
+    sim.scheduler.remove(sim.requests.pop("long"))
+    for i in range(2):
+        sim.add(f"d{i}", prompt_len=2, max_tokens=10)
+    sim.step()
+    sim.add("p", prompt_len=140, max_tokens=2)
+    assert sim.step() == {"d0": 1, "d1": 1, "p": 60}
+    assert sim.step() == {"d0": 1, "d1": 1, "p": 80}
+    assert sim.costs[-1] == 100
+    assert sim.step() == {"d0": 1, "d1": 1, "p": 1}  # p decodes: its first token came a step sooner
+
+
+def test_waiting_prefills_keep_deadline_order_while_decodes_cut_their_chunks():
+    sim = decoders_then_long_prompt(2, itl_target=100)  # "long": no TTFT target
+    sim.now = 1.0
+    sim.add("urgent", prompt_len=200, max_tokens=2, ttft_target=300.0)  # due at 301: before long (never)
+    sim.add("vip", prompt_len=100, max_tokens=2, priority=-1)  # a better class beats any deadline
+    assert sim.step() == {"d0": 1, "d1": 1, "vip": 80}
+    assert sim.step() == {"d0": 1, "d1": 1, "vip": 20, "urgent": 60}  # vip decodes next step
+    assert sim.step() == {"d0": 1, "d1": 1, "vip": 1, "urgent": 75}
+    assert sim.costs[-3:] == [100, 100, 100] and sim.waiting == ["long"]

@@ -35,7 +35,7 @@ def test_latency_targets_are_validated_with_the_field_named(params, field, messa
 
 
 def test_engine_args_itl_target():
-    assert EngineArgs().itl_target_ms == 150.0 and EngineArgs(itl_target_ms=None).itl_target_ms is None
+    assert EngineArgs().itl_target_ms == 200.0 and EngineArgs(itl_target_ms=None).itl_target_ms is None
     for bad in (0, -5.0, float("nan"), "150"):
         with pytest.raises(ValueError, match=r"EngineArgs\.itl_target_ms must be a positive number of ms or None"):
             EngineArgs(itl_target_ms=bad)

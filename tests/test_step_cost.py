@@ -88,6 +88,23 @@ def test_a_single_stall_is_clipped_and_a_real_slowdown_is_followed():
     assert model.predict(probe) == pytest.approx(slower.predict(probe), rel=0.02)  # within 200 steps
 
 
+def test_decodes_after_two_prefill_steps_are_learned_not_divided_by_zero():
+    """The benchmarks' warm-up (two 500-token prompts): a full 512-token step, then the rest with one
+    decode. Fitting four coefficients to two such steps can zero all but the per-token one, so the
+    first decode step is predicted at ~0. Clipping it at 4x that prediction, and weighing it by
+    (level / y)^2, once made the next solve singular (the engine step raised). Its time counts up to
+    the typical step, its weight is bounded, and one step later decodes are predicted right."""
+    model = OnlineStepCost()
+    model.observe(StepShape(512, 0, 125_328), 0.5435)
+    model.observe(StepShape(488, 1, 125_673), 0.5028)
+    decodes = [StepShape(0, 2, 2 * (500 + i)) for i in range(30)]
+    model.observe(decodes[0], 0.037)
+    assert model.predict(decodes[1]) == pytest.approx(0.037, rel=0.01)
+    for shape in decodes[1:]:
+        model.observe(shape, 0.037)
+    assert model.relative_error < 0.02  # the one miss (counted as 100%) fades
+
+
 def test_coefficients_are_never_negative():
     no_attention = StepCost(base_s=0.01, prefill_token_s=0.001, decode_seq_s=0.002, kilo_pair_s=0.0)
     model = OnlineStepCost()
@@ -149,3 +166,12 @@ def test_step_budget_aims_below_the_target_by_the_model_error():
     budget.add(1, 50, prefill=False)
     budget.add(1, 50, prefill=False)
     assert budget.fit(500, 0) == 60  # 100 / 1.25 - 10 - 2 * 5
+
+
+def test_the_rest_of_a_prompt_may_use_the_headroom_but_never_pass_the_target():
+    budget = StepBudget(Uncertain(10, 1, 5, 0), target_s=100, min_prefill_tokens=8)
+    budget.add(1, 50, prefill=False)
+    budget.add(1, 50, prefill=False)
+    assert budget.fit(80, 0) == 60  # a chunk: 100 / 1.25 - 10 - 2 * 5
+    assert budget.fit(80, 0, completes=True) == 80  # the prompt's last 80: exactly the target
+    assert budget.fit(81, 0, completes=True) == 60  # past the target: cut like any chunk

@@ -5,13 +5,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# Inter-token latency target (ms) while requests decode. SmolLM2-135M on the 2-core CPU: a decode
-# step of 8 / 32 streams takes ~45 / ~95 ms and a prefill token ~0.8 ms, so a 512-token chunk
-# stalled every decode ~0.5-1 s (ITL p99 1.1 s at concurrency 8). 150 ms still leaves ~120
-# prefill tokens per step at 8 streams (a 500-token prompt in ~4 steps) and keeps ITL under the
-# benchmark's 200 ms TPOT objective with room for the server's own overhead.
-DEFAULT_ITL_TARGET_MS = 150.0
+# Inter-token latency target (ms): the longest gap a decoding stream should see; a step that carries
+# decodes takes only the prefill its learned cost keeps within it. 200 = the goodput TPOT objective,
+# so a stream whose gaps are on target meets it by construction, with 50 ms left under the ITL p99
+# <= 250 ms objective for prediction error and the server. SmolLM2-135M on the 2-core Xeon (engine
+# loop simulated from benchmarks/results/slo.md): decodes alone take ~60 / 90 / 140 ms at 8 / 16 / 32
+# streams; 150 ms left prefill under half of a step at 16+ (c=32 throughput 86% of the fixed budget),
+# 200 gives ITL p99 ~215-240 ms and ~92%, 225 puts p99 at 250-265 ms at 16 streams.
+DEFAULT_ITL_TARGET_MS = 200.0
+# Prefill a step carries however busy decoding is, so prompts progress. In tokens, so its time
+# scales with the machine: 96 gained ~1.5% throughput at c=32 on the Xeon, but on a 2x slower CPU
+# it alone made steps ~250 ms; 64 stays.
+DEFAULT_MIN_PREFILL_TOKENS = 64
 MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_DRAFT_MIN_CONFIDENCE = 0.0  # measured in benchmarks/results/spec_decode.md
 
 
 @dataclass(frozen=True)
@@ -26,7 +33,7 @@ class EngineArgs:
     # While requests decode, a step carries only the prefill its learned cost keeps within this
     # target (None: the fixed max_num_batched_tokens budget, whatever the decodes wait).
     itl_target_ms: float | None = DEFAULT_ITL_TARGET_MS
-    min_prefill_tokens: int = 64  # prefill per step however busy decoding is, so prompts progress
+    min_prefill_tokens: int = DEFAULT_MIN_PREFILL_TOKENS  # per step however busy decoding is
     # Speculative decoding (runtime/engine/spec/): "ngram" (prompt lookup), "draft" (a second engine
     # of the same tokenizer, `draft_engine`) or None (off). Each decoding request gets up to
     # num_speculative_tokens drafts per step, verified in one pass.
@@ -34,6 +41,9 @@ class EngineArgs:
     draft_engine: str | None = None  # engine directory of the draft model ("draft")
     draft_backend: str | None = None  # its backend (default: as runtime.backends.default_backend picks)
     num_speculative_tokens: int = 4
+    # A draft engine stops proposing for a request at its first guess below this probability (its own
+    # softmax): a doubted guess is mostly rejected, and each draft step costs a draft forward pass.
+    draft_min_confidence: float = DEFAULT_DRAFT_MIN_CONFIDENCE
     ngram_prompt_lookup_min: int = 1  # shortest suffix the n-gram proposer matches
     ngram_prompt_lookup_max: int = 4  # longest (tried first)
     # Speculation pauses while more than this many requests run: a verify pass costs (k + 1) tokens
@@ -55,6 +65,8 @@ class EngineArgs:
             raise ValueError(f"EngineArgs.speculative must be 'ngram', 'draft' or None (got {self.speculative!r})")
         if (self.speculative == "draft") != (self.draft_engine is not None):
             raise ValueError("EngineArgs.draft_engine names the draft engine of speculative='draft' (and only then)")
+        if not isinstance(self.draft_min_confidence, int | float) or not 0 <= self.draft_min_confidence < 1:
+            raise ValueError(f"EngineArgs.draft_min_confidence must be in [0, 1) (got {self.draft_min_confidence!r})")
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"EngineArgs.num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}")
         if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:

@@ -11,9 +11,11 @@ Per step, under a token budget (`max_num_batched_tokens`) and a sequence cap (`m
 
 Stall-free batching: while any request decodes, prefill is cut to what keeps the predicted step
 within the ITL target (the engine's `itl_target_s`, or a decoding request's own tighter one),
-with at least `min_prefill_tokens` of it per step so prompts still progress; with nothing
-decoding, prefill runs at the full token budget. Step costs come from a CostPredictor (the
-engine's online model, step_cost.py).
+with at least `min_prefill_tokens` of it per step so prompts still progress, and a prompt's last
+chunk taken whole if it fits the target itself (StepBudget.fit); with nothing decoding, prefill
+runs at the full token budget. The target caps every step rather than a stream's mean gap: steps
+with prefill are a large share of all gaps under load, so banking short gaps for longer steps
+only moves ITL p99 up. Step costs come from a CostPredictor (the engine's online model, step_cost.py).
 
 When a running request needs a block and none is free, the scheduler preempts by
 recompute: the victim is the running request that is lowest priority, latest deadline and
@@ -182,7 +184,8 @@ class Scheduler:
             head = self._admissible_head() if admitting else None
             if running and (head is None or running[0].params.priority <= head.params.priority):
                 request = running.popleft()
-                n = step.fit(min(request.num_tokens_to_compute, batch.budget), request.num_computed_tokens)
+                want = min(request.num_tokens_to_compute, batch.budget)
+                n = step.fit(want, request.num_computed_tokens, want == request.num_tokens_to_compute)
                 if n == 0:
                     return
                 if self._allocate_or_preempt(request, n, batch):
@@ -223,7 +226,8 @@ class Scheduler:
         """Start the queue head with a first chunk; False (changing nothing) if it does not fit."""
         hits = self.kv.get_computed_blocks(request)
         num_hit = len(hits) * self.kv.block_size
-        n = step.fit(min(request.num_tokens - num_hit, batch.budget), num_hit)
+        want = min(request.num_tokens - num_hit, batch.budget)
+        n = step.fit(want, num_hit, want == request.num_tokens - num_hit)
         if n == 0 or not self.kv.allocate_slots(request, n, hits):
             return False
         heapq.heappop(self.waiting)

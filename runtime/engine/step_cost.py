@@ -142,12 +142,16 @@ class OnlineStepCost:
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         predicted = max(self.predict(shape), 1e-9)
-        y = max(min(seconds, self.max_ratio * predicted), 1e-9)
+        # A stall is clipped at max_ratio x the prediction, but never below the typical step: a model
+        # that has not seen this kind of step yet (decodes after two prefill steps) may predict ~0.
+        ceiling = max(self.max_ratio * predicted, self._level or seconds)
+        y = max(min(seconds, ceiling), 1e-9)
         level = y if self._level is None else self.forgetting * self._level + (1 - self.forgetting) * y
         self._level = level
         if self.num_observed:  # the first step only tells how wrong the prior was
-            self._error = self.forgetting * self._error + (1 - self.forgetting) * abs(y / predicted - 1)
-        v = (level / y) ** 2
+            miss = min(abs(y / predicted - 1), 1.0)  # one wild miss must not hold the headroom for long
+            self._error = self.forgetting * self._error + (1 - self.forgetting) * miss
+        v = (level / max(y, level / self.max_ratio)) ** 2  # bounded: a tiny step cannot swamp the fit
         z = shape.features() / _SCALE
         self._S = self.forgetting * self._S + v * np.outer(z, z)
         self._b = self.forgetting * self._b + v * z * y
@@ -186,9 +190,9 @@ def full_speed_prefill_s(cost: CostPredictor, num_tokens: int, max_batched_token
 
 @dataclass
 class StepBudget:
-    """The prefill one step may carry: chunks fit while the predicted step stays within
-    `target_s` (None: no time limit) less the cost model's typical error, but at least
-    `min_prefill_tokens` in all, so waiting prompts progress even when decodes fill the target."""
+    """The prefill one step may carry: chunks fit while the predicted step stays within `target_s`
+    (None: no time limit) less the cost model's typical error, but at least `min_prefill_tokens` in
+    all, so waiting prompts progress even when decodes fill the target."""
 
     cost: CostPredictor
     target_s: float | None
@@ -200,16 +204,18 @@ class StepBudget:
         self.shape = self.shape.plus_chunk(num_tokens, past_len)
         self.prefill_tokens += num_tokens if prefill else 0
 
-    def fit(self, want: int, past_len: int) -> int:
-        """How many of `want` prefill tokens, after `past_len` cached ones, this step takes."""
+    def fit(self, want: int, past_len: int, completes: bool = False) -> int:
+        """How many of `want` prefill tokens, after `past_len` cached ones, this step takes.
+        `completes`: `want` is the rest of a prompt. Taken whole, its user gets the first token a
+        step sooner, so it may use the headroom kept for the model's error (never the target itself)."""
         if self.target_s is None or want <= 0:
             return max(want, 0)
-        target = self.target_s / (1 + self.cost.relative_error)
+        aim = self.target_s / (1 + self.cost.relative_error)
 
-        def fits(n: int) -> bool:
-            return self.cost.predict(self.shape.plus_chunk(n, past_len)) <= target
+        def fits(n: int, seconds: float = aim) -> bool:
+            return self.cost.predict(self.shape.plus_chunk(n, past_len)) <= seconds
 
-        if fits(want):
+        if fits(want) or (completes and fits(want, self.target_s)):
             return want
         lo, hi = 0, want  # cost grows with n: bisect for the largest n that fits
         while hi - lo > 1:

@@ -9,7 +9,7 @@ On unload, in-flight requests are drained (up to a timeout) before the engine st
 
 config.pbtxt parameters: `engine_dir` (required); the EngineArgs `max_num_seqs`,
 `max_num_batched_tokens`, `num_kv_blocks`, `max_waiting`, `min_prefill_tokens` (empty: the
-engine's default), `itl_target_ms` (empty: the engine's DEFAULT_ITL_TARGET_MS, 150; "0": no
+engine's default), `itl_target_ms` (empty: the engine's DEFAULT_ITL_TARGET_MS, 200; "0": no
 target, the fixed token budget) and `enable_prefix_caching` ("true"/"false"); `cancel_poll_s`,
 the seconds between a request's `is_cancelled()` checks (empty: CANCEL_POLL_S = 0.5; "0": before
 every response is sent, one IPC round trip per token, which tests use so that a cancel is seen by
