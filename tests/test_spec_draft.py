@@ -8,13 +8,16 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from engine_format import EngineConfig, EngineLoadError
 from runtime import EngineArgs, LLMEngine, SamplingParams
 from runtime.backends import create_backend
+from runtime.backends.base import SequenceChunk
 from runtime.backends.greedy import greedy_generate
 from runtime.engine.spec import DraftEngineProposer
+from runtime.engine.spec.draft import top_probability
 from tests.conftest import build_tiny
 from tests.helpers import random_prompts
 from tests.test_spec_decode import copy_heavy_prompts, run
@@ -98,6 +101,35 @@ def test_the_draft_pool_catches_up_and_drops_rejected_drafts(llama_engine):
     assert backend.steps == [[([99], 7, [0])], [([again[0]], 8, [0, 1])]]  # position 8 opens block 1
     proposer.release("r")
     assert not proposer.states and sorted(proposer.free_blocks) == list(range(8))
+
+
+def test_top_probability_is_the_softmax_of_the_argmax():
+    logits = np.array([[2.0, 1.0, -1.0], [0.0, 0.0, 0.0], [50.0, -50.0, 0.0]], np.float32)
+    exact = [np.exp(r.max()) / np.exp(r.astype(np.float64)).sum() for r in logits]
+    np.testing.assert_allclose(top_probability(logits), exact, rtol=1e-6)
+
+
+def test_the_confidence_stop_drops_doubted_drafts_and_never_feeds_them(llama_engine):
+    backend = Recording(create_backend(EngineConfig.load(llama_engine), num_blocks=8, kind="graph"))
+    prompt = random_prompts(488, [6], seed=74)[0]
+    (sure,) = DraftEngineProposer(backend).propose([prompt], [3], ["r"])
+    confidence = top_probability(backend.inner.step([SequenceChunk(prompt, 0, [7])]))[0]
+    backend.steps.clear()
+    doubting = DraftEngineProposer(backend, min_confidence=min(0.999, confidence + 1e-3))
+    assert doubting.propose([prompt], [3], ["r"]) == [[]]  # the first guess is below the bar: no drafts
+    assert backend.steps == [[(prompt, 0, [0])]] and doubting.states["r"].tokens == prompt
+    assert len(sure) == 3
+
+
+def test_a_confidence_bar_keeps_greedy_tokens_with_fewer_drafts(llama_engine, mistral_engine, reference):
+    prompts = copy_heavy_prompts(488, [14, 20, 9], seed=75)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    drafted = []
+    for bar in (0.0, 0.5):
+        engine = LLMEngine(llama_engine, draft_args(mistral_engine, draft_min_confidence=bar))
+        assert run(engine, prompts, params) == [reference(p, 16) for p in prompts]
+        drafted.append(engine.stats().spec_decode.draft_tokens)  # type: ignore[union-attr]
+    assert drafted[1] < drafted[0]
 
 
 def test_a_full_draft_pool_proposes_nothing_instead_of_failing(llama_engine):

@@ -9,6 +9,10 @@ each. Drafts are the draft model's argmax, so q is one-hot at them: the rejectio
 rule applies and sampled requests keep exactly the target's distribution (sampling drafts from the
 draft's own filtered distribution would raise acceptance for them: later work).
 A request whose draft state cannot grow (pool full, past the draft's max_seq_len) proposes nothing.
+
+Confidence stop: a request stops drafting at the first draft whose probability under the draft model
+is below `min_confidence` (that draft is dropped). Each draft step costs a draft forward pass for the
+whole batch; a guess the draft itself doubts is mostly rejected, so its step is cost without tokens.
 """
 
 from __future__ import annotations
@@ -30,17 +34,26 @@ class _DraftState:
     blocks: list[int] = field(default_factory=list)
 
 
+def top_probability(logits: np.ndarray) -> np.ndarray:
+    """Softmax probability of each row's argmax [rows] (float64 sums: exact enough for a threshold)."""
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return 1.0 / np.exp(shifted, dtype=np.float64).sum(axis=-1)
+
+
 class DraftEngineProposer:
-    def __init__(self, backend: EngineBackend) -> None:
+    def __init__(self, backend: EngineBackend, min_confidence: float = 0.0) -> None:
         self.backend, self.config = backend, backend.config
+        self.min_confidence = min_confidence
         self.free_blocks = list(range(backend.num_blocks - 1, -1, -1))  # pop() hands out the lowest id
         self.states: dict[str, _DraftState] = {}
 
     @classmethod
     def load(cls, draft_dir: str | Path, target: EngineConfig, threads: int | None = None,
-             backend: str | None = None, num_blocks: int | None = None) -> DraftEngineProposer:  # fmt: skip
+             backend: str | None = None, num_blocks: int | None = None,
+             min_confidence: float = 0.0) -> DraftEngineProposer:  # fmt: skip
         """The draft engine at `draft_dir`; refuses one whose vocabulary differs from the target's."""
-        return cls(create_backend(check_draft_vocabulary(draft_dir, target), num_blocks, threads, backend))
+        draft = create_backend(check_draft_vocabulary(draft_dir, target), num_blocks, threads, backend)
+        return cls(draft, min_confidence)
 
     def release(self, request_id: str) -> None:
         state = self.states.pop(request_id, None)
@@ -57,10 +70,12 @@ class DraftEngineProposer:
         chunks = {i: c for i in fits if (c := self._catch_up(request_ids[i], list(contexts[i]))) is not None}
         while chunks:  # one batched draft step per token: the catch-up chunks first, then single tokens
             logits = self.backend.step(list(chunks.values()))
-            for i, row in zip(chunks, logits, strict=True):
-                out[i].append(int(np.argmax(row)))
+            going = []
+            for i, row, confident in zip(chunks, logits, top_probability(logits) >= self.min_confidence, strict=True):
+                if confident:
+                    out[i].append(int(np.argmax(row)))
+                    going += [i] if len(out[i]) < max_tokens[i] else []
             # The next step feeds the draft just made, so its K/V is computed too.
-            going = [i for i in chunks if len(out[i]) < max_tokens[i]]
             chunks = {i: c for i in going if (c := self._extend(request_ids[i], [out[i][-1]])) is not None}
         return out
 

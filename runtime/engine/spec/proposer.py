@@ -36,5 +36,7 @@ def create_proposer(args: EngineArgs, target: EngineConfig) -> Proposer | None:
     if args.speculative == "draft" and args.draft_engine is not None:
         from runtime.engine.spec.draft import DraftEngineProposer
 
-        return DraftEngineProposer.load(args.draft_engine, target, args.threads, args.draft_backend)
+        # The draft holds K/V for the same tokens as the target: the same pool size in blocks.
+        return DraftEngineProposer.load(args.draft_engine, target, args.threads, args.draft_backend,
+                                        args.num_kv_blocks, args.draft_min_confidence)  # fmt: skip
     raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)} (got {args.speculative!r})")
