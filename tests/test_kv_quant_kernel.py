@@ -3,13 +3,18 @@ against a numpy reference that dequantizes the pool explicitly and runs float at
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
+from engine_format import EngineConfig, ModelSpec
 from engine_format.kv_cache import FP8_E4M3_MAX
-from runtime.backends.cpu_attention import AttentionShape, paged_attention
+from runtime.backends.cpu_attention import AttentionShape, paged_attention, write_kv
+from runtime.backends.kv_pool import KVPool, pool_rows
 from runtime.backends.kv_quant import KVQuant, decode_fp8, dequantize_int8, encode_fp8, quantize_int8
 from tests.test_paged_attention import SHAPES, make_case, reference
 
@@ -36,15 +41,55 @@ def quantize_pool(kind: str, k_cache: np.ndarray, v_cache: np.ndarray, kv_heads:
     return kq, vq, KVQuant("fp8", k_scale=k_scale, v_scale=v_scale), to_float * k_scale, to_float_v * v_scale
 
 
+@pytest.mark.parametrize("simd", [True, False], ids=["simd", "portable"])
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 @pytest.mark.parametrize("window", [None, 7])
-def test_kernel_matches_dequantized_reference(kind, shape, window):
-    """Decodes at several depths, a prefill, a prefill chunk after a prefix; GQA, MHA, MQA; windows."""
+def test_kernel_matches_dequantized_reference(kind, shape, window, simd):
+    """Decodes at several depths, a prefill, a prefill chunk after a prefix; GQA, MHA, MQA; windows;
+    the AVX-512 loops (where built: every shape here has head_dim % 16 == 0) and the portable ones."""
     q, k, v, tables, seqs, pos = make_case(np.random.default_rng(0), shape, SEQS)
     kq, vq, quant, kd, vd = quantize_pool(kind, k, v, shape.num_kv_heads)
-    got = paged_attention(q, kq, vq, tables, seqs, pos, shape, window=window, quant=quant)
+    got = paged_attention(q, kq, vq, tables, seqs, pos, shape, window=window, quant=quant, simd=simd)
     np.testing.assert_allclose(got, reference(q, kd, vd, tables, seqs, pos, shape, window=window), atol=3e-5)
+
+
+@pytest.mark.parametrize("kind", [None, "int8", "fp8"])
+def test_simd_and_portable_loops_agree(kind):
+    """The two implementations differ only in summation order: float32 rounding, not a formula."""
+    shape = SHAPES[0]
+    q, k, v, tables, seqs, pos = make_case(np.random.default_rng(7), shape, [(130, 1), (0, 37), (70, 5), (3, 1)])
+    kq, vq, quant = (k, v, None) if kind is None else quantize_pool(kind, k, v, shape.num_kv_heads)[:3]
+    fast = paged_attention(q, kq, vq, tables, seqs, pos, shape, quant=quant)
+    np.testing.assert_allclose(fast, paged_attention(q, kq, vq, tables, seqs, pos, shape, quant=quant, simd=False),
+                               atol=2e-6)  # fmt: skip
+
+
+@pytest.mark.parametrize("simd", [True, False], ids=["simd", "portable"])
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_every_code_decodes_exactly_in_the_kernel(kind, simd):
+    """A query attending to one key gets that key's value row exactly (p = 1): with every int8 code
+    (-127..127) or every finite fp8 code (subnormals, +-0, +-448) in the row, the kernel's
+    decoding is checked code by code against the reference decoder."""
+    shape = AttentionShape(num_heads=4, num_kv_heads=4, head_dim=64, block_size=8)  # 256 values per row
+    codes = np.arange(256, dtype=np.uint8)
+    if kind == "int8":
+        row = np.clip(codes.astype(np.int16) - 128, -127, 127).astype(np.int8)
+        row_scales = np.array([0.5, 0.25, 2.0, 1e-3], np.float32)
+        want = dequantize_int8(row[None], row_scales[None])[0]
+        pool = np.zeros((2, 8, 256), np.int8)
+        scales = np.ones((2, 8, 4), np.float32)
+        scales[0, 0] = row_scales
+        quant = KVQuant("int8", scales, scales)
+    else:
+        row = np.where(np.isin(codes, [0x7F, 0xFF]), 0, codes).astype(np.uint8)  # the two NaNs are never stored
+        want = decode_fp8(row, 0.75)
+        pool, quant = np.zeros((2, 8, 256), np.uint8), KVQuant("fp8", k_scale=1.0, v_scale=0.75)
+    pool[0, 0] = row
+    q = np.random.default_rng(8).standard_normal((1, 256), dtype=np.float32)
+    tables, first = np.array([[0]], np.int64), np.zeros(1, np.int64)
+    got = paged_attention(q, pool, pool, tables, first, first, shape, quant=quant, simd=simd)
+    np.testing.assert_array_equal(got[0], want)
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
@@ -127,3 +172,79 @@ def test_mismatched_pool_and_scales_are_refused(quant, cache_dtype, message):
     q, k, v, tables, seqs, pos = make_case(np.random.default_rng(6), shape, [(3, 2)])
     with pytest.raises(ValueError, match=message):
         paged_attention(q, k.astype(cache_dtype), v.astype(cache_dtype), tables, seqs, pos, shape, quant=quant)
+
+
+def pool_config(kind: str, layers: int = 2) -> EngineConfig:
+    """A small engine config (3 kv heads of 64, blocks of 16) with a pool in KV dtype `kind`."""
+    spec = ModelSpec("llama", 256, 576, 1536, layers, 9, 3, 64, 1e-5, True, False, "default", 512,
+                     (None,) * layers, 1, (2,))  # fmt: skip
+    config = EngineConfig(Path("."), "onnxruntime-cpu", "float32", 16, 4, 512, spec)
+    scales = tuple((0.02 * (i + 1), 0.03 * (i + 1)) for i in range(layers)) if kind == "fp8" else None
+    return dataclasses.replace(config, kv_cache_dtype=kind, kv_scales=scales)
+
+
+def awkward_rows(rng: np.random.Generator, tokens: int, width: int, head_dim: int) -> np.ndarray:
+    """Rows that exercise the codecs' edges: ties of the int8 rounding (x * 127 / absmax exactly
+    k + 0.5), an all-zero head, -0.0, fp8 saturation (|x| / scale > 448), fp8 subnormals and values
+    that round across a binade."""
+    rows = rng.standard_normal((tokens, width)).astype(np.float32) * rng.choice([1e-3, 1.0, 30.0], (tokens, 1))
+    rows[0, :head_dim] = 0.0
+    rows[0, head_dim] = -0.0
+    rows[1, head_dim : 2 * head_dim] = (np.arange(head_dim) - 32 + 0.5).astype(np.float32)  # absmax 32: ties
+    rows[1, head_dim] = 127.0  # absmax 127: x * 127 / 127 = x, half-integers tie
+    rows[2, :8] = [1e6, -1e6, 448 * 0.02, 2.0**-9 * 0.02, 2.0**-10 * 0.02, 3 * 2.0**-10 * 0.02, 0.0296, -1e-30]
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_c_write_matches_the_numpy_write_bit_for_bit(kind):
+    """KVPool.write (one C call per layer) against KVPool.write_numpy (kv_quant's codecs): the same
+    codes and scales, byte for byte, including round-half-even ties, zero rows and saturation."""
+    config = pool_config(kind)
+    fast, slow = KVPool.allocate(config, 8), KVPool.allocate(config, 8)
+    rng = np.random.default_rng(9)
+    for layer, tokens in ((0, 40), (1, 7), (0, 3)):  # a prefill, decodes, a rewrite of used slots
+        k = awkward_rows(rng, tokens, config.model.kv_width, config.model.head_dim)
+        v = awkward_rows(rng, tokens, config.model.kv_width, config.model.head_dim)[::-1].copy()
+        slots = rng.choice(8 * 16, tokens, replace=False).astype(np.int64)
+        fast.write(layer, slots, k, v)
+        slow.write_numpy(layer, slots, k, v)
+        assert fast.data.tobytes() == slow.data.tobytes()
+        if kind == "int8":
+            assert fast.scales is not None and slow.scales is not None
+            assert fast.scales.tobytes() == slow.scales.tobytes()
+
+
+def test_the_write_comparison_catches_a_wrong_scale():
+    """The bit-for-bit check can fail: scaling one head's values by 2 leaves its int8 codes unchanged,
+    so only the scale pool shows it; fp8 codes move with a layer scale 5% off."""
+    config = pool_config("int8")
+    good, bad = KVPool.allocate(config, 8), KVPool.allocate(config, 8)
+    rows = np.random.default_rng(10).standard_normal((4, config.model.kv_width)).astype(np.float32)
+    slots = np.arange(4, dtype=np.int64)
+    doubled = rows.copy()
+    doubled[2, 64:128] *= 2
+    good.write(0, slots, rows, rows)
+    bad.write_numpy(0, slots, doubled, rows)
+    assert good.data.tobytes() == bad.data.tobytes()
+    assert good.scales is not None and bad.scales is not None
+    assert good.scales.tobytes() != bad.scales.tobytes()
+    fp8 = pool_config("fp8")
+    a, b = KVPool.allocate(fp8, 8), KVPool.allocate(fp8, 8)
+    a.write(0, slots, rows, rows)
+    b_config = dataclasses.replace(fp8, kv_scales=((0.021, 0.03), (0.04, 0.06)))
+    KVPool(b_config, b.data, None).write(0, slots, rows, rows)
+    assert a.data.tobytes() != b.data.tobytes()
+
+
+def test_write_refuses_slots_outside_the_pool():
+    config = pool_config("int8")
+    pool = KVPool.allocate(config, 2)
+    rows = np.ones((2, config.model.kv_width), np.float32)
+    before = pool.data.copy()
+    with pytest.raises(IndexError, match="slot 32 outside the pool"):
+        pool.write(0, np.array([0, 32], np.int64), rows, rows)
+    np.testing.assert_array_equal(pool.data, before)  # checked before anything is written
+    k_rows = pool_rows(pool.data)[0]
+    with pytest.raises(ValueError, match="int8 scales must be"):
+        write_kv(rows, rows, np.array([0, 1], np.int64), k_rows, k_rows, KVQuant("int8"))

@@ -36,7 +36,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import runtime.backends._paged_attention as _paged_attention  # noqa: E402 - after the policy is set
 
-KERNEL_ABI = 2  # the call interface this file speaks (the C module's ABI constant)
+KERNEL_ABI = 3  # the call interface this file speaks (the C module's ABI constant)
 if getattr(_paged_attention, "ABI", 1) != KERNEL_ABI:
     raise ImportError(
         f"{_paged_attention.__file__} is a stale build of runtime/backends/kernels/paged_attention.c "
@@ -69,9 +69,11 @@ def paged_attention(
     out: np.ndarray | None = None,
     threads: int | None = None,
     quant: KVQuant | None = None,
+    simd: bool = True,
 ) -> np.ndarray:
     """Attention of each query token over its sequence's cached keys, read in place. `quant`: the
-    caches hold int8 or fp8 codes (None: float32)."""
+    caches hold int8 or fp8 codes (None: float32). `simd=False`: the kernel's portable loops instead
+    of its AVX-512 ones (where it has them; tests compare the two)."""
     tokens = q.shape[0]
     width = shape.num_heads * shape.head_dim
     if q.dtype != np.float32 or q.shape != (tokens, width) or not q.flags.c_contiguous:
@@ -95,6 +97,47 @@ def paged_attention(
         tables.ctypes.data, seqs.ctypes.data, pos.ctypes.data,
         tokens, tables.shape[1], shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.block_size,
         window or 0, shape.head_dim**-0.5, threads or usable_cpus(),
-        KV_KINDS[kind], k_scales, v_scales, quant.k_scale if quant else 1.0, quant.v_scale if quant else 1.0,
+        KV_KINDS[kind], k_scales, v_scales, quant.k_scale if quant else 1.0, quant.v_scale if quant else 1.0, simd,
     )  # fmt: skip
     return out
+
+
+def write_kv(
+    k: np.ndarray,  # [T, Hkv*D] float32: the step's new K rows
+    v: np.ndarray,
+    slots: np.ndarray,  # [T] int64: pool row (block * block_size + offset) of each
+    k_pool: np.ndarray,  # [num_blocks * block_size, Hkv*D] int8 or fp8 bits (uint8), C-contiguous
+    v_pool: np.ndarray,
+    quant: KVQuant,  # int8: the scale pools [num_blocks * block_size, Hkv] (written too); fp8: the layer's scales
+) -> None:
+    """Quantize rows into a quantized pool in place, in C: the same codes and scales, bit for bit, as
+    runtime/backends/kv_quant.py's quantize_int8 / encode_fp8 (the numpy reference)."""
+    cache_dtype = np.dtype(CACHE_DTYPES.get(quant.kind, np.float32))
+    rows, width = k.shape
+    for pool in (k_pool, v_pool):
+        if pool.dtype != cache_dtype or pool.ndim != 2 or pool.shape[1] != width or not pool.flags.c_contiguous:
+            raise ValueError(f"pools must be C-contiguous {cache_dtype} [slots, {width}]")
+    kv_heads = 0
+    if quant.kind == "int8":
+        for scales in (quant.k_scales, quant.v_scales):
+            if scales is None or scales.dtype != np.float32 or scales.ndim != 2 or not scales.flags.c_contiguous:
+                raise ValueError("int8 scales must be C-contiguous float32 [slots, kv_heads]")
+            if scales.shape[0] != k_pool.shape[0] or width % scales.shape[1]:
+                raise ValueError(f"int8 scales {scales.shape} do not match the pool {k_pool.shape}")
+        assert quant.k_scales is not None and quant.v_scales is not None
+        kv_heads = quant.k_scales.shape[1]
+    elif quant.kind != "fp8":
+        raise ValueError(f"KVQuant.kind must be int8 or fp8 (got {quant.kind!r})")
+    k_rows = np.ascontiguousarray(k, np.float32)
+    v_rows = np.ascontiguousarray(v, np.float32)
+    if v_rows.shape != (rows, width):
+        raise ValueError(f"k and v rows differ: {k.shape} vs {v.shape}")
+    slot_ids = np.ascontiguousarray(slots, np.int64)
+    if slot_ids.shape != (rows,):
+        raise ValueError(f"{rows} rows need {rows} slots, got shape {slot_ids.shape}")
+    _paged_attention.write_kv(
+        k_rows.ctypes.data, v_rows.ctypes.data, slot_ids.ctypes.data, rows, kv_heads or 1,
+        width // (kv_heads or 1), k_pool.ctypes.data, v_pool.ctypes.data, k_pool.shape[0], KV_KINDS[quant.kind],
+        quant.k_scales.ctypes.data if quant.k_scales is not None else 0,
+        quant.v_scales.ctypes.data if quant.v_scales is not None else 0, quant.k_scale, quant.v_scale,
+    )  # fmt: skip
