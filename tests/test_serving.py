@@ -16,6 +16,7 @@ import aiohttp
 import numpy as np
 import pytest
 
+from engine_format import EngineConfig
 from runtime import LLM, SamplingParams
 from tests.triton_helpers import (
     grpc_inputs,
@@ -170,7 +171,7 @@ def test_overload_is_a_fast_error_over_grpc_streams(server):
     assert total - len(errors) >= MAX_WAITING
 
 
-def test_metrics_are_present_and_moving(server):
+def test_metrics_are_present_and_moving(server, llama_engine):
     before = metrics(server)
     post(server, "/v2/models/llm/generate", {"text_input": "count me", "max_tokens": 5})
     assert wait_for(lambda: metric(metrics(server), "trtserve_generation_tokens_total")
@@ -190,6 +191,11 @@ def test_metrics_are_present_and_moving(server):
     )
     for name in present:
         assert any(k.split("{")[0] == name for k in after), name
+    config = EngineConfig.load(llama_engine)  # capacity: the pool's blocks as sequences of max_seq_len
+    blocks = metric(after, "trtserve_kv_cache_blocks_total")
+    assert blocks > 0 and metric(after, "trtserve_kv_cache_max_concurrency") == pytest.approx(
+        blocks * config.block_size / config.max_seq_len
+    )
 
 
 def test_tritonclient_http_infer_through_the_adapter_model(server, reference):

@@ -222,6 +222,7 @@ class LLMEngine:
                 itl_target_s=self.itl_target_s,
                 step_cost=self.cost_model.coefficients,
                 spec_decode=None if self.spec is None else self.spec.counters.snapshot(),
+                kv_max_concurrency=self.kv.capacity_tokens / self.config.max_seq_len,
             )
 
     def take_step_records(self) -> list[StepRecord]:

@@ -143,3 +143,4 @@ class EngineStats:
     itl_target_s: float | None = None  # the engine's (requests may carry tighter ones)
     step_cost: StepCost | None = None  # the learned cost model's coefficients
     spec_decode: SpecDecodeStats | None = None  # None: speculation off
+    kv_max_concurrency: float = 0.0  # sequences of max_seq_len the pool holds (4x with an int8/fp8 cache)

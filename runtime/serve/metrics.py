@@ -50,6 +50,9 @@ GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
     "vllm:kv_cache_usage_perc": ("Fraction of KV blocks held by requests (vLLM's name).", lambda s: s.kv_usage),
     "trtserve_kv_cache_used_blocks": ("KV blocks held by requests.", lambda s: s.kv_blocks["used"]),
     "trtserve_kv_cache_cached_blocks": ("Free KV blocks holding a cached prefix.", lambda s: s.kv_blocks["cached"]),
+    "trtserve_kv_cache_blocks_total": ("KV blocks in the pool.", lambda s: sum(s.kv_blocks.values())),
+    "trtserve_kv_cache_max_concurrency": ("Sequences of max_seq_len the KV pool holds (its dtype decides).",
+                                          lambda s: s.kv_max_concurrency),
     "trtserve_step_token_budget": ("Last step's decodes + the prefill its ITL target let in.",
                                    lambda s: s.step_token_budget),
 }  # fmt: skip
