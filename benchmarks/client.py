@@ -46,6 +46,9 @@ async def _sse_events(response: aiohttp.ClientResponse):
             continue
         payload = line[5:].strip()
         if payload == b"[DONE]":
+            # Read the body's end too, as the openai SDK does: aiohttp closes a connection whose response was
+            # left unfinished, and a reconnect per request would be charged to the server under test.
+            await response.content.read()
             return
         yield json.loads(payload)
 

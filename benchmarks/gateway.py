@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shlex
 import signal
 import sys
@@ -94,6 +95,14 @@ def beyond_engine_ttft_ms(records: Sequence[RequestRecord], before: dict[str, fl
     return round(1000 * (sum(ok) / len(ok) - (s1 - s0) / (n1 - n0)), 3)
 
 
+def process_counters(pid: int) -> dict[str, float]:
+    """A process's system CPU seconds and major page faults (/proc/<pid>/stat). Both jump when the machine
+    is short of memory (library pages evicted and faulted back in, direct reclaim): the machine's state,
+    counted in the process's CPU time but not its work, so reported next to it."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # from field 3 (state) on
+    return {"sys_s": int(fields[12]) / os.sysconf("SC_CLK_TCK"), "major_faults": int(fields[9])}
+
+
 def measure(send: client.Sender, prompts: list[BenchRequest], warm: list[BenchRequest], c: int,
             sessions: dict[str, int], metrics_url: str, discard: int = 0) -> dict:  # fmt: skip
     """Warm-up (not measured), then the measured phase with each server's CPU seconds over it;
@@ -101,9 +110,11 @@ def measure(send: client.Sender, prompts: list[BenchRequest], warm: list[BenchRe
     asyncio.run(client.run_load(send, warm, concurrency=len(warm)))
     time.sleep(0.2)  # the warm-up's last histogram observations land
     before, machine = {name: session_cpu_s(pid) for name, pid in sessions.items()}, machine_busy_s()
+    gateway_before = process_counters(sessions["gateway"])
     engine_before = prometheus.fetch(metrics_url)
     result = asyncio.run(client.run_load(send, prompts, concurrency=c))
     ours = sum(session_cpu_s(pid) - before[name] for name, pid in sessions.items()) + result.client_cpu_s
+    gateway_after = process_counters(sessions["gateway"])
     time.sleep(0.2)
     beyond = beyond_engine_ttft_ms(result.records, engine_before, prometheus.fetch(metrics_url))
     records, duration = steady_state(result.records, discard) if discard else (result.records, result.duration_s)
@@ -114,6 +125,8 @@ def measure(send: client.Sender, prompts: list[BenchRequest], warm: list[BenchRe
     for name, pid in sessions.items():
         out[f"{name}_cpu_s"] = round(session_cpu_s(pid) - before[name], 2)
     out["other_cpu_s"] = round(machine_busy_s() - machine - ours, 2)  # other helpers' work during the phase
+    out["gateway_sys_s"] = round(gateway_after["sys_s"] - gateway_before["sys_s"], 2)  # part of gateway_cpu_s
+    out["gateway_major_faults"] = gateway_after["major_faults"] - gateway_before["major_faults"]
     return out
 
 

@@ -43,6 +43,10 @@ def overhead(rows: list[dict], max_other_cpu_s: float | None = None) -> list[dic
                 if g.get("ttft_beyond_engine_ms") is not None and t.get("ttft_beyond_engine_ms") is not None
             ],
             "gateway_cpu_ms_per_token": [1000 * g["gateway_cpu_s"] / max(g["output_tokens"], 1) for g, _ in reps],
+            "gateway_sys_share": [
+                g["gateway_sys_s"] / max(g["gateway_cpu_s"], 0.01) for g, _ in reps if "gateway_sys_s" in g
+            ],
+            "gateway_major_faults": [g["gateway_major_faults"] for g, _ in reps if "gateway_major_faults" in g],
             "other_cpu_s": [max(g.get("other_cpu_s", 0), t.get("other_cpu_s", 0)) for g, t in reps],
         }
         entry: dict = {"mode": mode, "pairs": len(reps)}
@@ -67,13 +71,15 @@ def verdict(entry: dict) -> str:
 def overhead_table(entries: list[dict]) -> list[str]:
     cell = lambda v, d=3: "-" if not v else f"{v[0]:.{d}f} ({v[1]:.{d}f}–{v[2]:.{d}f})"  # noqa: E731
     lines = ["| mode | pairs | throughput ratio | TTFT p50 Δ ms | TTFT p99 Δ ms | TTFT added beyond the engine, Δ ms "
-             "| ITL p50 Δ ms | gateway CPU ms/token | other work, CPU s | targets |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| ITL p50 Δ ms | gateway CPU ms/token | its system-time share, major faults | other work, CPU s "
+             "| targets |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for e in entries:
         lines.append(f"| {e['mode']} | {e['pairs']} | {cell(e.get('throughput_ratio'))} | "
                      f"{cell(e.get('ttft_p50_delta_ms'), 1)} | {cell(e.get('ttft_p99_delta_ms'), 1)} | "
                      f"{cell(e.get('ttft_added_ms'), 1)} | "
                      f"{cell(e.get('itl_p50_delta_ms'), 2)} | {cell(e.get('gateway_cpu_ms_per_token'), 2)} | "
+                     f"{cell(e.get('gateway_sys_share'), 2)}, {cell(e.get('gateway_major_faults'), 0)} | "
                      f"{cell(e.get('other_cpu_s'), 1)} | {verdict(e)} |")  # fmt: skip
     return lines
 
@@ -89,6 +95,8 @@ def render(payload: dict) -> str:
              "Median (min–max) over repetitions of the per-repetition ratio or difference (gateway − Triton). "
              "TTFT added beyond the engine: (client mean TTFT − engine mean TTFT) through the gateway minus the "
              "same through Triton directly, each within its phase, so the engine's queueing cancels. "
+             "Gateway CPU: its process's user + system time per output token; a high system-time share with "
+             "major faults means the machine was short of memory (library pages re-read: not the gateway's work). "
              "Other work: CPU seconds other processes used during the pair's busier phase (helpers share the "
              f"machine; waits for quiet before repetitions: {payload['quiet_waits_s']} s).", "",
              *overhead_table(payload["overhead"]), "", f"Only pairs with <= {QUIET_CPU_S} CPU s of other work:", "",

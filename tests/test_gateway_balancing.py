@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from runtime.gateway.errors import GatewayError
 from runtime.gateway.exchange import Exchange
+from runtime.gateway.fair_queue import FairQueue
 from runtime.gateway.health import Monitor, parse_engine_load, resolve
 from runtime.gateway.metrics import GatewayMetrics
 from runtime.gateway.prefix_index import PrefixIndex, chunk_hashes, prompt_text
@@ -29,7 +30,7 @@ from runtime.gateway.replicas import (
     ReplicaPool,
 )
 from runtime.gateway.routing import EXPLICIT, Backend, GatewayConfig, RouteDecision, Router
-from runtime.gateway.upstream import Delta, GenerateRequest
+from runtime.gateway.wire import Delta, GenerateRequest
 
 A, B, C = "10.0.0.1:8001", "10.0.0.2:8001", "10.0.0.3:8001"
 SYSTEM = "You are a careful assistant. " * 20  # 580 characters: 9 chunks of 64 with its role
@@ -423,6 +424,34 @@ def test_when_no_replica_is_left_the_last_failure_is_reported():
     busy = [FakeUpstream(u, error=GatewayError.overloaded(f"{u} busy")) for u in (A, B, C)]
     _, error = run_exchange(busy, max_attempts=2)  # round robin: A, then the second of B, C
     assert error is not None and error.message == f"{C} busy" and [u.calls for u in busy] == [1, 0, 1]
+
+
+def test_a_start_granted_at_once_holds_the_queue_slot_until_closed():
+    p = pool("round_robin", urls=(A,))
+    p.replicas[A].upstream = FakeUpstream(A, [token("Hi"), token("!", "stop")])  # type: ignore[assignment]
+    config = GatewayConfig({"m": Backend("m", "h:1")})
+
+    def exchange() -> Exchange:
+        return Exchange(RouteDecision("m", EXPLICIT), {"m": p}, Router(config), [chat("s", "u")], True, False)
+
+    async def go() -> list[str]:
+        queue = FairQueue(max_queued=4, max_concurrent=1, per_key_concurrency=1)
+        first = exchange()
+        assert queue.can_start("k")
+        slot = queue.slot("k")  # held here: only the exchange's close may release it (not its collection)
+        await first.start(slot, immediate=True)
+        assert queue.in_flight == 1 and not queue.can_start("k")
+        texts = [event.delta.text async for event in first.events()]
+        await first.close()
+        assert queue.in_flight == 0
+        gone = exchange()
+        await gone.close()  # the client left before admission: no slot is taken
+        with pytest.raises(GatewayError) as caught:
+            await gone.start(queue.slot("k"), immediate=True)
+        assert caught.value.status == 499 and queue.in_flight == 0
+        return texts
+
+    assert asyncio.run(go()) == ["Hi", "!"]
 
 
 def test_the_admin_api_needs_the_api_key():

@@ -9,7 +9,8 @@ from pydantic import ValidationError
 from runtime.gateway.errors import GatewayError, from_validation
 from runtime.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from runtime.gateway.service import tenant_cache_salt
-from runtime.gateway.upstream import build_inputs, classify, parse_logprobs
+from runtime.gateway.upstream import classify
+from runtime.gateway.wire import build_request, parse_logprobs
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -106,7 +107,7 @@ def test_tenant_cache_salt_hides_the_key_and_never_equals_another_tenants():
 def test_inputs_are_typed_by_the_models_table():
     body = {"model": "m", "prompt": "hi", "max_tokens": 3, "seed": 2**40, "ttft_target_s": 0.5, "stop": ["a", "b"]}
     [request] = CompletionRequest.model_validate(body).upstream_requests("salt")
-    types = {t.name(): (t.datatype(), t.shape()) for t in build_inputs(request, stream=True)}
+    types = {t.name: (t.datatype, list(t.shape)) for t in build_request("llm", request, stream=True).inputs}
     assert types["max_tokens"] == ("INT64", [1]) and types["seed"] == ("INT64", [1]) and types["top_k"][0] == "INT64"
     assert types["ttft_target_s"] == ("FP32", [1]) and types["stream"] == ("BOOL", [1])
     assert types["cache_salt"] == ("BYTES", [1]) and types["stop"] == ("BYTES", [2]) and "messages" not in types

@@ -209,6 +209,27 @@ def test_zero_max_queued_refuses_whenever_no_slot_is_free() -> None:
     run(scenario)
 
 
+def test_can_start_says_whether_a_slot_is_granted_without_waiting() -> None:
+    async def scenario() -> None:
+        q = FairQueue(max_queued=4, max_concurrent=2, per_key_concurrency=1, clock=FakeClock())
+        h = Harness(q.slot)
+        assert q.can_start("a")
+        h.submit("a", "A0")
+        await until(lambda: h.started == ["A0"])
+        assert not q.can_start("a") and q.can_start("b")  # a's own limit; b still fits
+        h.submit("a", "A1")  # queued behind A0
+        h.submit("b", "B0")
+        await until(lambda: h.started == ["A0", "B0"])
+        assert not q.can_start("c") and q.depth == 1  # the global limit
+        await h.finish("A0")  # A1 takes the freed slot: still nothing for c
+        await until(lambda: h.started == ["A0", "B0", "A1"])
+        assert not q.can_start("c")
+        await h.drain(3)
+        assert q.can_start("c") and q.in_flight == 0
+
+    run(scenario)
+
+
 def test_retry_after_follows_recent_service_times() -> None:
     async def scenario() -> None:
         clock = FakeClock()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -11,14 +12,43 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from runtime.gateway.admin import add_admin_routes
 from runtime.gateway.errors import GatewayError
-from runtime.gateway.handler import generate, unknown_model
+from runtime.gateway.handler import ENDPOINTS, generate, unknown_model
+from runtime.gateway.responses import Kind
 from runtime.gateway.service import Gateway
 
+log = logging.getLogger(__name__)
+GENERATION_PATHS: dict[str, Kind] = {path: kind for kind, path in ENDPOINTS.items()}
 
-def create_app(gateway: Gateway) -> FastAPI:
+
+class GenerationFastPath:
+    """ASGI: POSTs to the two generation endpoints go straight to the handler; everything else (the lifespan
+    too) to the FastAPI app. Why: FastAPI's middleware, routing and dependency solving per request, and its
+    middleware's send wrappers per streamed token, cost CPU that the engine shares, and the handler uses none
+    of them: it reads its own body and answers its own errors. A crash before the answer starts is a 500 in
+    OpenAI's shape here (FastAPI's would be plain text); the app keeps routes for the same paths, e.g. for
+    its 405s and redirects."""
+
+    def __init__(self, app: FastAPI, gateway: Gateway) -> None:
+        self.app, self.gateway = app, gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = GENERATION_PATHS.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if kind is None:
+            await self.app(scope, receive, send)
+            return
+        try:
+            response = await generate(self.gateway, Request(scope, receive, send), kind)
+        except Exception:
+            log.exception("a generation request failed")
+            response = GatewayError(500, "the gateway failed to answer", "server_error").response()
+        await response(scope, receive, send)
+
+
+def create_app(gateway: Gateway) -> GenerationFastPath:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gateway.start()
@@ -74,7 +104,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await generate(gateway, request, "text")
 
-    return app
+    return GenerationFastPath(app, gateway)
 
 
 def _model_card(model: str, created: float) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from runtime.gateway.errors import GatewayError
 from runtime.gateway.replicas import ReplicaPool
 from runtime.gateway.routing import RouteDecision, Router
-from runtime.gateway.upstream import Delta, GenerateRequest
+from runtime.gateway.wire import Delta, GenerateRequest
 
 RETRYABLE = frozenset({429, 502, 503})  # overloaded engine, stream cut, replica unreachable or not ready
 
@@ -70,9 +70,16 @@ class Exchange:
     def finished(self) -> bool:
         return not self._pending
 
-    async def start(self, slot: AbstractAsyncContextManager[float]) -> float:
+    async def start(self, slot: AbstractAsyncContextManager[float], immediate: bool = False) -> float:
         """Take the admission slot (FairQueue.slot; its QueueFull propagates), then start every choice.
-        A close() while still queued ends the wait with the 499 error."""
+        A close() while still queued ends the wait with the 499 error. `immediate`: the slot is granted
+        without waiting (FairQueue.can_start), so nothing can close the exchange meanwhile: entered directly,
+        without the two tasks that race a wait against close()."""
+        if immediate and not self.closed:
+            waited = await slot.__aenter__()
+            self._slot = slot
+            self._tasks = [asyncio.create_task(self._pump(i, r)) for i, r in enumerate(self.requests)]
+            return waited
         admission = asyncio.ensure_future(slot.__aenter__())
         closing = asyncio.ensure_future(self._closing.wait())
         try:

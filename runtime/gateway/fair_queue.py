@@ -142,6 +142,10 @@ class FairQueue:
         estimate = service * (self._depth + 1) / self.max_concurrent
         return min(max(estimate, RETRY_AFTER_MIN_S), RETRY_AFTER_MAX_S)
 
+    def can_start(self, key: str) -> bool:
+        """Whether `slot(key)` would be granted now, without waiting (nor raising QueueFull)."""
+        return self._eligible(key)
+
     @asynccontextmanager
     async def slot(self, key: str) -> AsyncIterator[float]:
         """Hold one upstream slot for `key`; yields the seconds spent waiting for it.

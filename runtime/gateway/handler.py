@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from runtime.gateway import responses
 from runtime.gateway.errors import GatewayError, from_validation
@@ -37,6 +38,32 @@ from runtime.gateway.service import Gateway
 from runtime.serve.request_inputs import json_depth_exceeds
 
 ENDPOINTS: dict[Kind, str] = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
+DONE = responses.DONE.encode()
+
+
+class EventStream(StreamingResponse):
+    """A StreamingResponse without its disconnect listener (an anyio task group and task per request: the
+    handler's own watcher ends the stream when the client leaves, the exchange closes, the stream sees 499),
+    whose last event, `data: [DONE]`, goes out with the body's end in one write. Clients that stop reading
+    at [DONE] (aiohttp's SSE loops, the benchmarks' client) then find the response complete and keep the
+    connection; sent apart, the end often arrives after they let go, and they reconnect for every request."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.stream_response(send)
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        held = b""  # [DONE], until the stream ends (its generator still cleans up after yielding it)
+        async for chunk in self.body_iterator:
+            if held:
+                await send({"type": "http.response.body", "body": held, "more_body": True})
+                held = b""
+            data = chunk.encode() if isinstance(chunk, str) else bytes(chunk)
+            if data == DONE:
+                held = data
+            else:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+        await send({"type": "http.response.body", "body": held, "more_body": False})
 
 
 def unknown_model(model: str, served: list[str]) -> GatewayError:
@@ -119,15 +146,15 @@ class Call:
         except UnknownModel:
             raise unknown_model(body.model, gateway.model_ids) from None
         await gateway.check_health(decision)
-        cancelled = gateway.metrics.cancelled.labels(self.endpoint)
         requests = body.upstream_requests(gateway.cache_salt(body.cache_salt))
         exchange = Exchange(decision, gateway.pools, gateway.router, requests, body.stream,
-                            body.logprobs_n is not None, cancelled.inc)  # fmt: skip
+                            body.logprobs_n is not None, self._client_left)  # fmt: skip
         watcher = asyncio.create_task(self._close_on_disconnect(exchange))
         committed = False
         try:
             try:
-                await exchange.start(gateway.queue.slot(gateway.tenant(self.http, body.user)))
+                tenant = gateway.tenant(self.http, body.user)
+                await exchange.start(gateway.queue.slot(tenant), immediate=gateway.queue.can_start(tenant))
             except QueueFull as exc:
                 raise GatewayError.overloaded(str(exc), exc.retry_after_s) from None
             choices = [Choice(i, i // body.n) for i in range(len(exchange.requests))]  # n per prompt, in order
@@ -135,7 +162,7 @@ class Call:
                 first = await _first_events(exchange, len(choices))
                 stream = self._stream(exchange, watcher, body, choices, first)
                 committed = True
-                return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                return EventStream(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             async for event in exchange.events():
                 choices[event.index].add(event.delta)
             self._finished(exchange, choices)
@@ -149,6 +176,9 @@ class Call:
                 watcher.cancel()
                 await exchange.close()
 
+    def _client_left(self) -> None:
+        self.gateway.metrics.cancelled.labels(self.endpoint).inc()
+
     def _header(self, exchange: Exchange, body: Generation) -> Header:
         return Header(self.kind, exchange.model, body.logprobs_n is not None)
 
@@ -159,13 +189,16 @@ class Call:
     async def _stream(self, exchange: Exchange, watcher: asyncio.Task[None], body: Generation, choices: list[Choice],
                       first: list[Event]) -> AsyncIterator[str]:  # fmt: skip
         header = self._header(exchange, body)
+        form = responses.ChunkFormat(header, body.include_usage)
         self.gateway.metrics.ttft.labels(self.endpoint).observe(time.monotonic() - self.arrived)
         started: set[int] = set()  # choices whose first chunk (chat: with the role) went out
         client_left = True  # unless the stream ends on its own
         try:
-            async for event in _chain(first, exchange):
+            pending = first  # then one event at a time: a plain loop, no generator layers per token
+            while pending or not exchange.finished:
+                event = pending.pop(0) if pending else await exchange.next()
                 choices[event.index].add(event.delta)
-                yield responses.chunk(header, event.index, event.delta, event.index not in started, body.include_usage)
+                yield form.chunk(event.index, event.delta, event.index not in started)
                 started.add(event.index)
             if body.include_usage:
                 yield responses.usage_chunk(header, choices)
@@ -196,10 +229,3 @@ async def _first_events(exchange: Exchange, count: int) -> list[Event]:
         seen.add(event.index)
         events.append(event)
     return events
-
-
-async def _chain(first: list[Event], exchange: Exchange) -> AsyncIterator[Event]:
-    for event in first:
-        yield event
-    async for event in exchange.events():
-        yield event

@@ -21,7 +21,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from runtime.gateway.upstream import GenerateRequest
+from runtime.gateway.wire import GenerateRequest
 
 ROLE_END, MESSAGE_END = "\x1f", "\x1e"  # unit / record separators between a message's role, content and the next
 

@@ -26,8 +26,9 @@ class GatewayProcessError(RuntimeError):
 
 class GatewayProcess:
     def __init__(self, args: list[str], host: str, port: int, api_key: str | None = None,
-                 log_path: Path | None = None) -> None:  # fmt: skip
-        """`args`: `trtserve gateway` options other than --host/--port/--api-key."""
+                 log_path: Path | None = None, cwd: Path | None = None) -> None:  # fmt: skip
+        """`args`: `trtserve gateway` options other than --host/--port/--api-key; `cwd`: where it runs, hence
+        which checkout's `runtime` it imports (benchmarks.gateway_profile compares two)."""
         self.host, self.port = host, port
         self.log_path = log_path or Path(tempfile.mkstemp(prefix="trtserve-gateway-", suffix=".log")[1])
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -37,7 +38,7 @@ class GatewayProcess:
             env[API_KEY_ENV] = api_key
         command = [sys.executable, "-m", "runtime.gateway", *args, "--host", host, "--port", str(port)]
         self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)  # fmt: skip
+                                        start_new_session=True, cwd=cwd)  # fmt: skip
 
     @property
     def url(self) -> str:

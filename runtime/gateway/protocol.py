@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runtime.gateway.errors import GatewayError
-from runtime.gateway.upstream import GenerateRequest
+from runtime.gateway.wire import GenerateRequest
 from runtime.serve.request_inputs import INPUT, Limits
 
 LIMITS = Limits()  # the model's default bounds (its max_prompt_chars may be lower: it knows the tokenizer)

@@ -26,11 +26,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from prometheus_client import Gauge
+
 from runtime.gateway.errors import GatewayError
 from runtime.gateway.metrics import GatewayMetrics
 from runtime.gateway.prefix_index import PrefixIndex, chunk_hashes, prompt_text
 from runtime.gateway.replica_config import Replica, ReplicaPolicy, RoutingSettings
-from runtime.gateway.upstream import GenerateRequest, Upstream
+from runtime.gateway.upstream import Upstream
+from runtime.gateway.wire import GenerateRequest
 
 # Pick.reason values (the `reason` label of trtserve_gateway_replica_picks_total).
 PREFIX_MATCH = "prefix_match"
@@ -95,6 +98,9 @@ class ReplicaPool:
         self.clock = clock
         self.replicas: dict[str, ReplicaState] = {}  # by gRPC address, in the order added
         self._turn = 0  # round-robin position; also rotates ties between equally loaded replicas
+        # Each replica's in-flight and index-size gauges, looked up once (labels() costs microseconds per call,
+        # and every request sets both twice); dropped with the replica, whose series forget_replica removes.
+        self._gauges: dict[str, tuple[Gauge, Gauge]] = {}
         for replica in replicas:
             self.add(replica)
 
@@ -104,13 +110,17 @@ class ReplicaPool:
             raise ValueError(f"backend {self.name!r} already has replica {replica.url!r}")
         state = ReplicaState(self.name, replica, self.triton_model, self.settings.index_chunks)
         self.replicas[replica.url] = state
-        self.metrics.replica_in_flight.labels(self.name, replica.url).set(0)
-        self.metrics.replica_healthy.labels(self.name, replica.url).set(0)
+        labels = (self.name, replica.url)
+        self._gauges[replica.url] = (self.metrics.replica_in_flight.labels(*labels),
+                                     self.metrics.replica_index_chunks.labels(*labels))  # fmt: skip
+        self._gauges[replica.url][0].set(0)
+        self.metrics.replica_healthy.labels(*labels).set(0)
         return state
 
     def remove(self, url: str) -> ReplicaState:
         """Take a replica out (KeyError if absent): no new requests; open ones finish (close it once `idle`)."""
         state = self.replicas.pop(url)
+        del self._gauges[url]
         self.metrics.forget_replica(self.name, url)
         return state
 
@@ -187,8 +197,9 @@ class ReplicaPool:
         self.metrics.backend_healthy.labels(self.name).set(1 if self.healthy else 0)
 
     def _publish(self, replica: ReplicaState) -> None:
-        self.metrics.replica_in_flight.labels(self.name, replica.url).set(replica.in_flight)
-        self.metrics.replica_index_chunks.labels(self.name, replica.url).set(len(replica.index))
+        in_flight, index_chunks = self._gauges[replica.url]
+        in_flight.set(replica.in_flight)
+        index_chunks.set(len(replica.index))
 
     def _fresh(self, replica: ReplicaState) -> EngineLoad | None:
         engine = replica.engine

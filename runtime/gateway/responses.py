@@ -13,9 +13,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from runtime.gateway.upstream import Delta, TokenLogprob
+from runtime.gateway.wire import Delta, TokenLogprob
 
 Kind = Literal["chat", "text"]
+_JSON = json.JSONEncoder(ensure_ascii=False)  # json.dumps(..., ensure_ascii=False), without an encoder per call
 
 
 @dataclass
@@ -77,21 +78,30 @@ def completion(header: Header, choices: list[Choice]) -> dict[str, Any]:
     return body
 
 
-def chunk(header: Header, index: int, delta: Delta, first: bool, include_usage: bool) -> str:
-    """One SSE event for one upstream delta (chat's first chunk of a choice announces the role)."""
-    logprobs = _logprobs(header, delta.logprobs)
-    if header.kind == "chat":
-        body = header.base("chat.completion.chunk")
-        message = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
-        body["choices"] = [{"index": index, "delta": message, "logprobs": logprobs,
-                            "finish_reason": delta.finish_reason}]  # fmt: skip
-    else:
-        body = header.base("text_completion")
-        body["choices"] = [{"index": index, "text": delta.text, "logprobs": logprobs,
-                            "finish_reason": delta.finish_reason}]  # fmt: skip
-    if include_usage:
-        body["usage"] = None  # OpenAI: null on every chunk but the last
-    return sse(body)
+class ChunkFormat:
+    """The SSE events of one streamed response, one per upstream delta (chat's first chunk of a choice
+    announces the role). What every chunk shares (id, object, created, model, and the usage null OpenAI
+    puts on every chunk but the last when usage is asked for) is serialized once; a chunk is that text
+    with its index, delta text, logprobs and finish reason spliced in, each serialized as json.dumps would
+    inside the whole object: the result is byte for byte `sse(body)` of the chunk's dict (tests check)."""
+
+    def __init__(self, header: Header, include_usage: bool) -> None:
+        self.header = header
+        base = _JSON.encode(header.base("chat.completion.chunk" if header.kind == "chat" else "text_completion"))
+        self._head = f'data: {base[:-1]}, "choices": [{{"index": '  # the object left open
+        self._tail = "}]" + (', "usage": null' if include_usage else "") + "}\n\n"
+        if header.kind == "chat":
+            self._first, self._next = ', "delta": {"role": "assistant", "content": ', ', "delta": {"content": '
+            self._after_text = '}, "logprobs": '
+        else:
+            self._first = self._next = ', "text": '
+            self._after_text = ', "logprobs": '
+
+    def chunk(self, index: int, delta: Delta, first: bool) -> str:
+        logprobs = "null" if not self.header.want_logprobs else _JSON.encode(_logprobs(self.header, delta.logprobs))
+        finish = "null" if delta.finish_reason is None else _JSON.encode(delta.finish_reason)
+        return (f"{self._head}{index}{self._first if first else self._next}{_JSON.encode(delta.text)}"
+                f'{self._after_text}{logprobs}, "finish_reason": {finish}{self._tail}')  # fmt: skip
 
 
 def usage_chunk(header: Header, choices: list[Choice]) -> str:
@@ -102,7 +112,7 @@ def usage_chunk(header: Header, choices: list[Choice]) -> str:
 
 
 def sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    return f"data: {_JSON.encode(body)}\n\n"
 
 
 DONE = "data: [DONE]\n\n"

@@ -1,0 +1,120 @@
+"""One upstream generation on the wire: its request, its deltas, and Triton's KServe gRPC messages for them.
+
+The messages are tritonclient's protobuf classes, built and read here directly, not through tritonclient's
+InferInput / InferResult: the gateway reads one response per streamed token, and InferResult.as_numpy (a numpy
+array and a BYTES-tensor deserialization for each of five outputs) cost more CPU than the rest of a token's
+path together; on the cores tritonserver shares, that CPU is the engine's. Raw tensor bytes are Triton's: a
+BYTES element is a 4-byte little-endian length and the bytes, numbers are little-endian in their dtype.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from tritonclient.grpc import service_pb2 as pb
+
+from runtime.serve.request_inputs import INPUT
+
+OUTPUTS = ("text_output", "finish_reason", "prompt_tokens", "completion_tokens")  # what every generation reads
+LOGPROBS = "logprobs"  # read (so asked for: Triton sends only the outputs asked) when the request wants them
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One upstream generation: exactly one of `prompt` (raw text) or `messages` (chat)."""
+
+    prompt: str | None
+    messages: list[dict[str, str]] | None
+    params: Mapping[str, int | float | bool]  # scalar inputs of runtime.serve.request_inputs.INPUTS
+    stop: tuple[str, ...] = ()
+    request_id: str = ""
+    cache_salt: str | None = None  # the tenant's (service.Gateway.cache_salt)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    token: str  # the model's "token" text when it sends one, else "token_id:<id>"
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Text since the previous delta; finish_reason is set on the last one only."""
+
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+def token_name(token_id: int, text: str | None = None) -> str:
+    return text if text is not None else f"token_id:{token_id}"
+
+
+def parse_logprobs(raw: bytes) -> list[TokenLogprob]:
+    out = []
+    for entry in json.loads(raw or b"[]"):
+        # top entries: [token_id, logprob, text] (models before token text sent [token_id, logprob])
+        top = [(token_name(int(t[0]), t[2] if len(t) > 2 else None), float(t[1])) for t in entry.get("top", [])]
+        out.append(TokenLogprob(entry["token_id"], token_name(entry["token_id"], entry.get("token")),
+                                float(entry["logprob"]), top))  # fmt: skip
+    return out
+
+
+def _encode(name: str, values: list[Any]) -> bytes:
+    spec = INPUT[name]
+    if spec.datatype == "BYTES":
+        return b"".join(len(v).to_bytes(4, "little") + v for v in values)
+    return np.array(values, dtype=spec.dtype).tobytes()  # numpy's cast, as tritonclient's: a huge float is inf
+
+
+def build_request(model: str, request: GenerateRequest, stream: bool) -> Any:
+    """The ModelInferRequest of one generation, its inputs typed by the model's table
+    (runtime.serve.request_inputs.INPUTS), asking for the outputs `parse_response` reads."""
+    values: dict[str, list[Any]] = {**{name: [value] for name, value in request.params.items()}, "stream": [stream]}
+    if request.messages is not None:
+        values["messages"] = [json.dumps(request.messages).encode()]
+    else:
+        values["text_input"] = [(request.prompt or "").encode()]
+    if request.stop:
+        values["stop"] = [s.encode() for s in request.stop]
+    if request.cache_salt is not None:
+        values["cache_salt"] = [request.cache_salt.encode()]
+    message = pb.ModelInferRequest(model_name=model, id=request.request_id)
+    for name, value in values.items():
+        message.inputs.add(name=name, datatype=INPUT[name].datatype, shape=[len(value)])
+        message.raw_input_contents.append(_encode(name, value))
+    for name in (*OUTPUTS, LOGPROBS) if LOGPROBS in request.params else OUTPUTS:
+        message.outputs.add(name=name)
+    return message
+
+
+def _element(raw: bytes) -> bytes:
+    """The first element of a raw BYTES tensor."""
+    return raw[4 : 4 + int.from_bytes(raw[:4], "little")]
+
+
+def parse_response(response: Any) -> Delta:
+    """The llm model's ModelInferResponse -> its Delta; KeyError names a missing output. (Once per streamed
+    token: plain lookups, no comprehension per field.)"""
+    if response.raw_output_contents:  # Triton's way
+        raw = dict(zip([o.name for o in response.outputs], response.raw_output_contents, strict=True))
+        text, finish = _element(raw["text_output"]), _element(raw["finish_reason"])
+        prompt = int.from_bytes(raw["prompt_tokens"][:4], "little", signed=True)
+        completion = int.from_bytes(raw["completion_tokens"][:4], "little", signed=True)
+        logprobs = _element(raw[LOGPROBS]) if LOGPROBS in raw else b""
+    else:  # typed contents: KServe's other encoding
+        typed = {o.name: o.contents for o in response.outputs}
+        text, finish = typed["text_output"].bytes_contents[0], typed["finish_reason"].bytes_contents[0]
+        prompt = int(typed["prompt_tokens"].int_contents[0])
+        completion = int(typed["completion_tokens"].int_contents[0])
+        logprobs = typed[LOGPROBS].bytes_contents[0] if LOGPROBS in typed else b""
+    return Delta(text.decode("utf-8", errors="replace"), finish.decode() or None, prompt, completion,
+                 parse_logprobs(logprobs) if logprobs not in (b"", b"[]") else [])  # fmt: skip
