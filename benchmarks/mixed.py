@@ -13,7 +13,6 @@ TPOT <= 250 ms.
 
 from __future__ import annotations
 
-import json
 import shlex
 import signal
 import sys
@@ -28,7 +27,7 @@ from benchmarks import client, datasets, plots, servers, tables
 from benchmarks.cpu import wait_quiet
 from benchmarks.datasets import BenchRequest
 from benchmarks.metrics import SLO, summarize
-from benchmarks.report import RESULTS_DIR, cpu_busy_fraction, write_results
+from benchmarks.report import RESULTS_DIR, cpu_busy_fraction, write_report
 from benchmarks.slo_report import poisson_mode, vllm_system
 from benchmarks.suite import Row, flatten
 
@@ -179,9 +178,7 @@ def main(engine: Path, rates: str, arrival_s: float, repetitions: int, vllm_dtyp
                "config": {**asdict(cfg), "engine": str(engine), "logs": str(cfg.logs)},
                "workload": WORKLOAD, "wall_s": round(time.time() - started, 1), "rows": rows,
                "vllm_reference": reference, "targets": targets(rows, cfg.rates, reference)}  # fmt: skip
-    md = write_results(name, payload, "")
-    full = json.loads(md.with_suffix(".json").read_text())
-    md.write_text(render(full))
+    md, full = write_report(name, payload, render)
     write_plot(full, name)
     click.echo(md.read_text())
 

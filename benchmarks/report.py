@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -60,3 +61,12 @@ def write_results(name: str, results: dict, markdown: str) -> Path:
     (RESULTS_DIR / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     (RESULTS_DIR / f"{name}.md").write_text(markdown)
     return RESULTS_DIR / f"{name}.md"
+
+
+def write_report(name: str, results: dict, render: Callable[[dict], str]) -> tuple[Path, dict]:
+    """results/<name>.json, then <name>.md rendered from it as written (with machine and versions);
+    returns the markdown's path and the payload as written, for the plots."""
+    md = write_results(name, results, "")
+    full = json.loads(md.with_suffix(".json").read_text())
+    md.write_text(render(full))
+    return md, full

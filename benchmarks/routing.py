@@ -36,7 +36,7 @@ import yaml
 from benchmarks import plots, servers
 from benchmarks.cpu import wait_quiet
 from benchmarks.prometheus import scrape
-from benchmarks.report import RESULTS_DIR, cpu_busy_fraction, write_results
+from benchmarks.report import RESULTS_DIR, cpu_busy_fraction, write_report
 from calibration.data import QA_FILE
 
 ANSWER_TOKENS = 32  # calibration/gate.py ANSWER_TOKENS
@@ -260,9 +260,7 @@ def main(small: Path, strong: Path, threshold: float, concurrency: int, repetiti
                                                     for s in ("qa", "held-out")}},
         "check": check(per_q, routed, threshold), "accounting": accounting, "questions": per_q,
     }  # fmt: skip
-    md = write_results(name, payload, "")
-    full = json.loads(md.with_suffix(".json").read_text())
-    md.write_text(render(full))
+    md, full = write_report(name, payload, render)
     plots.routing_quality_cost(full, RESULTS_DIR / f"{name}_quality_cost.png")
     click.echo(md.read_text())
 

@@ -39,7 +39,7 @@ from benchmarks.client import Endpoint
 from benchmarks.cpu import pinned, session_affinity, wait_quiet
 from benchmarks.datasets import BenchRequest
 from benchmarks.metrics import summarize
-from benchmarks.report import RESULTS_DIR, cpu_busy_fraction, write_results
+from benchmarks.report import RESULTS_DIR, cpu_busy_fraction, write_report
 from benchmarks.suite import DEFAULT_SLO, flatten
 
 POLICIES = ("prefix", "round_robin", "least_loaded")
@@ -248,9 +248,7 @@ def main(engine: Path, rate: float, arrival_s: float, kv_tokens: int, system_pro
                "config": {**asdict(cfg), "engine": str(engine), "logs": str(cfg.logs)}, "estimate_s": estimate,
                "wall_s": round(time.time() - started, 1), "controls": controls(cfg, prompt_tokens),
                "dataset": described, "runs": runs, "gain": gain(runs)}  # fmt: skip
-    md = write_results(name, payload, "")
-    full = json.loads(md.with_suffix(".json").read_text())
-    md.write_text(render(full))
+    md, full = write_report(name, payload, render)
     plots.scaleout(full["runs"], RESULTS_DIR / f"{name}.png")
     click.echo(md.read_text())
 

@@ -17,7 +17,6 @@ Goodput: requests/s meeting TTFT <= 2 s and TPOT <= 200 ms (benchmarks/metrics.p
 
 from __future__ import annotations
 
-import json
 import shlex
 import signal
 import sys
@@ -33,7 +32,7 @@ from benchmarks import client, datasets, servers
 from benchmarks.cpu import wait_quiet
 from benchmarks.datasets import BenchRequest
 from benchmarks.metrics import RequestRecord, summarize
-from benchmarks.report import RESULTS_DIR, cpu_busy_fraction, write_results
+from benchmarks.report import RESULTS_DIR, cpu_busy_fraction, write_report
 from benchmarks.slo_report import (
     CURVE_Q,
     FIXED,
@@ -247,9 +246,7 @@ def main(engine: Path, vllm: bool, vllm_dtypes: str, quick: bool, concurrency: s
                "rows": [r.to_json() for r in run.rows], "itl_curves": run.curves, "curve_percentiles": CURVE_Q,
                **run.extra}  # fmt: skip
     payload["controls"], payload["targets"] = controls(cfg, payload), targets(payload["rows"])
-    md = write_results(name, payload, "")
-    full = json.loads(md.with_suffix(".json").read_text())
-    md.write_text(render(full))
+    md, full = write_report(name, payload, render)
     write_plots(full, name)
     click.echo(md.read_text())
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import shlex
 import signal
 import sys
@@ -34,7 +33,7 @@ from benchmarks import client, datasets, prometheus, servers
 from benchmarks.cpu import wait_quiet
 from benchmarks.datasets import BenchRequest
 from benchmarks.metrics import summarize
-from benchmarks.report import RESULTS_DIR, cpu_busy_fraction, write_results
+from benchmarks.report import RESULTS_DIR, cpu_busy_fraction, write_report
 from benchmarks.spec_decode_report import (
     CHAT,
     COPY,
@@ -249,9 +248,7 @@ def main(engine: Path, draft_engine: Path | None, systems: str, workloads: str, 
                "estimate_s": estimate, "wall_s": round(time.time() - start, 1), "workload_names": WORKLOAD_NAMES,
                "controls": controls(cfg, work), "rows": aggregated,
                "targets": targets(aggregated, max(cfg.levels))}  # fmt: skip
-    md = write_results(name, payload, "")
-    full = json.loads(md.with_suffix(".json").read_text())
-    md.write_text(render(full))
+    md, full = write_report(name, payload, render)
     write_plot(full, RESULTS_DIR / f"{name}.png")
     click.echo(md.read_text())
 

@@ -36,3 +36,12 @@ def test_mixed_targets_need_every_ratio_and_no_worse_tpot():
     assert got[1.0]["met"] and got[1.0]["tok_s_ratio"] == 1.3 and got[1.0]["goodput_ratio"] == 1.5
     assert not got[2.0]["met"] and not got[3.0]["met"]
     assert got[4.0] == {"rate": 4.0, "status": "not measured"}
+
+
+def test_write_report_renders_the_payload_as_written(tmp_path, monkeypatch):
+    from benchmarks import report
+
+    monkeypatch.setattr(report, "RESULTS_DIR", tmp_path)
+    md, full = report.write_report("x", {"rows": [1, 2]}, lambda p: f"rows {p['rows']} on {p['machine']['cores']}\n")
+    assert full["rows"] == [1, 2] and "versions" in full and (tmp_path / "x.json").is_file()
+    assert md == tmp_path / "x.md" and md.read_text() == f"rows [1, 2] on {full['machine']['cores']}\n"
