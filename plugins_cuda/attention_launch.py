@@ -113,12 +113,14 @@ def _constexprs(scale: float, window: int, num_kv_heads: int, tiles: AttentionTi
             "HEAD_DIM": tiles.head_dim, "BLOCK_SIZE": block_size, **tiles.constexprs()}  # fmt: skip
 
 
-def _shape(q_width: int, k_cache, num_kv_heads: int) -> tuple[AttentionTiles, int]:
+def _shape(q_width: int, k_cache, num_kv_heads: int, element_size: int | None = None) -> tuple[AttentionTiles, int]:
+    """Tiles and block size; element_size: the compute dtype's (default the cache's; a quantized
+    cache's codes are narrower than the q/K/V tiles the kernel computes in)."""
     block_size, kv_width = k_cache.shape[1], k_cache.shape[2]
     head_dim = kv_width // num_kv_heads
     if head_dim < MIN_DOT or head_dim & (head_dim - 1) or q_width % kv_width:
         raise ValueError(f"head_dim must be a power of two >= {MIN_DOT} and q a multiple of kv (got {head_dim})")
-    return AttentionTiles(q_width // kv_width, head_dim, k_cache.element_size()), block_size
+    return AttentionTiles(q_width // kv_width, head_dim, element_size or k_cache.element_size()), block_size
 
 
 def ragged_layout(seq_of_token) -> tuple:

@@ -17,10 +17,10 @@ from plugins_cuda.aot import compile_kernel, triton_pointer
 from plugins_cuda.attention_launch import (
     DEFAULT_SMS,
     ELEMENT_BYTES,
-    MIN_DOT,
     SPLIT_SLOTS,
     AttentionTiles,
     _constexprs,
+    _shape,
     num_splits,
     work_items,
 )  # fmt: skip
@@ -74,11 +74,7 @@ def paged_attention_padded_quant(q, k_cache, v_cache, block_tables, positions, n
     import torch
 
     batch, step, width = q.shape
-    block_size, kv_width = k_cache.shape[1], k_cache.shape[2]
-    head_dim = kv_width // num_kv_heads
-    if head_dim < MIN_DOT or head_dim & (head_dim - 1) or width % kv_width:
-        raise ValueError(f"head_dim must be a power of two >= {MIN_DOT} and q a multiple of kv (got {head_dim})")
-    tiles = AttentionTiles(width // kv_width, head_dim, q.element_size())
+    tiles, block_size = _shape(width, k_cache, num_kv_heads, q.element_size())
     tables = block_tables.to(torch.int64).contiguous()
     splits = num_splits(batch, step, tables.shape[1], block_size, num_kv_heads, tiles, sm_count)
     partials = torch.empty((SPLIT_SLOTS, tiles.slot_width), dtype=torch.float32, device=q.device)
