@@ -70,8 +70,10 @@ class DraftEngineProposer:
         chunks = {i: c for i in fits if (c := self._catch_up(request_ids[i], list(contexts[i]))) is not None}
         while chunks:  # one batched draft step per token: the catch-up chunks first, then single tokens
             logits = self.backend.step(list(chunks.values()))
+            # The softmax costs a pass over the vocabulary per row: only when a bar is set.
+            sure = top_probability(logits) >= self.min_confidence if self.min_confidence > 0 else [True] * len(logits)
             going = []
-            for i, row, confident in zip(chunks, logits, top_probability(logits) >= self.min_confidence, strict=True):
+            for i, row, confident in zip(chunks, logits, sure, strict=True):
                 if confident:
                     out[i].append(int(np.argmax(row)))
                     going += [i] if len(out[i]) < max_tokens[i] else []
