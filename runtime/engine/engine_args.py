@@ -8,10 +8,9 @@ from dataclasses import dataclass
 # Inter-token latency target (ms): the longest gap a decoding stream should see; a step that carries
 # decodes takes only the prefill its learned cost keeps within it. 200 = the goodput TPOT objective,
 # so a stream whose gaps are on target meets it by construction, with 50 ms left under the ITL p99
-# <= 250 ms objective for prediction error and the server. SmolLM2-135M on the 2-core Xeon (engine
-# loop simulated from benchmarks/results/slo.md): decodes alone take ~60 / 90 / 140 ms at 8 / 16 / 32
-# streams; 150 ms left prefill under half of a step at 16+ (c=32 throughput 86% of the fixed budget),
-# 200 gives ITL p99 ~215-240 ms and ~92%, 225 puts p99 at 250-265 ms at 16 streams.
+# <= 250 ms objective for prediction error and the server. SmolLM2-135M on the 2-core Xeon
+# (benchmarks/results/slo.md): ITL p99 206 / 211 / 245 ms at 8 / 16 / 32 streams, c=32 throughput 105%
+# of the fixed budget's. 150 left prefill under half of a step from 16 streams (c=32: 86%).
 DEFAULT_ITL_TARGET_MS = 200.0
 # Prefill a step carries however busy decoding is, so prompts progress. In tokens, so its time
 # scales with the machine: 96 gained ~1.5% throughput at c=32 on the Xeon, but on a 2x slower CPU
