@@ -126,7 +126,11 @@ class Oracle:
         self.prompt, self.ref, self.plan, self.vocab = prompt, ref, list(plan), vocab
 
     def propose(
-        self, contexts: Sequence[Sequence[int]], max_tokens: Sequence[int], request_ids: Sequence[str] = ()
+        self,
+        contexts: Sequence[Sequence[int]],
+        max_tokens: Sequence[int],
+        request_ids: Sequence[str] = (),
+        remaining: Sequence[int] = (),
     ) -> list[list[int]]:
         return [self._one(list(c), k) for c, k in zip(contexts, max_tokens, strict=True)]
 

@@ -103,6 +103,24 @@ def test_the_draft_pool_catches_up_and_drops_rejected_drafts(llama_engine):
     assert not proposer.states and sorted(proposer.free_blocks) == list(range(8))
 
 
+def test_a_request_near_its_end_is_not_caught_up_over_its_whole_context(llama_engine):
+    backend = Recording(create_backend(EngineConfig.load(llama_engine), num_blocks=8, kind="graph"))
+    proposer = DraftEngineProposer(backend)
+    prompt = random_prompts(488, [9], seed=76)[0]
+    # 9 context tokens to catch up with 2 tokens left to generate: over CATCH_UP_PER_TOKEN x 2 = 8, nothing runs.
+    assert proposer.propose([prompt], [1], ["r"], remaining=[2]) == [[]]
+    assert backend.steps == [] and proposer.states["r"].tokens == []
+    # With 3 left (a limit of 12) the same context is caught up and drafted.
+    (drafts,) = proposer.propose([prompt], [1], ["r"], remaining=[3])
+    assert backend.steps == [[(prompt, 0, [0, 1])]] and len(drafts) == 1  # 9 tokens: two 8-token blocks
+    # Once current, only the new tokens run, however few are left.
+    backend.steps.clear()
+    (again,) = proposer.propose([[*prompt, drafts[0], 5]], [1], ["r"], remaining=[1])
+    assert backend.steps == [[([drafts[0], 5], 9, [0, 1])]] and len(again) == 1
+    proposer.release("r")
+    assert sorted(proposer.free_blocks) == list(range(8))
+
+
 def test_top_probability_is_the_softmax_of_the_argmax():
     logits = np.array([[2.0, 1.0, -1.0], [0.0, 0.0, 0.0], [50.0, -50.0, 0.0]], np.float32)
     exact = [np.exp(r.max()) / np.exp(r.astype(np.float64)).sum() for r in logits]

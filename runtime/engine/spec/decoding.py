@@ -61,8 +61,9 @@ class SpecDecoder:
             for r in live
         ]
         drafts = self.proposer.propose(
-            [r.all_token_ids for r in live], [max(k, 0) for k in room], [r.request_id for r in live]
-        )
+            [r.all_token_ids for r in live], [max(k, 0) for k in room], [r.request_id for r in live],
+            [r.params.max_tokens - r.num_output_tokens for r in live],
+        )  # fmt: skip
         for request, tokens in zip(live, drafts, strict=True):
             request.draft_token_ids = list(tokens)
 

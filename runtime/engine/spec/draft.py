@@ -10,6 +10,12 @@ rule applies and sampled requests keep exactly the target's distribution (sampli
 draft's own filtered distribution would raise acceptance for them: later work).
 A request whose draft state cannot grow (pool full, past the draft's max_seq_len) proposes nothing.
 
+Catch-up limit: a request is caught up over at most CATCH_UP_PER_TOKEN context tokens per token it may
+still generate. A new request's prompt passes (paid once, over its whole answer); a request that decoded
+undrafted while the batch was too large to speculate does not, near its end: its catch-up would be a
+forward pass over its whole context for a handful of tokens (the INT4 draft lost 18% at concurrency 16
+to such catch-ups as the batch drained, benchmarks/results/spec_decode.md).
+
 Confidence stop: a request stops drafting at the first draft whose probability under the draft model
 is below `min_confidence` (that draft is dropped). Each draft step costs a draft forward pass for the
 whole batch; a guess the draft itself doubts is mostly rejected, so its step is cost without tokens.
@@ -40,6 +46,9 @@ def top_probability(logits: np.ndarray) -> np.ndarray:
     return 1.0 / np.exp(shifted, dtype=np.float64).sum(axis=-1)
 
 
+CATCH_UP_PER_TOKEN = 4  # context tokens caught up per token the request may still generate (at most)
+
+
 class DraftEngineProposer:
     def __init__(self, backend: EngineBackend, min_confidence: float = 0.0) -> None:
         self.backend, self.config = backend, backend.config
@@ -61,13 +70,22 @@ class DraftEngineProposer:
             self.free_blocks.extend(reversed(state.blocks))
 
     def propose(
-        self, contexts: Sequence[Sequence[int]], max_tokens: Sequence[int], request_ids: Sequence[str] = ()
+        self,
+        contexts: Sequence[Sequence[int]],
+        max_tokens: Sequence[int],
+        request_ids: Sequence[str] = (),
+        remaining: Sequence[int] = (),
     ) -> list[list[int]]:
+        """`remaining` (default: unbounded): the tokens each request may still generate, which bound its catch-up."""
         if len(request_ids) != len(contexts):
             raise ValueError("the draft engine keeps KV per request: pass one request id per context")
         out: list[list[int]] = [[] for _ in contexts]
         fits = [i for i, k in enumerate(max_tokens) if k > 0 and len(contexts[i]) + k <= self.config.max_seq_len]
-        chunks = {i: c for i in fits if (c := self._catch_up(request_ids[i], list(contexts[i]))) is not None}
+        chunks = {}
+        for i in fits:
+            limit = CATCH_UP_PER_TOKEN * remaining[i] if remaining else None
+            if (chunk := self._catch_up(request_ids[i], list(contexts[i]), limit)) is not None:
+                chunks[i] = chunk
         while chunks:  # one batched draft step per token: the catch-up chunks first, then single tokens
             logits = self.backend.step(list(chunks.values()))
             # The softmax costs a pass over the vocabulary per row: only when a bar is set.
@@ -81,14 +99,17 @@ class DraftEngineProposer:
             chunks = {i: c for i in going if (c := self._extend(request_ids[i], [out[i][-1]])) is not None}
         return out
 
-    def _catch_up(self, request_id: str, context: list[int]) -> SequenceChunk | None:
+    def _catch_up(self, request_id: str, context: list[int], limit: int | None = None) -> SequenceChunk | None:
         """The chunk that brings the draft's pool up to `context`: what it computed beyond their
-        common prefix (rejected drafts) is dropped, at least the last token is recomputed."""
+        common prefix (rejected drafts) is dropped, at least the last token is recomputed. None when
+        more than `limit` tokens would run (the state is left as it is)."""
         state = self.states.setdefault(request_id, _DraftState())
         keep = 0
-        limit = min(len(state.tokens), len(context) - 1)
-        while keep < limit and state.tokens[keep] == context[keep]:
+        common = min(len(state.tokens), len(context) - 1)
+        while keep < common and state.tokens[keep] == context[keep]:
             keep += 1
+        if limit is not None and len(context) - keep > limit:
+            return None
         del state.tokens[keep:]
         return self._extend(request_id, context[keep:])
 

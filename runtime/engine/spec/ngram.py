@@ -21,7 +21,11 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
 
     def propose(
-        self, contexts: Sequence[Sequence[int]], max_tokens: Sequence[int], request_ids: Sequence[str] = ()
+        self,
+        contexts: Sequence[Sequence[int]],
+        max_tokens: Sequence[int],
+        request_ids: Sequence[str] = (),
+        remaining: Sequence[int] = (),
     ) -> list[list[int]]:
         return [self.propose_one(c, k) for c, k in zip(contexts, max_tokens, strict=True)]
 

@@ -13,11 +13,16 @@ SPECULATIVE_METHODS = ("ngram", "draft")
 
 class Proposer(Protocol):
     def propose(
-        self, contexts: Sequence[Sequence[int]], max_tokens: Sequence[int], request_ids: Sequence[str] = ()
+        self,
+        contexts: Sequence[Sequence[int]],
+        max_tokens: Sequence[int],
+        request_ids: Sequence[str] = (),
+        remaining: Sequence[int] = (),
     ) -> list[list[int]]:
         """Draft tokens to follow each context (prompt + output so far), at most max_tokens[i]
         for context i (fewer, or none, when the proposer has no guess). request_ids name the
-        requests, for proposers that keep per-request state (a draft engine's KV)."""
+        requests, for proposers that keep per-request state (a draft engine's KV); remaining: the
+        tokens each request may still generate, for proposers whose state costs work to bring up to date."""
         ...
 
     def release(self, request_id: str) -> None:
