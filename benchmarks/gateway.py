@@ -206,13 +206,18 @@ def fixed_name(cfg: Config) -> str:
 @click.option("--steady-waves", default=2, show_default=True, type=click.IntRange(2),
               help="Steady-state part: waves x 32 requests in a closed loop, the first wave discarded.")  # fmt: skip
 @click.option("--parts", default=",".join(PARTS), show_default=True, help=f"Subset of {','.join(PARTS)}.")
+@click.option("--gateway-nice", default=None, type=int, help="The gateway's --nice (default: as `trtserve serve`).")
+@click.option("--itl-target-ms", default=None, help="The engine's itl_target_ms ('0': the fixed token budget; "
+              "default: the engine's SLO budget).")  # fmt: skip
 @click.option("--name", default="gateway", show_default=True)
 def main(engine: Path, concurrency: str, repetitions: int, max_requests: int, output_len: int,
-         aiperf_repetitions: int, steady_waves: int, parts: str, name: str) -> None:  # fmt: skip
+         aiperf_repetitions: int, steady_waves: int, parts: str, gateway_nice: int | None, itl_target_ms: str | None,
+         name: str) -> None:  # fmt: skip
     from runtime.engine.tokenizer import load_tokenizer
-    from runtime.gateway.process import GatewayProcess
+    from runtime.gateway.process import BESIDE_ENGINE_NICE, GatewayProcess
     from runtime.serve.launcher import ServerConfig, TritonServer, free_port
 
+    nice = BESIDE_ENGINE_NICE if gateway_nice is None else gateway_nice
     levels = tuple(int(x) for x in concurrency.split(",") if x)
     chosen = tuple(p for p in parts.split(",") if p)
     if unknown := set(chosen) - set(PARTS):
@@ -226,14 +231,17 @@ def main(engine: Path, concurrency: str, repetitions: int, max_requests: int, ou
     prompt_len = cfg.input_len - len(tok.encode(chat, add_special_tokens=False))  # aiperf's, before the template
     busy, started = cpu_busy_fraction(), time.time()
     server_cfg = ServerConfig.on_free_ports(
-        engine, engine_params=servers.trtserve_params(engine, servers.ServingSettings(prefix_caching=False))
+        engine,
+        engine_params=servers.trtserve_params(
+            engine, servers.ServingSettings(prefix_caching=False, itl_target_ms=itl_target_ms)
+        ),
     )
     extra: dict = {"datasets": {}, "quiet_waits_s": []}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the servers too
     model = engine.resolve().name  # as `trtserve serve` names it
     with TritonServer(server_cfg, cfg.logs / "tritonserver.log") as triton:
         triton.wait_ready()
-        args = ["--triton-url", f"127.0.0.1:{server_cfg.grpc_port}", "--model", model]
+        args = ["--triton-url", f"127.0.0.1:{server_cfg.grpc_port}", "--model", model, "--nice", str(nice)]
         with GatewayProcess(args, "127.0.0.1", free_port(), log_path=cfg.logs / "gateway.log") as gw:
             gw.wait_ready()
             ends = {GATEWAY: Endpoint("gateway", gw.url, model), TRITON: Endpoint("triton", server_cfg.http_url)}

@@ -3,6 +3,7 @@ with --no-openai), is printed with the other endpoints, and goes away on SIGTERM
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import socket
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.gateway.process import BESIDE_ENGINE_NICE
 from runtime.serve.launcher import free_port
 from tests.gateway_helpers import client
 
@@ -50,6 +52,18 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def gateway_nice(port: int) -> int:
+    """How much lower than this test's the CPU priority of the gateway listening on `port` is."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            command = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"runtime.gateway" in command and str(port).encode() in command:
+            return os.getpriority(os.PRIO_PROCESS, int(proc.name)) - os.getpriority(os.PRIO_PROCESS, 0)
+    raise AssertionError(f"no gateway process listens on {port}")
+
+
 def test_serve_starts_the_openai_endpoint_and_stops_it(llama_engine):
     serve = Serve(llama_engine)
     try:
@@ -60,6 +74,8 @@ def test_serve_starts_the_openai_endpoint_and_stops_it(llama_engine):
         reply = sdk.chat.completions.create(model=llama_engine.name, messages=[{"role": "user", "content": "Hi"}],
                                             max_tokens=3, extra_body={"ignore_eos": True})  # fmt: skip
         assert reply.usage.completion_tokens == 3
+        # Beside the engine, the gateway yields the cores (nice is capped at 19).
+        assert gateway_nice(serve.ports["openai"]) == min(BESIDE_ENGINE_NICE, 19 - os.getpriority(os.PRIO_PROCESS, 0))
     finally:
         code = serve.stop()
     assert code == 0, serve.output_until("stopping tritonserver")

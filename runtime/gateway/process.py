@@ -19,6 +19,13 @@ from pathlib import Path
 
 from runtime.gateway.cli import API_KEY_ENV
 
+# `trtserve serve` runs the gateway at this lower CPU priority beside its engine, which uses every core
+# in parallel steps: a gateway thread that preempts one engine thread stalls the other at the step's
+# barrier, so each gateway CPU ms costs the engine about two. Niced, the gateway runs in the engine's
+# serial gaps instead (SmolLM2, 2-core Xeon, c=32: gateway / direct-Triton throughput 0.905 -> 0.972,
+# ~4 ms more TTFT; benchmarks/results/gateway-steady-fixed*.md).
+BESIDE_ENGINE_NICE = 10
+
 
 class GatewayProcessError(RuntimeError):
     pass
@@ -91,7 +98,8 @@ def start_beside_triton(grpc_address: str, model: str, host: str, port: int, api
     triton_host, _, grpc_port = grpc_address.rpartition(":")
     if triton_host in ("0.0.0.0", "::", "[::]", ""):  # listening everywhere: reach it on loopback
         triton_host = "127.0.0.1"
-    gateway = GatewayProcess(["--triton-url", f"{triton_host}:{grpc_port}", "--model", model], host, port, api_key)
+    args = ["--triton-url", f"{triton_host}:{grpc_port}", "--model", model, "--nice", str(BESIDE_ENGINE_NICE)]
+    gateway = GatewayProcess(args, host, port, api_key)
     try:
         gateway.wait_ready()
     except GatewayProcessError:
