@@ -23,8 +23,10 @@ from runtime.engine.spec.rejection_sampler import VerifyResult
 from tests.helpers import hf_logits, random_prompts, run_with_arrivals
 
 ATOL = 1e-4  # as test_engine_parity: float32 both sides, summation order only
-# itl_target_ms=None: schedules from the token budget alone, never from measured step times.
-SPEC = dict(speculative="ngram", num_speculative_tokens=4, speculative_disable_batch_size=8, itl_target_ms=None)
+# itl_target_ms=None: schedules from the token budget alone, never from measured step times; not adaptive:
+# every step below the disable size carries drafts (the governor's choices: test_spec_governor.py).
+SPEC = dict(speculative="ngram", num_speculative_tokens=4, speculative_disable_batch_size=8, itl_target_ms=None,
+            speculative_adaptive=False)  # fmt: skip
 
 
 def blocks(start: int, count: int) -> list[int]:

@@ -48,6 +48,9 @@ class EngineArgs:
     # Speculation pauses while more than this many requests run: a verify pass costs (k + 1) tokens
     # per sequence, which a large batch pays in compute rather than hides behind memory-bound decode.
     speculative_disable_batch_size: int = 4
+    # Below that: speculate only where measured steps with drafts cost less per emitted token than steps
+    # without, per batch size (runtime/engine/spec/governor.py); False: always.
+    speculative_adaptive: bool = True
 
     def __post_init__(self) -> None:
         names = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "threads",
@@ -64,6 +67,8 @@ class EngineArgs:
             raise ValueError(f"EngineArgs.speculative must be 'ngram', 'draft' or None (got {self.speculative!r})")
         if (self.speculative == "draft") != (self.draft_engine is not None):
             raise ValueError("EngineArgs.draft_engine names the draft engine of speculative='draft' (and only then)")
+        if not isinstance(self.speculative_adaptive, bool):
+            raise ValueError(f"EngineArgs.speculative_adaptive must be a bool (got {self.speculative_adaptive!r})")
         if not isinstance(self.draft_min_confidence, int | float) or not 0 <= self.draft_min_confidence < 1:
             raise ValueError(f"EngineArgs.draft_min_confidence must be in [0, 1) (got {self.draft_min_confidence!r})")
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:

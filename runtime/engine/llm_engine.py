@@ -78,7 +78,7 @@ class LLMEngine:
             self.kv,
             self.cost_model,
         )
-        self.spec = create_spec_decoder(args, config, max_num_seqs)
+        self.spec = create_spec_decoder(args, config, max_num_seqs, clock)
         self.admission = Admission(self.tokenizer, config.model.vocab_size, config.max_seq_len, self.kv.capacity_tokens)
         self.eos_token_ids = frozenset(stop_token_ids(self.tokenizer, config))
         self.requests: dict[str, Request] = {}
@@ -177,11 +177,15 @@ class LLMEngine:
                 return outputs + [self.post.finish(r, "error", error=str(exc)) for r in failed]
         with self._lock:
             self.counters.steps += 1
-            outputs += self.post.run(scheduled, logits)
-            seconds = self.clock() - step_start
+            stepped = self.post.run(scheduled, logits)
+            seconds = target_s = self.clock() - step_start
+            if self.spec is not None:  # the drafting for the next step is the proposer's time, not the target's
+                decodes = len(scheduled) if all(s.num_tokens - len(s.drafts) == 1 for s in scheduled) else None
+                target_s = self.spec.observe_step(seconds, sum(len(o.token_ids) for o in stepped), decodes)
+            outputs += stepped
             shape = StepShape.of((len(c.token_ids), c.past_len) for c in chunks)
-            if seconds > 0:  # a clock that did not move (a test's) measured nothing
-                self.cost_model.observe(shape, seconds)
+            if target_s > 0:  # a clock that did not move (a test's) measured nothing
+                self.cost_model.observe(shape, target_s)
             self.counters.record_step(
                 StepRecord(seconds, batch.predicted_s, shape.prefill_tokens, shape.decode_seqs, batch.token_budget)
             )

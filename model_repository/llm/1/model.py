@@ -52,6 +52,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("config parameter 'engine_dir' is empty: point it at an engine")
         engine_args = {k: int(params[k]) for k in INT_ARGS if params.get(k)}
         engine_args["enable_prefix_caching"] = params.get("enable_prefix_caching", "true").lower() == "true"
+        engine_args["speculative_adaptive"] = params.get("speculative_adaptive", "true").lower() == "true"
         engine_args.update({k: params[k].strip() for k in STR_ARGS if params.get(k, "").strip()})
         if params.get("draft_engine"):  # a path: taken as it is, like engine_dir
             engine_args["draft_engine"] = params["draft_engine"]

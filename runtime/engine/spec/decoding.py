@@ -5,11 +5,17 @@ The scheduler gives a decoding request 1 + len(draft_token_ids) tokens (its last
 drafts, slots allocated for all); the backend returns logits for all of them (SequenceChunk.
 num_logits); `verify` keeps the accepted prefix plus one token; the engine then advances the
 request's computed length by the accepted tokens only and trims blocks that held nothing else.
+
+When to speculate: never while more than `disable_batch_size` requests run (a verify pass costs k + 1
+tokens per sequence, which a large batch pays in compute); below that, where the governor
+(governor.py) has measured that steps with drafts cost less per emitted token than steps without.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -17,12 +23,15 @@ from engine_format import EngineConfig
 from runtime.engine.engine_args import EngineArgs
 from runtime.engine.request import Request
 from runtime.engine.sampler import TokenLogprobs
+from runtime.engine.spec.governor import SpeculationGovernor
 from runtime.engine.spec.proposer import Proposer, create_proposer
 from runtime.engine.spec.rejection_sampler import RejectionSampler
 from runtime.engine.stats import SpecDecodeCounters
 
 
-def create_spec_decoder(args: EngineArgs, config: EngineConfig, max_num_seqs: int) -> SpecDecoder | None:
+def create_spec_decoder(
+    args: EngineArgs, config: EngineConfig, max_num_seqs: int, clock: Callable[[], float] = time.monotonic
+) -> SpecDecoder | None:
     """The engine's speculative decoding (None: EngineArgs.speculative is off). A TensorRT plan
     returns at most tensorrt.limits.max_logit_rows logits per call: more drafts are refused here."""
     proposer = create_proposer(args, config)
@@ -34,25 +43,66 @@ def create_spec_decoder(args: EngineArgs, config: EngineConfig, max_num_seqs: in
             f"num_speculative_tokens {args.num_speculative_tokens} x max_num_seqs {max_num_seqs} needs {rows} logit "
             f"rows per step; the TensorRT plan returns at most {config.tensorrt.max_logit_rows}"
         )
-    return SpecDecoder(proposer, args.num_speculative_tokens, args.speculative_disable_batch_size, config.max_seq_len)
+    governor = SpeculationGovernor() if args.speculative_adaptive else None
+    return SpecDecoder(proposer, args.num_speculative_tokens, args.speculative_disable_batch_size, config.max_seq_len,
+                       governor, clock)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What propose() decided for the next step."""
+
+    batch_size: int | None  # requests running then; None: more than disable_batch_size (no measurement)
+    speculate: bool
+    propose_s: float = 0.0  # the proposer's time for its drafts
 
 
 class SpecDecoder:
-    def __init__(self, proposer: Proposer, num_tokens: int, disable_batch_size: int, max_seq_len: int) -> None:
-        """num_tokens: drafts per request per step; disable_batch_size: no drafts while more requests run."""
+    def __init__(
+        self,
+        proposer: Proposer,
+        num_tokens: int,
+        disable_batch_size: int,
+        max_seq_len: int,
+        governor: SpeculationGovernor | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """num_tokens: drafts per request per step; disable_batch_size: no drafts while more requests run;
+        governor: None speculates at every batch size up to disable_batch_size; clock: the engine's (the
+        governor compares step times read from it)."""
         self.proposer, self.num_tokens = proposer, num_tokens
-        self.disable_batch_size, self.max_seq_len = disable_batch_size, max_seq_len
+        self.disable_batch_size, self.max_seq_len, self.clock = disable_batch_size, max_seq_len, clock
         self.sampler = RejectionSampler()
+        self.governor = governor
         self.counters = SpecDecodeCounters()
+        self._planned = _Plan(None, False)  # for the step about to run
+        self._ran: _Plan | None = None  # for the step that ran last
 
     def propose(self, requests: Iterable[Request], running: Sequence[Request]) -> None:
-        """Set draft_token_ids of `requests` (live, decoding) for the next step; with more than
-        disable_batch_size requests running, clear every running request's drafts instead."""
-        if len(running) > self.disable_batch_size:
+        """Set draft_token_ids of `requests` (live, decoding) for the next step; where speculation
+        does not run (batch too large, or not paying at this batch size), clear every running
+        request's drafts instead."""
+        self._ran, batch = self._planned, len(running)
+        if batch > self.disable_batch_size or (self.governor is not None and not self.governor.speculate(batch)):
             for request in running:
                 request.draft_token_ids.clear()
+            self._planned = _Plan(batch if batch <= self.disable_batch_size else None, False)
             return
-        live = [r for r in requests if not r.is_finished and r.num_tokens_to_compute == 1]
+        start = self.clock()
+        self._propose([r for r in requests if not r.is_finished and r.num_tokens_to_compute == 1])
+        self._planned = _Plan(batch, True, self.clock() - start)
+
+    def observe_step(self, seconds: float, tokens: int, decode_batch: int | None) -> float:
+        """The step that ran last took `seconds` (its tail proposing for the next step included), emitted
+        `tokens`, and was `decode_batch` decodes (None: it computed prompt tokens too). Feeds the governor;
+        returns the target's own share of the seconds (the proposer's time taken out)."""
+        target_s = seconds - self._planned.propose_s
+        ran = self._ran
+        if self.governor and ran and ran.batch_size is not None and decode_batch == ran.batch_size:
+            self.governor.observe(ran.batch_size, ran.speculate, target_s + ran.propose_s, tokens)
+        return target_s
+
+    def _propose(self, live: list[Request]) -> None:
         if not live:
             return
         # Room: the drafts plus the token the target adds must fit max_tokens and max_seq_len.

@@ -1,0 +1,65 @@
+"""Speculation only where it pays, measured online.
+
+Whether drafts speed decoding up depends on things known only at run time: how often they are
+accepted (copy-heavy answers vs chat), what a draft pass costs against a target pass on this machine
+(an INT4 draft of the same model costs nearly a target step on an AVX-512 CPU), and the batch size. So
+the governor measures both modes: per running-batch size, the wall time per emitted token of
+decode-only steps with drafts (the proposer's time included) and without, as moving averages. The
+cheaper mode runs; the other is re-measured for `probe_steps` of every `period` steps of that batch
+size, so a change (content that copies more, another load on the machine) is noticed. Until a mode has
+`probe_steps` samples it is measured first, speculation before plain decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Moving-average weight of a new step's seconds per token: a few steps of evidence, not one.
+EWMA_ALPHA = 0.2
+
+
+@dataclass
+class ModeCost:
+    """Seconds per emitted token of one mode at one batch size (a moving average)."""
+
+    samples: int = 0
+    s_per_token: float = 0.0
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        value = seconds / tokens
+        self.s_per_token = value if self.samples == 0 else (1 - EWMA_ALPHA) * self.s_per_token + EWMA_ALPHA * value
+        self.samples += 1
+
+
+@dataclass
+class BatchSizeCosts:
+    speculating: ModeCost = field(default_factory=ModeCost)
+    plain: ModeCost = field(default_factory=ModeCost)
+    steps: int = 0  # decode-only steps observed at this batch size
+
+
+class SpeculationGovernor:
+    def __init__(self, period: int = 64, probe_steps: int = 4) -> None:
+        if not 0 < probe_steps < period:
+            raise ValueError(f"probe_steps ({probe_steps}) must be in (0, period ({period}))")
+        self.period, self.probe_steps = period, probe_steps
+        self.costs: dict[int, BatchSizeCosts] = {}
+
+    def speculate(self, batch_size: int) -> bool:
+        """Whether the next step of `batch_size` running requests should carry drafts."""
+        costs = self.costs.setdefault(batch_size, BatchSizeCosts())
+        if costs.speculating.samples < self.probe_steps:
+            return True
+        if costs.plain.samples < self.probe_steps:
+            return False
+        pays = costs.speculating.s_per_token <= costs.plain.s_per_token
+        probing = costs.steps % self.period < self.probe_steps
+        return pays != probing  # the cheaper mode, except while the other is probed
+
+    def observe(self, batch_size: int, speculated: bool, seconds: float, tokens: int) -> None:
+        """A decode-only step of `batch_size` requests ran in `seconds` and emitted `tokens` tokens."""
+        if seconds <= 0 or tokens <= 0:  # a clock that did not move (a test's) measured nothing
+            return
+        costs = self.costs.setdefault(batch_size, BatchSizeCosts())
+        (costs.speculating if speculated else costs.plain).observe(seconds, tokens)
+        costs.steps += 1

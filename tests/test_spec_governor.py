@@ -1,0 +1,102 @@
+"""The speculation governor: measures steps with and without drafts per batch size and runs the
+cheaper mode, probing the other. Model-free (exact decisions from injected step times), then on a
+tiny engine with a clock that charges each step by its tokens and drafts that are always rejected."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime import EngineArgs, LLMEngine, SamplingParams
+from runtime.engine.spec.governor import SpeculationGovernor
+from tests.helpers import random_prompts
+
+
+def drive(governor: SpeculationGovernor, batch: int, steps: int, spec_s: float, plain_s: float) -> list[bool]:
+    """`steps` decode steps of `batch` requests, one token each when plain, 2 when drafted; returns the modes."""
+    modes = []
+    for _ in range(steps):
+        speculate = governor.speculate(batch)
+        modes.append(speculate)
+        governor.observe(batch, speculate, spec_s if speculate else plain_s, 2 * batch if speculate else batch)
+    return modes
+
+
+def test_it_measures_both_modes_then_runs_the_cheaper_and_probes_the_other():
+    governor = SpeculationGovernor(period=16, probe_steps=2)
+    # Drafted steps take 0.05 s for 2 tokens (25 ms each); plain 0.02 s for 1: plain is cheaper.
+    modes = drive(governor, 1, 40, spec_s=0.05, plain_s=0.02)
+    assert modes[:4] == [True, True, False, False]  # each mode measured probe_steps times, drafts first
+    # From then on plain runs, and drafts are probed in the first 2 steps of every 16 (steps 16, 17, 32, 33).
+    assert [i for i, m in enumerate(modes) if m][2:] == [16, 17, 32, 33]
+
+
+def test_speculation_that_pays_keeps_running_and_plain_is_probed():
+    governor = SpeculationGovernor(period=16, probe_steps=2)
+    modes = drive(governor, 1, 40, spec_s=0.03, plain_s=0.02)  # drafted: 15 ms per token
+    assert [i for i, m in enumerate(modes) if not m] == [2, 3, 16, 17, 32, 33]
+
+
+def test_batch_sizes_are_judged_apart_and_a_change_is_noticed():
+    governor = SpeculationGovernor(period=8, probe_steps=2)
+    drive(governor, 1, 14, spec_s=0.01, plain_s=0.02)  # pays at batch 1 (step 14: no probe due)
+    drive(governor, 4, 14, spec_s=0.2, plain_s=0.02)  # not at batch 4
+    assert governor.speculate(1) and not governor.speculate(4)
+    # Drafts stop paying at batch 1 (e.g. the content no longer copies): the probes of plain see it.
+    modes = drive(governor, 1, 40, spec_s=0.1, plain_s=0.02)
+    assert sum(modes[-16:]) == 4  # plain, but for the drafts' probes (2 of every 8 steps)
+
+
+def test_steps_that_measured_nothing_are_ignored():
+    governor = SpeculationGovernor(period=8, probe_steps=2)
+    for _ in range(10):
+        governor.observe(1, True, 0.0, 2)  # a clock that did not move
+        governor.observe(1, True, 0.1, 0)  # nothing emitted (every request aborted)
+    assert governor.speculate(1) and governor.costs[1].speculating.samples == 0
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="probe_steps"):
+        SpeculationGovernor(period=4, probe_steps=4)
+
+
+class TokenClock:
+    """Seconds advance only when the backend runs: 10 ms per token computed (so a verify chunk of
+    k + 1 tokens costs k + 1 decodes, as on a compute-bound CPU)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_drafts_that_never_pay_are_turned_off_on_a_tiny_engine(llama_engine):
+    clock = TokenClock()
+    args = EngineArgs(speculative="ngram", num_speculative_tokens=4, itl_target_ms=None)
+    engine = LLMEngine(llama_engine, args, clock=clock)
+    step = engine.backend.step
+
+    def charged(chunks):
+        clock.now += 0.01 * sum(len(c.token_ids) for c in chunks)
+        return step(chunks)
+
+    engine.backend.step = charged  # type: ignore[method-assign]
+    assert engine.spec is not None
+    # A proposer whose drafts are always wrong: every verify pass costs 5 tokens and emits 1.
+    vocab = engine.config.model.vocab_size
+    engine.spec.proposer.propose = lambda contexts, ks, *_: [
+        [(c[-1] + 1) % vocab] * k for c, k in zip(contexts, ks, strict=True)
+    ]
+    prompt = random_prompts(vocab, [6], seed=3)[0]
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
+    drafted_steps = []
+    while engine.has_unfinished_requests():
+        before = engine.stats().spec_decode.drafts  # type: ignore[union-attr]
+        engine.step()
+        drafted_steps.append(engine.stats().spec_decode.drafts > before)  # type: ignore[union-attr]
+    governor = engine.spec.governor
+    spec_ms, plain_ms = (1000 * m.s_per_token for m in (governor.costs[1].speculating, governor.costs[1].plain))
+    assert plain_ms == pytest.approx(10) and spec_ms > 2 * plain_ms  # ~50: 5 tokens computed, ~1 emitted
+    # Drafted: the measuring steps (4) and the probes (4 of every 64 steps); without the governor, all ~120.
+    assert 8 <= sum(drafted_steps) <= 12
+    engine.check_invariants()
