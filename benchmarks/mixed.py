@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shlex
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -23,13 +24,14 @@ from pathlib import Path
 
 import click
 
-from benchmarks import client, datasets, plots, servers, tables
+from benchmarks import client, datasets, plots, prometheus, servers, tables
 from benchmarks.cpu import wait_quiet
 from benchmarks.datasets import BenchRequest
 from benchmarks.metrics import SLO, summarize
 from benchmarks.report import RESULTS_DIR, cpu_busy_fraction, write_report
 from benchmarks.slo_report import poisson_mode, vllm_system
 from benchmarks.suite import Row, flatten
+from engine_format import EngineConfig
 
 MIXED_SLO = SLO(ttft_s=3.0, tpot_s=0.25)
 TRTSERVE = "trtserve via Triton (fp32 engine)"
@@ -48,8 +50,18 @@ class Config:
     arrival_s: float = 60.0  # seconds of arrivals per (rate, repetition)
     repetitions: int = 3
     vllm_dtypes: tuple[str, ...] = ("float32",)
+    more_engines: tuple[Path, ...] = ()  # further trtserve engines (e.g. an int8-KV build), after the main one
     settings: servers.ServingSettings = field(default_factory=servers.ServingSettings)
     logs: Path = RESULTS_DIR / "logs" / "mixed"
+
+
+def trtserve_system(engine: Path, main: bool) -> str:
+    """The row label: the main engine's is TRTSERVE (the targets' reference); others name what differs."""
+    if main:
+        return TRTSERVE
+    config = EngineConfig.load(engine)
+    weights = f"{config.quantization} weights" if config.quantization else f"{config.dtype} weights"
+    return f"trtserve via Triton ({weights}, {config.kv_cache_dtype} KV: {engine.name})"
 
 
 def build_workloads(tok, cfg: Config) -> dict[tuple[float, int], list[BenchRequest]]:
@@ -64,9 +76,12 @@ def measure_server(cfg: Config, system: str, endpoint: client.Endpoint, work: di
     for rep in range(cfg.repetitions):
         for i, rate in enumerate(cfg.rates):
             wait_quiet(log)
+            before = prometheus.fetch(endpoint.metrics_url) if endpoint.metrics_url else None
             result = client.run(endpoint, work[rate, rep], warm, rate=rate, seed=rep * 100 + i)
             summary = flatten(summarize(result.records, result.duration_s, MIXED_SLO))
             summary["client_cpu_s"] = round(result.client_cpu_s, 2)
+            if before is not None and endpoint.metrics_url:
+                summary.update(engine_steps(before, prometheus.fetch(endpoint.metrics_url), result.duration_s))
             rows[rate].reps.append(summary)
             log(f"  {system} | {poisson_mode(rate)} rep {rep + 1}: {summary['output_tok_s']} tok/s, goodput "
                 f"{summary['goodput_req_s']} req/s, TPOT p50 {summary.get('tpot_ms_p50')} ms, "
@@ -74,15 +89,30 @@ def measure_server(cfg: Config, system: str, endpoint: client.Endpoint, work: di
     return list(rows.values())
 
 
+def engine_steps(before: dict[str, float], after: dict[str, float], duration_s: float) -> dict:
+    """trtserve's own account of a phase (its /metrics): the share of the wall time the engine spent in
+    steps (the rest is idle or waiting on the transport), the mean step, and prefix-cache hits. The
+    warm-up requests count too (two 8-token answers)."""
+    name = "trtserve_step_duration_seconds"
+    busy = prometheus.total(after, f"{name}_sum") - prometheus.total(before, f"{name}_sum")
+    steps = prometheus.total(after, f"{name}_count") - prometheus.total(before, f"{name}_count")
+    return {"engine_busy": round(busy / duration_s, 3) if duration_s > 0 else None,
+            "engine_step_ms_mean": round(1000 * busy / steps, 1) if steps else None,
+            "prefix_cache_hit_rate": prometheus.hit_rate(before, after)["hit_rate"]}  # fmt: skip
+
+
 def run_all(cfg: Config, tok, log: Callable[[str], None]) -> list[Row]:
     work = build_workloads(tok, cfg)
     warm = [datasets.mixed(tok, 2, seed=99, answer_range=(8, 8))[i] for i in range(2)]
     rows: list[Row] = []
-    try:
-        with servers.trtserve(cfg.engine, cfg.settings, cfg.logs / "tritonserver.log") as endpoint:
-            rows += measure_server(cfg, TRTSERVE, endpoint, work, warm, log)
-    except RuntimeError as exc:
-        rows.append(Row("mixed chat traffic, Poisson arrivals", TRTSERVE, "-", 0, unavailable=str(exc)[-600:]))
+    for engine in (cfg.engine, *cfg.more_engines):
+        system = trtserve_system(engine, main=engine == cfg.engine)
+        log(f"== {system}: starting")
+        try:
+            with servers.trtserve(engine, cfg.settings, cfg.logs / f"tritonserver-{engine.name}.log") as endpoint:
+                rows += measure_server(cfg, system, endpoint, work, warm, log)
+        except RuntimeError as exc:
+            rows.append(Row("mixed chat traffic, Poisson arrivals", system, "-", 0, unavailable=str(exc)[-600:]))
     from builder.sources import resolve_model
 
     checkpoint = resolve_model("smollm2-135m").checkpoint_dir
@@ -142,6 +172,17 @@ def render(p: dict) -> str:
         else:
             lines.append(f"| {t['rate']:g} | - | - | - | not measured |")
     lines += ["", "## Results (median of repetitions, min–max in brackets)", "", *tables.workload_table(p["rows"], slo)]
+    lines += ["", "## trtserve's engine during each phase (its /metrics; medians)", "",
+              "Busy: share of the phase's wall time spent in engine steps; the rest the engine waited (for work, or "
+              "for the transport).", "",
+              "| system | rate | engine busy | mean step ms | prefix-cache hit rate |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    for r in p["rows"]:
+        reps = [x for x in r["reps"] if x.get("engine_busy") is not None]
+        if reps:
+            busy, step, hits = (statistics.median(x[k] or 0 for x in reps)
+                                for k in ("engine_busy", "engine_step_ms_mean", "prefix_cache_hit_rate"))  # fmt: skip
+            lines.append(f"| {r['system']} | {r['mode']} | {busy:.0%} | {step:.1f} | {hits:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -161,13 +202,15 @@ def write_plot(p: dict, name: str) -> None:
 @click.option("--arrival-s", default=60.0, show_default=True, help="Seconds of arrivals per rate and repetition.")
 @click.option("--repetitions", default=3, show_default=True, type=click.IntRange(1))
 @click.option("--vllm-dtypes", default="float32", show_default=True, help="vLLM runs ('' for none).")
+@click.option("--more-engines", default="", help="Further trtserve engines to run (comma-separated directories).")
 @click.option("--name", default="mixed", show_default=True)
-def main(engine: Path, rates: str, arrival_s: float, repetitions: int, vllm_dtypes: str, name: str) -> None:
+def main(engine: Path, rates: str, arrival_s: float, repetitions: int, vllm_dtypes: str, more_engines: str,
+         name: str) -> None:  # fmt: skip
     from runtime.engine.tokenizer import load_tokenizer
 
     dtypes = tuple(d for d in vllm_dtypes.split(",") if d)
     cfg = Config(engine, tuple(float(x) for x in rates.split(",")), arrival_s, repetitions, dtypes,
-                 logs=RESULTS_DIR / "logs" / name)  # fmt: skip
+                 tuple(Path(e) for e in more_engines.split(",") if e), logs=RESULTS_DIR / "logs" / name)  # fmt: skip
     cfg.logs.mkdir(parents=True, exist_ok=True)
     log = lambda s: click.echo(s, err=True)  # noqa: E731
     busy, started = cpu_busy_fraction(), time.time()
@@ -175,7 +218,8 @@ def main(engine: Path, rates: str, arrival_s: float, repetitions: int, vllm_dtyp
     rows = [r.to_json() for r in run_all(cfg, load_tokenizer(engine), log)]
     reference = vllm_system(dtypes[0]) if dtypes else "-"
     payload = {"command": "python -m benchmarks.mixed " + shlex.join(sys.argv[1:]), "cpu_busy_before": busy,
-               "config": {**asdict(cfg), "engine": str(engine), "logs": str(cfg.logs)},
+               "config": {**asdict(cfg), "engine": str(engine), "logs": str(cfg.logs),
+                          "more_engines": [str(e) for e in cfg.more_engines]},
                "workload": WORKLOAD, "wall_s": round(time.time() - started, 1), "rows": rows,
                "vllm_reference": reference, "targets": targets(rows, cfg.rates, reference)}  # fmt: skip
     md, full = write_report(name, payload, render)

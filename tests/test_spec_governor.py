@@ -46,6 +46,19 @@ def test_batch_sizes_are_judged_apart_and_a_change_is_noticed():
     assert sum(modes[-16:]) == 4  # plain, but for the drafts' probes (2 of every 8 steps)
 
 
+def test_a_mode_s_cost_is_a_ratio_of_sums_not_a_mean_of_per_step_ratios():
+    """Drafted steps of 30 ms alternate 1 and 5 emitted tokens: 10 ms per token, cheaper than plain 15 ms.
+    Averaging per-step ratios (30 and 6 ms) would say 18 ms and turn speculation off."""
+    governor = SpeculationGovernor(period=16, probe_steps=2)
+    modes = []
+    for step in range(40):
+        speculate = governor.speculate(1)
+        modes.append(speculate)
+        governor.observe(1, speculate, 0.03 if speculate else 0.015, (1 if step % 2 else 5) if speculate else 1)
+    assert governor.costs[1].speculating.s_per_token < governor.costs[1].plain.s_per_token
+    assert [i for i, m in enumerate(modes) if not m] == [2, 3, 16, 17, 32, 33]
+
+
 def test_steps_that_measured_nothing_are_ignored():
     governor = SpeculationGovernor(period=8, probe_steps=2)
     for _ in range(10):

@@ -20,15 +20,23 @@ EWMA_ALPHA = 0.2
 
 @dataclass
 class ModeCost:
-    """Seconds per emitted token of one mode at one batch size (a moving average)."""
+    """Seconds per emitted token of one mode at one batch size: moving averages of a step's seconds and
+    of its tokens, divided (a ratio of sums: averaging per-step ratios would weigh a drafted step that
+    emitted 1 token as much as one that emitted 5, and call speculation that pays a loss)."""
 
     samples: int = 0
-    s_per_token: float = 0.0
+    seconds: float = 0.0
+    tokens: float = 0.0
 
     def observe(self, seconds: float, tokens: int) -> None:
-        value = seconds / tokens
-        self.s_per_token = value if self.samples == 0 else (1 - EWMA_ALPHA) * self.s_per_token + EWMA_ALPHA * value
+        weight = 1.0 if self.samples == 0 else EWMA_ALPHA
+        self.seconds += weight * (seconds - self.seconds)
+        self.tokens += weight * (tokens - self.tokens)
         self.samples += 1
+
+    @property
+    def s_per_token(self) -> float:
+        return self.seconds / self.tokens if self.tokens else float("inf")
 
 
 @dataclass
