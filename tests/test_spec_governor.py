@@ -24,16 +24,17 @@ def drive(governor: SpeculationGovernor, batch: int, steps: int, spec_s: float, 
 def test_it_measures_both_modes_then_runs_the_cheaper_and_probes_the_other():
     governor = SpeculationGovernor(period=16, probe_steps=2)
     # Drafted steps take 0.05 s for 2 tokens (25 ms each); plain 0.02 s for 1: plain is cheaper.
-    modes = drive(governor, 1, 40, spec_s=0.05, plain_s=0.02)
+    modes = drive(governor, 1, 60, spec_s=0.05, plain_s=0.02)
     assert modes[:4] == [True, True, False, False]  # each mode measured probe_steps times, drafts first
-    # From then on plain runs, and drafts are probed in the first 2 steps of every 16 (steps 16, 17, 32, 33).
-    assert [i for i, m in enumerate(modes) if m][2:] == [16, 17, 32, 33]
+    # Judged at step 4: plain runs, drafts are probed 16 steps on (20, 21); that probe confirms plain,
+    # so the next one waits 32 steps (54, 55), then 64.
+    assert [i for i, m in enumerate(modes) if m] == [0, 1, 20, 21, 54, 55]
 
 
 def test_speculation_that_pays_keeps_running_and_plain_is_probed():
     governor = SpeculationGovernor(period=16, probe_steps=2)
-    modes = drive(governor, 1, 40, spec_s=0.03, plain_s=0.02)  # drafted: 15 ms per token
-    assert [i for i, m in enumerate(modes) if not m] == [2, 3, 16, 17, 32, 33]
+    modes = drive(governor, 1, 60, spec_s=0.03, plain_s=0.02)  # drafted: 15 ms per token
+    assert [i for i, m in enumerate(modes) if not m] == [2, 3, 20, 21, 54, 55]
 
 
 def test_batch_sizes_are_judged_apart_and_a_change_is_noticed():
@@ -43,7 +44,9 @@ def test_batch_sizes_are_judged_apart_and_a_change_is_noticed():
     assert governor.speculate(1) and not governor.speculate(4)
     # Drafts stop paying at batch 1 (e.g. the content no longer copies): the probes of plain see it.
     modes = drive(governor, 1, 40, spec_s=0.1, plain_s=0.02)
-    assert sum(modes[-16:]) == 4  # plain, but for the drafts' probes (2 of every 8 steps)
+    # Two drafted steps at 50 ms a token lift the average past plain's 20: plain from then on, with
+    # probes of drafts 8 steps on, then 16, then 32 (the last 16 steps hold one probe).
+    assert modes[:3] == [True, True, False] and sum(modes[-16:]) == 2
 
 
 def test_a_mode_s_cost_is_a_ratio_of_sums_not_a_mean_of_per_step_ratios():
@@ -51,12 +54,12 @@ def test_a_mode_s_cost_is_a_ratio_of_sums_not_a_mean_of_per_step_ratios():
     Averaging per-step ratios (30 and 6 ms) would say 18 ms and turn speculation off."""
     governor = SpeculationGovernor(period=16, probe_steps=2)
     modes = []
-    for step in range(40):
+    for step in range(60):
         speculate = governor.speculate(1)
         modes.append(speculate)
         governor.observe(1, speculate, 0.03 if speculate else 0.015, (1 if step % 2 else 5) if speculate else 1)
     assert governor.costs[1].speculating.s_per_token < governor.costs[1].plain.s_per_token
-    assert [i for i, m in enumerate(modes) if not m] == [2, 3, 16, 17, 32, 33]
+    assert [i for i, m in enumerate(modes) if not m] == [2, 3, 20, 21, 54, 55]
 
 
 def test_steps_that_measured_nothing_are_ignored():
@@ -68,8 +71,9 @@ def test_steps_that_measured_nothing_are_ignored():
 
 
 def test_bad_settings_are_refused():
-    with pytest.raises(ValueError, match="probe_steps"):
-        SpeculationGovernor(period=4, probe_steps=4)
+    for period, probe_steps, max_period in ((4, 4, 8), (8, 2, 4), (8, 0, 8)):
+        with pytest.raises(ValueError, match="probe_steps"):
+            SpeculationGovernor(period, probe_steps, max_period)
 
 
 class TokenClock:
@@ -110,6 +114,6 @@ def test_drafts_that_never_pay_are_turned_off_on_a_tiny_engine(llama_engine):
     governor = engine.spec.governor
     spec_ms, plain_ms = (1000 * m.s_per_token for m in (governor.costs[1].speculating, governor.costs[1].plain))
     assert plain_ms == pytest.approx(10) and spec_ms > 2 * plain_ms  # ~50: 5 tokens computed, ~1 emitted
-    # Drafted: the measuring steps (4) and the probes (4 of every 64 steps); without the governor, all ~120.
+    # Drafted: the measuring steps (4) and one probe (4 steps, 64 steps on); without the governor, all ~120.
     assert 8 <= sum(drafted_steps) <= 12
     engine.check_invariants()

@@ -5,16 +5,19 @@ accepted (copy-heavy answers vs chat), what a draft pass costs against a target 
 (an INT4 draft of the same model costs nearly a target step on an AVX-512 CPU), and the batch size. So
 the governor measures both modes: per running-batch size, the wall time per emitted token of
 decode-only steps with drafts (the proposer's time included) and without, as moving averages. The
-cheaper mode runs; the other is re-measured for `probe_steps` of every `period` steps of that batch
-size, so a change (content that copies more, another load on the machine) is noticed. Until a mode has
-`probe_steps` samples it is measured first, speculation before plain decoding.
+cheaper mode runs; the other is re-measured for `probe_steps` steps, `period` steps after the choice,
+so a change (content that copies more, another load on the machine) is noticed. A probe that confirms
+the choice doubles the wait before the next one (up to `max_period`): probing costs (a draft engine
+first catches every request up on the tokens it missed), and a choice that keeps being confirmed is
+safe. A probe that flips the choice resets the wait. Until a mode has `probe_steps` samples it is
+measured first, speculation before plain decoding.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Moving-average weight of a new step's seconds per token: a few steps of evidence, not one.
+# Moving-average weight of a new step's seconds and tokens: a few steps of evidence, not one.
 EWMA_ALPHA = 0.2
 
 
@@ -44,30 +47,38 @@ class BatchSizeCosts:
     speculating: ModeCost = field(default_factory=ModeCost)
     plain: ModeCost = field(default_factory=ModeCost)
     steps: int = 0  # decode-only steps observed at this batch size
+    choice: bool | None = None  # speculate? (the cheaper mode when last judged; None: still measuring)
+    wait: int = 0  # steps from one probe to the next
+    next_probe: int = 0  # the step count at which the next probe starts
 
 
 class SpeculationGovernor:
-    def __init__(self, period: int = 64, probe_steps: int = 4) -> None:
-        if not 0 < probe_steps < period:
-            raise ValueError(f"probe_steps ({probe_steps}) must be in (0, period ({period}))")
-        self.period, self.probe_steps = period, probe_steps
+    def __init__(self, period: int = 64, probe_steps: int = 4, max_period: int = 1024) -> None:
+        if not 0 < probe_steps < period <= max_period:
+            raise ValueError(f"need 0 < probe_steps ({probe_steps}) < period ({period}) <= max_period ({max_period})")
+        self.period, self.probe_steps, self.max_period = period, probe_steps, max_period
         self.costs: dict[int, BatchSizeCosts] = {}
 
     def speculate(self, batch_size: int) -> bool:
         """Whether the next step of `batch_size` running requests should carry drafts."""
-        costs = self.costs.setdefault(batch_size, BatchSizeCosts())
-        if costs.speculating.samples < self.probe_steps:
+        c = self.costs.setdefault(batch_size, BatchSizeCosts())
+        if c.speculating.samples < self.probe_steps:
             return True
-        if costs.plain.samples < self.probe_steps:
+        if c.plain.samples < self.probe_steps:
             return False
-        pays = costs.speculating.s_per_token <= costs.plain.s_per_token
-        probing = costs.steps % self.period < self.probe_steps
+        pays = c.speculating.s_per_token <= c.plain.s_per_token
+        if pays != c.choice:  # first judgement, or a probe (or the chosen mode's own drift) flipped it
+            c.choice, c.wait, c.next_probe = pays, self.period, c.steps + self.period
+        elif c.steps >= c.next_probe + self.probe_steps:  # a probe ended and confirmed the choice
+            c.wait = min(2 * c.wait, self.max_period)
+            c.next_probe = c.steps + c.wait
+        probing = c.next_probe <= c.steps < c.next_probe + self.probe_steps
         return pays != probing  # the cheaper mode, except while the other is probed
 
     def observe(self, batch_size: int, speculated: bool, seconds: float, tokens: int) -> None:
         """A decode-only step of `batch_size` requests ran in `seconds` and emitted `tokens` tokens."""
         if seconds <= 0 or tokens <= 0:  # a clock that did not move (a test's) measured nothing
             return
-        costs = self.costs.setdefault(batch_size, BatchSizeCosts())
-        (costs.speculating if speculated else costs.plain).observe(seconds, tokens)
-        costs.steps += 1
+        c = self.costs.setdefault(batch_size, BatchSizeCosts())
+        (c.speculating if speculated else c.plain).observe(seconds, tokens)
+        c.steps += 1
