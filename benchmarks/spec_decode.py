@@ -168,7 +168,8 @@ def started(cfg: Config, log: Callable[[str], None]) -> Iterator[tuple[dict[str,
         for system in cfg.systems:
             log(f"== starting tritonserver: speculation {system}")
             try:
-                settings = replace(cfg.settings, extra_params=server_params(cfg, system))
+                params = {**cfg.settings.extra_params, **server_params(cfg, system)}
+                settings = replace(cfg.settings, extra_params=params)
                 endpoints[system] = stack.enter_context(
                     servers.trtserve(cfg.engine, settings, cfg.logs / f"tritonserver-{system}.log")
                 )

@@ -129,8 +129,14 @@ def test_quick_run_through_tritonservers(llama_engine, tmp_path):
     tok = load_tokenizer(llama_engine)
     texts = ["one two three four five six " * 3 + "one two", "red green blue red green blue red"]
     reqs = [BenchRequest(t, tuple(tok.encode(t, add_special_tokens=False)), 24, True) for t in texts]
-    settings = servers.ServingSettings(max_num_seqs=4, kv_tokens=8 * 256, max_num_batched_tokens=64,
-                                       prefix_caching=False)  # fmt: skip
+    # Not adaptive: on the tiny engine the governor may well find drafting not worth it, and this checks mechanics.
+    settings = servers.ServingSettings(
+        max_num_seqs=4,
+        kv_tokens=8 * 256,
+        max_num_batched_tokens=64,
+        prefix_caching=False,
+        extra_params={"speculative_adaptive": "false"},
+    )
     cfg = Config(llama_engine, llama_engine, levels=(1,), repetitions=1, quiet=False, settings=settings, logs=tmp_path)
     with started(cfg, print) as (endpoints, failed):
         assert not failed and set(endpoints) == {OFF, NGRAM, DRAFT}
