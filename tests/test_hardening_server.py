@@ -153,7 +153,10 @@ def test_killed_stub_ends_streams_and_serve_exits_nonzero(slow_engine):
         if serve.process.poll() is None:
             serve.stop()
     output = serve.output_until("stopping tritonserver")
-    assert code == EXIT_UNSERVABLE and "failed 3 health probes" in output, output
+    # Either the model fails its probes, or (seen once in CI) tritonserver itself aborts on a
+    # boost lock_exception from the python backend's shared memory the dead stub held: both are noticed.
+    noticed = "failed 3 health probes" in output or "tritonserver exited (code -6)" in output
+    assert code == EXIT_UNSERVABLE and noticed, output
 
 
 def _long_stream_inputs() -> list[grpcclient.InferInput]:
