@@ -185,3 +185,13 @@ def test_generate_command_with_a_draft_engine(llama_engine, mistral_engine):
     assert spec.stdout == plain.stdout and "speculative:" in spec.stderr
     missing = CliRunner().invoke(trtserve_cli, [*base, "--speculative", "draft"])
     assert missing.exit_code == 2 and "--speculative draft needs --draft-engine" in missing.output
+
+
+def test_draft_and_target_sessions_stop_spinning_when_a_run_returns(llama_engine, mistral_engine):
+    """Target and draft runs alternate on the same cores: a session's workers spinning after its run would
+    take them from the other's (measured: INT4 draft step 10 -> 18 ms, target verify 28 -> 51 ms)."""
+    llm = LLMEngine(llama_engine, draft_args(mistral_engine))
+    draft = llm.spec.proposer.backend
+    sessions = [llm.backend.small_steps.session, *llm.backend.segments, draft.small_steps.session]
+    entries = [s.get_session_options().get_session_config_entry("session.force_spinning_stop") for s in sessions]
+    assert entries == ["1"] * len(sessions)
