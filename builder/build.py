@@ -62,6 +62,7 @@ class BuildOptions:
     gate_config: Path | None = None  # default: calibration/gate_v1.json
     accept_gate_failure: bool = False  # promote even if the gate fails (recorded in the manifest)
     kv_cache_dtype: str = "auto"  # engine_format.kv_cache.KV_CACHE_DTYPES
+    quantize_lm_head: bool = False  # INT4 only (calibration.quantize.QuantConfig.lm_head)
 
     @property
     def gated(self) -> bool:
@@ -83,6 +84,8 @@ class BuildOptions:
             raise BuildError(
                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {self.kv_cache_dtype})"
             )
+        if self.quantize_lm_head and not (self.quantize or "").startswith("int4"):
+            raise BuildError(f"--quantize-lm-head needs --quantize int4-awq or int4-rtn (got {self.quantize})")
         if self.kv_cache_dtype in QUANTIZED_KV_DTYPES and (self.target != "onnxruntime-cpu" or self.dtype != "float32"):
             # Both graph forms read and write a quantized pool for any dtype, but the quality gate and the
             # fp8 scale calibration run on the CPU backend (float32 segments), and the TensorRT plugins
@@ -178,7 +181,9 @@ def _calibrate(model, tokenizer, spec: ModelSpec, options: BuildOptions, scratch
     """Load the calibration and held-out text. Quantized weights: export the unquantized reference
     engine (for the gate) into `scratch`, then calibrate and quantize the model in place. A quantized
     KV cache alone is gated against the same engine with a model-dtype cache (reference None)."""
-    config = QuantConfig(options.quantize, options.int4_block_size) if options.quantize else None
+    config = None
+    if options.quantize:
+        config = QuantConfig(options.quantize, options.int4_block_size, lm_head=options.quantize_lm_head)
     if config and (problems := config.problems(spec)):
         raise BuildError("; ".join(problems))
     with step("load calibration and held-out text"):

@@ -100,7 +100,8 @@ a failed build leaves an existing engine directory at --output untouched.""",
 @click.option(
     "--quantize",
     type=click.Choice(QUANT_METHODS),
-    help="Post-training quantization of the linear layers (embeddings and lm_head stay unquantized): "
+    help="Post-training quantization of the linear layers (embeddings and lm_head stay unquantized, but see "
+    "--quantize-lm-head): "
     "fp8 (E4M3 weights per channel, activations per tensor), int4-awq (activation-aware INT4 weight-only), "
     "int4-rtn (round-to-nearest INT4). Calibrates on packaged text and must pass the quality gate.",
 )
@@ -114,6 +115,10 @@ a failed build leaves an existing engine directory at --output untouched.""",
     "~4x the tokens of fp32 in the same memory; it must pass the quality gate. CPU target, float32 only.",
 )
 @click.option("--int4-block-size", default=32, show_default=True, type=int, help="INT4 weights per scale.")
+@click.option("--quantize-lm-head", is_flag=True,
+              help="INT4 methods: quantize lm_head too (a tied one gets its own INT4 copy; the embedding "
+              "stays float). Costs quality; meant for draft engines (SmolLM2's head is 2/3 of an INT4 "
+              "engine's weight bytes).")  # fmt: skip
 @click.option("--calib-samples", default=DataConfig.calibration_samples, show_default=True,
               type=click.IntRange(min=2), help="Calibration sequences (half chat, half plain text).")  # fmt: skip
 @click.option("--heldout-samples", default=DataConfig.heldout_samples, show_default=True,
@@ -128,8 +133,8 @@ a failed build leaves an existing engine directory at --output untouched.""",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout when done.")
 def main(model, output, max_batch_size, max_seq_len, block_size, dtype, target, quantize, kv_cache_dtype,
-         int4_block_size, calib_samples, heldout_samples, calib_seed, gate_config, accept_gate_failure,
-         as_json) -> None:  # fmt: skip
+         int4_block_size, quantize_lm_head, calib_samples, heldout_samples, calib_seed, gate_config,
+         accept_gate_failure, as_json) -> None:  # fmt: skip
     """Export a decoder LLM to an ONNX graph with a paged KV-cache interface, verify it
     against the Hugging Face eager model, and write an engine directory (graph, weights,
     tokenizer, manifest.json) that `trtserve generate` and `trtserve serve` load.
@@ -142,7 +147,7 @@ def main(model, output, max_batch_size, max_seq_len, block_size, dtype, target, 
     options = BuildOptions(
         model, output, max_batch_size, max_seq_len, block_size, dtype, target, quantize, int4_block_size,
         DataConfig(calib_samples, heldout_samples, DataConfig.seq_len, calib_seed), gate_config, accept_gate_failure,
-        kv_cache_dtype,
+        kv_cache_dtype, quantize_lm_head,
     )  # fmt: skip
     try:
         manifest = build_engine(options, step=_report_step)

@@ -162,11 +162,14 @@ class _DecoderParts:
         """Final norm + lm_head (sharing the embedding when tied) on [rows, hidden]."""
         g = self.g
         final = self.rms_norm(rows, "model.norm.weight", "final_norm")
-        if self.spec.tie_word_embeddings:
-            head = self.w("embed_tokens", lambda: self.weights["model.embed_tokens.weight"])
+        if "lm_head" in self.quantized:  # --quantize-lm-head: INT4 Q/DQ [hidden, vocab], like the layers'
+            logits = self.linear(final, "lm_head", [])
         else:
-            head = self.w("lm_head", lambda: self.weights["lm_head.weight"])
-        logits = g.op("Gemm", final, head, transB=1, name="lm_head")
+            if self.spec.tie_word_embeddings:
+                head = self.w("embed_tokens", lambda: self.weights["model.embed_tokens.weight"])
+            else:
+                head = self.w("lm_head", lambda: self.weights["lm_head.weight"])
+            logits = g.op("Gemm", final, head, transB=1, name="lm_head")
         if self.options.dtype != "float32":
             logits = g.op("Cast", logits, to=TensorProto.FLOAT)
         return g.op("Identity", logits, name="logits", out="logits")

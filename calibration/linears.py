@@ -46,6 +46,12 @@ def linear_groups(spec: ModelSpec) -> list[LinearGroup]:
     return groups
 
 
+def lm_head_group(spec: ModelSpec) -> LinearGroup:
+    """The output projection (--quantize-lm-head). Its input is the final norm's; no AWQ scale is folded
+    into that norm, because a tied head *is* the embedding table, which must keep its values."""
+    return LinearGroup("lm_head", spec.num_layers, ("lm_head",), "lm_head", ())
+
+
 def fused_weight(model, group: LinearGroup) -> torch.Tensor:
     """The group's weights stacked as HF [out, in] (float32)."""
     modules = dict(model.named_modules())

@@ -3,7 +3,9 @@
 `quantize_model` calibrates on token sequences and returns each fused linear's quantized
 weight in the ONNX MatMul layout ([in, out]) for the exporter. It also rewrites the HF model
 in place to compute the quantized function (AWQ scales folded, weights fake-quantized), so
-the build can verify the exported graph against it. Embeddings and lm_head stay unquantized.
+the build can verify the exported graph against it. Embeddings stay unquantized; lm_head too unless
+`QuantConfig.lm_head` (INT4 only): on SmolLM2-135M the tied 49152x576 head is two thirds of an INT4
+engine's weight bytes, and of a single-token step's time when the engine drafts for a larger one.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from calibration import awq
 from calibration.activations import InputStats, collect_input_stats
 from calibration.gptq import gptq_int4
-from calibration.linears import LinearGroup, fused_weight, linear_groups, set_fused_weight
+from calibration.linears import LinearGroup, fused_weight, linear_groups, lm_head_group, set_fused_weight
 from calibration.numerics import FP8_MAX, fp8_dequantize, fp8_quantize, int4_dequantize, int4_quantize
 from engine_format import ModelSpec
 
@@ -35,6 +37,7 @@ class QuantConfig:
     method: str
     block_size: int = 32  # INT4: input channels per scale
     sample_rows: int = 512  # calibration rows kept per linear group for the AWQ searches
+    lm_head: bool = False  # INT4: quantize the output projection too (a tied one gets its own copy)
 
     @property
     def is_int4(self) -> bool:
@@ -45,7 +48,7 @@ class QuantConfig:
         if self.method not in QUANT_METHODS:
             return [f"--quantize must be one of {', '.join(QUANT_METHODS)} (got {self.method!r})"]
         if not self.is_int4:
-            return []
+            return [f"--quantize-lm-head needs an INT4 method (got --quantize {self.method})"] if self.lm_head else []
         if self.block_size not in INT4_BLOCK_SIZES:
             return [f"--int4-block-size must be one of {', '.join(map(str, INT4_BLOCK_SIZES))} (got {self.block_size})"]
         widths = {"hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
@@ -73,6 +76,10 @@ def quantize_model(
 ) -> tuple[dict[str, QuantizedLinear], dict]:
     """-> (quantized weight per graph MatMul name, a record for the manifest)."""
     groups = linear_groups(spec)
+    if config.lm_head:
+        groups.append(lm_head_group(spec))
+        if spec.tie_word_embeddings:  # the head's fake-quantized weights must not reach the embedding lookup
+            model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
     extra: dict = {}
     if config.method == "int4-rtn":  # needs no calibration statistics
         quantized = {g.name: _int4_linear(model, g, *int4_quantize(fused_weight(model, g), config.block_size),
@@ -91,7 +98,7 @@ def quantize_model(
         "activations": "fp8 e4m3, per tensor (calibrated amax)" if config.method == "fp8" else "unquantized",
         "block_size": config.block_size if config.is_int4 else None,
         "zero_point": 0,
-        "excluded": ["embed_tokens", "lm_head"],
+        "excluded": ["embed_tokens"] if config.lm_head else ["embed_tokens", "lm_head"],
         "quantized_matmuls": len(quantized),
         "calibration_rows_per_group": config.sample_rows if config.method != "int4-rtn" else 0,
         **extra,

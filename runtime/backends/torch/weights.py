@@ -108,12 +108,20 @@ def load_weights(config: EngineConfig, device: torch.device, dtype: torch.dtype)
         embed=embed,
         layers=layers,
         final_norm=tensor("final_norm.weight"),
-        lm_head=embed if spec.tie_word_embeddings else tensor("lm_head"),
+        lm_head=_lm_head(found, linear, tensor, embed, spec.tie_word_embeddings),
         cos=tensor("rope_cos", torch.float32),
         sin=tensor("rope_sin", torch.float32),
     )
     _check_shapes(config, weights, path)
     return weights
+
+
+def _lm_head(found: dict, linear: Callable[[str], Linear], tensor: Callable[[str], torch.Tensor],
+             embed: torch.Tensor, tied: bool) -> torch.Tensor:  # fmt: skip
+    """[vocab, hidden]: an INT4 head (--quantize-lm-head) dequantized, else the embedding when tied."""
+    if "lm_head.qweight" in found:
+        return linear("lm_head").weight.T.contiguous()
+    return embed if tied else tensor("lm_head")
 
 
 def _dequantized(array: Callable[[str], np.ndarray], name: str) -> tuple[np.ndarray, float | None]:
