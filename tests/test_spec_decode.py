@@ -124,6 +124,8 @@ class Oracle:
     """Proposes the reference continuation for its own request: per call, plan[i] = (correct drafts,
     total drafts); the wrong ones are the reference token + 1. Other requests, or no plan left: none."""
 
+    caught_up = 0  # stateless
+
     def __init__(self, prompt: list[int], ref: list[int], plan: list[tuple[int, int]], vocab: int) -> None:
         self.prompt, self.ref, self.plan, self.vocab = prompt, ref, list(plan), vocab
 

@@ -117,3 +117,26 @@ def test_drafts_that_never_pay_are_turned_off_on_a_tiny_engine(llama_engine):
     # Drafted: the measuring steps (4) and one probe (4 steps, 64 steps on); without the governor, all ~120.
     assert 8 <= sum(drafted_steps) <= 12
     engine.check_invariants()
+
+
+def test_a_draft_engine_s_one_off_catch_up_is_not_judged_as_the_cost_of_speculating(llama_engine):
+    """The draft prefills a new prompt in the step before the first verify: that switching price would make
+    drafting look ~3x dearer per token than it is in steady state (what turned a paying INT4 draft off)."""
+    clock = TokenClock()
+    args = EngineArgs(speculative="draft", draft_engine=str(llama_engine), num_speculative_tokens=3,
+                      itl_target_ms=None)  # fmt: skip
+    engine = LLMEngine(llama_engine, args, clock=clock)
+    assert engine.spec is not None and engine.spec.governor is not None
+    for backend in (engine.backend, engine.spec.proposer.backend):  # type: ignore[attr-defined]
+        step = backend.step
+        backend.step = lambda chunks, step=step: (setattr(clock, "now", clock.now + 0.01 * sum(len(c.token_ids) for c in chunks)), step(chunks))[1]  # fmt: skip  # noqa: E501
+    prompt = random_prompts(engine.config.model.vocab_size, [60], seed=5)[0]
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.stats().spec_decode
+    assert stats is not None and stats.acceptance_rate == 1.0  # the target as its own draft
+    # Steady drafted step: the draft catches up on its last draft and the target's token (2), drafts twice
+    # more (2), the verify runs 4 tokens: 8 tokens of work for 4 emitted. Counting the 60-token prompt
+    # catch-up as well makes it ~0.05 per token.
+    assert engine.spec.governor.costs[1].speculating.s_per_token == pytest.approx(0.01 * 8 / 4)

@@ -55,6 +55,7 @@ class _Plan:
     batch_size: int | None  # requests running then; None: more than disable_batch_size (no measurement)
     speculate: bool
     propose_s: float = 0.0  # the proposer's time for its drafts
+    one_off: bool = False  # proposing caught a request up on more than a steady step's tokens
 
 
 class SpecDecoder:
@@ -89,22 +90,26 @@ class SpecDecoder:
             self._planned = _Plan(batch if batch <= self.disable_batch_size else None, False)
             return
         start = self.clock()
-        self._propose([r for r in requests if not r.is_finished and r.num_tokens_to_compute == 1])
-        self._planned = _Plan(batch, True, self.clock() - start)
+        caught_up = self._propose([r for r in requests if not r.is_finished and r.num_tokens_to_compute == 1])
+        self._planned = _Plan(batch, True, self.clock() - start, one_off=caught_up > self.num_tokens + 1)
 
     def observe_step(self, seconds: float, tokens: int, decode_batch: int | None) -> float:
         """The step that ran last took `seconds` (its tail proposing for the next step included), emitted
-        `tokens`, and was `decode_batch` decodes (None: it computed prompt tokens too). Feeds the governor;
-        returns the target's own share of the seconds (the proposer's time taken out)."""
+        `tokens`, and was `decode_batch` decodes (None: it computed prompt tokens too). Feeds the governor,
+        except a step whose drafts needed a one-off catch-up (a draft engine prefilling a new prompt, or the
+        tokens decoded while plain): that is the price of switching, not of speculating, and judging modes
+        by it turned a draft that pays (1.24x single-stream) off. Returns the target's own share of the
+        seconds (the proposer's time taken out)."""
         target_s = seconds - self._planned.propose_s
         ran = self._ran
-        if self.governor and ran and ran.batch_size is not None and decode_batch == ran.batch_size:
+        if self.governor and ran and ran.batch_size is not None and not ran.one_off and decode_batch == ran.batch_size:
             self.governor.observe(ran.batch_size, ran.speculate, target_s + ran.propose_s, tokens)
         return target_s
 
-    def _propose(self, live: list[Request]) -> None:
+    def _propose(self, live: list[Request]) -> int:
+        """Sets the drafts of `live`; returns the proposer's catch-up (Proposer.caught_up)."""
         if not live:
-            return
+            return 0
         # Room: the drafts plus the token the target adds must fit max_tokens and max_seq_len.
         room = [
             min(self.num_tokens, r.params.max_tokens - r.num_output_tokens - 1, self.max_seq_len - r.num_tokens)
@@ -116,6 +121,7 @@ class SpecDecoder:
         )  # fmt: skip
         for request, tokens in zip(live, drafts, strict=True):
             request.draft_token_ids = list(tokens)
+        return self.proposer.caught_up
 
     def release(self, request: Request) -> None:
         """The request finished (or was aborted): the proposer drops its state."""

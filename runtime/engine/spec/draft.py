@@ -55,6 +55,7 @@ class DraftEngineProposer:
         self.min_confidence = min_confidence
         self.free_blocks = list(range(backend.num_blocks - 1, -1, -1))  # pop() hands out the lowest id
         self.states: dict[str, _DraftState] = {}
+        self.caught_up = 0
 
     @classmethod
     def load(cls, draft_dir: str | Path, target: EngineConfig, threads: int | None = None,
@@ -86,6 +87,7 @@ class DraftEngineProposer:
             limit = CATCH_UP_PER_TOKEN * remaining[i] if remaining else None
             if (chunk := self._catch_up(request_ids[i], list(contexts[i]), limit)) is not None:
                 chunks[i] = chunk
+        self.caught_up = max((len(c.token_ids) for c in chunks.values()), default=0)
         while chunks:  # one batched draft step per token: the catch-up chunks first, then single tokens
             logits = self.backend.step(list(chunks.values()))
             # The softmax costs a pass over the vocabulary per row: only when a bar is set.

@@ -15,6 +15,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
+    caught_up = 0  # stateless: nothing to catch up on
+
     def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min ({min_n}) <= max ({max_n})")

@@ -12,6 +12,11 @@ SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 class Proposer(Protocol):
+    # Context tokens the last propose() computed to bring a request's state up to date (the most for one
+    # request; 0 for stateless proposers). Beyond a steady step's (the accepted drafts and the target's
+    # token) it is a one-off: a new prompt, or tokens decoded without drafts.
+    caught_up: int
+
     def propose(
         self,
         contexts: Sequence[Sequence[int]],
