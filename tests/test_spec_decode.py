@@ -292,6 +292,24 @@ def test_speculation_pauses_while_the_batch_is_large(llama_engine, reference):
     assert engine.kv.pool.counts()["used"] == 0
 
 
+def test_speculation_pauses_while_requests_wait(llama_engine):
+    """One sequence slot, disable size 1: while a second request waits, the running one gets no drafts (a
+    queue means the batch is about to grow); alone, the second speculates."""
+    first, second = copy_heavy_prompts(488, [16, 16], seed=43)
+    engine = LLMEngine(llama_engine, EngineArgs(**{**SPEC, "speculative_disable_batch_size": 1}, max_num_seqs=1))
+    seen = record_chunks(engine)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first_id, second_id = engine.add_request(first, params), engine.add_request(second, params)
+    waited = []
+    while engine.has_unfinished_requests():
+        waited.append(engine.scheduler.num_waiting > 0)
+        engine.step()
+    by_request = [{c.num_logits for c in chunks} for chunks in seen]
+    assert all(rows == {1} for rows, wait in zip(by_request, waited, strict=True) if wait)
+    assert any(max(rows) > 1 for rows, wait in zip(by_request, waited, strict=True) if not wait)
+    assert engine.kv.pool.counts()["used"] == 0 and {first_id, second_id}.isdisjoint(engine.requests)
+
+
 def test_sampled_requests_with_logprobs_and_penalties_run_speculatively(llama_engine, reference):
     """Random rows through the engine: a seeded request samples the same tokens with speculation on
     and off (the verifier draws as the sampler does), every emitted token carries the target's

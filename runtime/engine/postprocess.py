@@ -64,7 +64,8 @@ class Postprocessor:
             assert isinstance(logits, np.ndarray), "verify steps return host logits"
             outputs += self._verify(to_verify, logits)
         if self.spec is not None:
-            self.spec.propose([r for r, _ in to_sample] + [r for r, _, _ in to_verify], self.scheduler.running)
+            live = [r for r, _ in to_sample] + [r for r, _, _ in to_verify]
+            self.spec.propose(live, self.scheduler.running, self.scheduler.num_waiting)
         return outputs
 
     def _verify(self, to_verify: list[tuple[Request, int, list[int]]], logits: np.ndarray) -> list[RequestOutput]:

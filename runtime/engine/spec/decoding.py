@@ -6,9 +6,11 @@ drafts, slots allocated for all); the backend returns logits for all of them (Se
 num_logits); `verify` keeps the accepted prefix plus one token; the engine then advances the
 request's computed length by the accepted tokens only and trims blocks that held nothing else.
 
-When to speculate: never while more than `disable_batch_size` requests run (a verify pass costs k + 1
-tokens per sequence, which a large batch pays in compute); below that, where the governor
-(governor.py) has measured that steps with drafts cost less per emitted token than steps without.
+When to speculate: never while more than `disable_batch_size` requests run or wait (a verify pass
+costs k + 1 tokens per sequence, which a large batch pays in compute; a queue means the batch is about
+to grow, and a draft engine would prefill the first prompts of a burst for nothing); below that, where
+the governor (governor.py) has measured that steps with drafts cost less per emitted token than steps
+without.
 """
 
 from __future__ import annotations
@@ -79,15 +81,16 @@ class SpecDecoder:
         self._planned = _Plan(None, False)  # for the step about to run
         self._ran: _Plan | None = None  # for the step that ran last
 
-    def propose(self, requests: Iterable[Request], running: Sequence[Request]) -> None:
+    def propose(self, requests: Iterable[Request], running: Sequence[Request], waiting: int = 0) -> None:
         """Set draft_token_ids of `requests` (live, decoding) for the next step; where speculation
-        does not run (batch too large, or not paying at this batch size), clear every running
-        request's drafts instead."""
+        does not run (too many requests running and `waiting`, or not paying at this batch size), clear
+        every running request's drafts instead."""
         self._ran, batch = self._planned, len(running)
-        if batch > self.disable_batch_size or (self.governor is not None and not self.governor.speculate(batch)):
+        loaded = batch + waiting > self.disable_batch_size
+        if loaded or (self.governor is not None and not self.governor.speculate(batch)):
             for request in running:
                 request.draft_token_ids.clear()
-            self._planned = _Plan(batch if batch <= self.disable_batch_size else None, False)
+            self._planned = _Plan(None if loaded else batch, False)
             return
         start = self.clock()
         caught_up = self._propose([r for r in requests if not r.is_finished and r.num_tokens_to_compute == 1])
