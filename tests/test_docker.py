@@ -48,16 +48,17 @@ def test_commands_are_the_projects_console_scripts(commands):
     runs = " ".join(c.value[0] for c in commands if c.cmd == "RUN")
     assert "build-engine --model smollm2-135m" in runs and "build-engine" in scripts
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    for extra in ("kernels", "gpu"):
+    for extra in ("kernels", "gpu", "gateway"):  # gateway: `trtserve serve` starts the OpenAI endpoint
         assert extra in extras and f"{extra}" in runs
 
 
 def test_exposed_ports_are_the_serve_defaults(commands):
+    from runtime.gateway.cli import DEFAULT_PORT
     from runtime.serve.launcher import ServerConfig
 
     exposed = {int(p) for c in commands if c.cmd == "EXPOSE" for p in c.value}
     defaults = ServerConfig(engine_dir=Path("."))
-    assert exposed == {defaults.http_port, defaults.grpc_port, defaults.metrics_port}
+    assert exposed == {defaults.http_port, defaults.grpc_port, defaults.metrics_port, DEFAULT_PORT}
 
 
 def test_container_tritonserver_command_is_what_the_image_needs(commands, tmp_path, monkeypatch):
@@ -83,7 +84,7 @@ def test_container_tritonserver_command_is_what_the_image_needs(commands, tmp_pa
     assert not (work / "backends").exists()  # nothing of nvidia-pytriton's is set up
     assert {flags[f"{e}-address"] for e in ("http", "grpc", "metrics")} == {host}
     exposed = {int(p) for c in commands if c.cmd == "EXPOSE" for p in c.value}
-    assert {int(flags[f"{e}-port"]) for e in ("http", "grpc", "metrics")} == exposed
+    assert {int(flags[f"{e}-port"]) for e in ("http", "grpc", "metrics")} < exposed  # and the gateway's
     model = Path(flags["model-repository"]) / MODEL_NAME
     assert (model / "1" / "model.py").is_file()
     assert f'string_value: "{tmp_path.resolve()}"' in (model / "config.pbtxt").read_text()
