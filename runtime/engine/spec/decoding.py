@@ -54,7 +54,7 @@ def create_spec_decoder(
 class _Plan:
     """What propose() decided for the next step."""
 
-    batch_size: int | None  # requests running then; None: more than disable_batch_size (no measurement)
+    batch_size: int | None  # requests running then; None: more than disable_batch_size ran or waited (no measurement)
     speculate: bool
     propose_s: float = 0.0  # the proposer's time for its drafts
     one_off: bool = False  # proposing caught a request up on more than a steady step's tokens
@@ -101,7 +101,7 @@ class SpecDecoder:
         `tokens`, and was `decode_batch` decodes (None: it computed prompt tokens too). Feeds the governor,
         except a step whose drafts needed a one-off catch-up (a draft engine prefilling a new prompt, or the
         tokens decoded while plain): that is the price of switching, not of speculating, and judging modes
-        by it turned a draft that pays (1.24x single-stream) off. Returns the target's own share of the
+        by it turned a draft that pays (1.23x single-stream) off. Returns the target's own share of the
         seconds (the proposer's time taken out)."""
         target_s = seconds - self._planned.propose_s
         ran = self._ran
