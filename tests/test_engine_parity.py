@@ -18,6 +18,7 @@ from engine_format import EngineConfig
 from runtime.backends import create_backend
 from runtime.backends.base import SequenceChunk
 from runtime.backends.greedy import GreedyStep, OutOfBlocks, greedy_generate, phase_seconds
+from runtime.backends.ort_cpu import FlatStep, runs_whole_graph
 from tests.conftest import TINY_BLOCK_SIZE
 from tests.helpers import hf_greedy, hf_logits, random_prompts
 
@@ -165,15 +166,26 @@ def test_step_with_more_tokens_than_max_seq_len(backend, tiny_hf):
         np.testing.assert_allclose(row, hf_logits(model, prompt)[-1], atol=ATOL)
 
 
-def test_cpu_backend_single_decodes_and_batches_agree(tiny_engine):
-    """The CPU backend runs a lone sequence through the whole graph and batches through the
-    segments and kernel: both paths read and write the same pool and agree."""
+def test_cpu_backend_whole_graph_and_segment_steps_agree(tiny_engine):
+    """The CPU backend runs small steps through the whole graph and the rest through the segments and
+    kernel: both paths read and write the same pool and agree, on a batch and on lone sequences."""
     backend = create_backend(EngineConfig.load(tiny_engine), num_blocks=64, kind="cpu")
+    assert backend.small_steps is not None
     a, b = random_prompts(backend.config.model.vocab_size, [20, 30], seed=17)
-    backend.step([SequenceChunk(a, 0, blocks(0, 4)), SequenceChunk(b, 0, blocks(4, 4))])
-    together = backend.step([SequenceChunk([7], 20, blocks(0, 4)), SequenceChunk([9], 30, blocks(4, 4))])
-    alone = [
-        backend.step([SequenceChunk([7], 20, blocks(0, 4))])[0],
-        backend.step([SequenceChunk([9], 30, blocks(4, 4))])[0],
-    ]
-    np.testing.assert_allclose(together, np.stack(alone), atol=ATOL)
+    backend.step([SequenceChunk(a, 0, blocks(0, 4)), SequenceChunk(b, 0, blocks(4, 4))])  # segments: 30 tokens
+    decodes = [SequenceChunk([7], 20, blocks(0, 4)), SequenceChunk([9], 30, blocks(4, 4))]
+    flat = FlatStep.pack(decodes, backend.config.block_size)
+    by_segments = backend._run(flat, flat.logit_rows)
+    by_graph = backend.small_steps.step(decodes)
+    alone = [backend.step([chunk])[0] for chunk in decodes]
+    np.testing.assert_allclose(by_graph, by_segments, atol=ATOL)
+    np.testing.assert_allclose(np.stack(alone), by_segments, atol=ATOL)
+
+
+def test_small_steps_take_the_whole_graph_and_the_rest_the_segments():
+    decode = lambda past: SequenceChunk([1], past, [0])  # noqa: E731
+    assert runs_whole_graph([SequenceChunk(list(range(500)), 0, [0])])  # one sequence, whatever it holds
+    assert runs_whole_graph([decode(300)] * 4) and runs_whole_graph([SequenceChunk([1] * 5, 200, [0])] * 3)
+    assert not runs_whole_graph([decode(100)] * 5)  # more sequences than GRAPH_MAX_SEQS
+    assert not runs_whole_graph([decode(400)] * 4)  # 1,604 context tokens: the gathers cost more
+    assert not runs_whole_graph([decode(10), SequenceChunk([1] * 20, 0, [0])])  # a prefill chunk: padding

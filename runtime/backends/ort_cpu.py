@@ -4,9 +4,10 @@ Per step, tokens of all sequences (decodes and prefill chunks alike) are laid ou
 with no padding, and run through the engine's segments (`segment.NN.onnx`, see
 engine_format/INTERFACE.md): segment i does layer i-1's o_proj + MLP and layer i's norm + QKV +
 RoPE; between segments the runtime writes the new K/V rows into the pool and the C kernel
-(runtime/backends/kernels/paged_attention.c) attends over each sequence's blocks in place. A step of
-a single sequence runs the whole-graph session on the same pool instead (see SMALL_BATCH), except
-with a quantized KV cache (int8/fp8), whose steps all run the segments and the kernel.
+(runtime/backends/kernels/paged_attention.c) attends over each sequence's blocks in place. Small
+steps (one sequence, or a few short chunks over little context: `runs_whole_graph`) run the
+whole-graph session on the same pool instead, except with a quantized KV cache (int8/fp8), whose
+steps all run the segments and the kernel.
 """
 
 from __future__ import annotations
@@ -62,11 +63,27 @@ class FlatStep:
         )
 
 
-# Steps of at most this many sequences run through the whole-graph session instead: for one
-# sequence the segment runs' thread wake-ups cost more than the gather they avoid (measured
-# here, SmolLM2-135M: 25 vs 32 ms per decode token, 110 vs 208 ms for a 46-token prefill;
-# from two sequences on the segments are even or ahead).
-SMALL_BATCH = 1
+# The whole graph (one ORT run; ORT's attention over K/V gathered from the pool) saves the segments'
+# 31 runs and their thread wake-ups; the segments (our kernel reading the pool in place) save the
+# gathers, which grow with the context a step attends to. Measured here, SmolLM2-135M fp32 and
+# INT4-AWQ, decode steps of 1-4 sequences: the graph is 5-35% faster up to ~1,200 context tokens
+# in all (4 x 300: 33.1 vs 33.9 ms fp32, 22.0 vs 22.8 INT4), 10-15% slower from ~1,800 (4 x 450);
+# one sequence's prefill chunks are even (64-512 tokens, within 8%). The graph pads every chunk
+# to the longest, so several sequences take it only as short chunks (decodes, verifies, drafts).
+GRAPH_MAX_SEQS = 4
+GRAPH_MAX_CHUNK = 8
+GRAPH_MAX_CONTEXT = 1400
+
+
+def runs_whole_graph(chunks: Sequence[SequenceChunk]) -> bool:
+    """Whether a step runs the whole-graph session rather than the segments (see above)."""
+    if len(chunks) == 1:
+        return True
+    return (
+        len(chunks) <= GRAPH_MAX_SEQS
+        and max(len(c.token_ids) for c in chunks) <= GRAPH_MAX_CHUNK
+        and sum(c.past_len + len(c.token_ids) for c in chunks) <= GRAPH_MAX_CONTEXT
+    )
 
 
 class OrtCpuBackend:
@@ -94,7 +111,7 @@ class OrtCpuBackend:
         )
 
     def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
-        if self.small_steps is not None and len(chunks) <= SMALL_BATCH:
+        if self.small_steps is not None and runs_whole_graph(chunks):
             return self.small_steps.step(chunks)
         flat = FlatStep.pack(chunks, self.config.block_size)
         return self._run(flat, flat.logit_rows)
