@@ -185,7 +185,7 @@ def test_cpu_backend_whole_graph_and_segment_steps_agree(tiny_engine):
 def test_small_steps_take_the_whole_graph_and_the_rest_the_segments():
     decode = lambda past: SequenceChunk([1], past, [0])  # noqa: E731
     assert runs_whole_graph([SequenceChunk(list(range(500)), 0, [0])])  # one sequence, whatever it holds
-    assert runs_whole_graph([decode(300)] * 4) and runs_whole_graph([SequenceChunk([1] * 5, 200, [0])] * 3)
+    assert runs_whole_graph([decode(240)] * 4) and runs_whole_graph([SequenceChunk([1] * 5, 200, [0])] * 3)
     assert not runs_whole_graph([decode(100)] * 5)  # more sequences than GRAPH_MAX_SEQS
-    assert not runs_whole_graph([decode(400)] * 4)  # 1,604 context tokens: the gathers cost more
+    assert not runs_whole_graph([decode(100)] * 3 + [decode(400)])  # padded to 4 x 401: the gathers cost more
     assert not runs_whole_graph([decode(10), SequenceChunk([1] * 20, 0, [0])])  # a prefill chunk: padding

@@ -65,24 +65,27 @@ class FlatStep:
 
 # The whole graph (one ORT run; ORT's attention over K/V gathered from the pool) saves the segments'
 # 31 runs and their thread wake-ups; the segments (our kernel reading the pool in place) save the
-# gathers, which grow with the context a step attends to. Measured here, SmolLM2-135M fp32 and
-# INT4-AWQ, decode steps of 1-4 sequences: the graph is 5-35% faster up to ~1,200 context tokens
-# in all (4 x 300: 33.1 vs 33.9 ms fp32, 22.0 vs 22.8 INT4), 10-15% slower from ~1,800 (4 x 450);
-# one sequence's prefill chunks are even (64-512 tokens, within 8%). The graph pads every chunk
-# to the longest, so several sequences take it only as short chunks (decodes, verifies, drafts).
+# gathers. The graph pads every sequence to the longest chunk and context, so its gathers grow with
+# sequences x the longest context. Measured here, SmolLM2-135M fp32, decode steps of 2-4 sequences:
+# the graph is 8-15% faster up to 800 padded context tokens (4 x 200: 31.2 vs 33.4 ms; 2 x 250:
+# 25.1 vs 29.4), even at ~1,200 and 15-20% slower from ~1,800 (100/100/100/500: 39.5 vs 33.8), also
+# for INT4-AWQ. One sequence stays in the graph whatever it holds: faster up to ~1,000 context tokens
+# (24.5 vs 29.0 ms per decode at 200), even (fp32) or 10% slower (INT4) at 1,800, and its prefill
+# chunks are even (64-512 tokens, within 8%).
 GRAPH_MAX_SEQS = 4
 GRAPH_MAX_CHUNK = 8
-GRAPH_MAX_CONTEXT = 1400
+GRAPH_MAX_PADDED_CONTEXT = 1000
 
 
 def runs_whole_graph(chunks: Sequence[SequenceChunk]) -> bool:
     """Whether a step runs the whole-graph session rather than the segments (see above)."""
     if len(chunks) == 1:
         return True
+    longest = max(c.past_len + len(c.token_ids) for c in chunks)
     return (
         len(chunks) <= GRAPH_MAX_SEQS
         and max(len(c.token_ids) for c in chunks) <= GRAPH_MAX_CHUNK
-        and sum(c.past_len + len(c.token_ids) for c in chunks) <= GRAPH_MAX_CONTEXT
+        and len(chunks) * longest <= GRAPH_MAX_PADDED_CONTEXT
     )
 
 
