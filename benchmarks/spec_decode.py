@@ -65,7 +65,7 @@ class Config:
     repetitions: int = 3
     max_tokens: int = 192
     num_speculative_tokens: int = 4
-    disable_batch_size: int = 4
+    disable_batch_size: int | None = None  # None: the engine's default for the method
     requests_per_slot: int = 2
     min_requests: int = 4
     warmup: int = 2
@@ -79,12 +79,16 @@ class Config:
         return max(self.min_requests, self.requests_per_slot * c)
 
 
+DEFAULT_DISABLE = "the engine's default for the method (ngram 4, draft 1)"
+
+
 def server_params(cfg: Config, system: str) -> dict[str, str]:
     """The trtserve config parameters of a system (what `trtserve serve --speculative ...` writes)."""
     if system == OFF:
         return {}
-    params = {"speculative": system, "num_speculative_tokens": str(cfg.num_speculative_tokens),
-              "speculative_disable_batch_size": str(cfg.disable_batch_size)}  # fmt: skip
+    params = {"speculative": system, "num_speculative_tokens": str(cfg.num_speculative_tokens)}
+    if cfg.disable_batch_size is not None:
+        params["speculative_disable_batch_size"] = str(cfg.disable_batch_size)
     if system == DRAFT:
         if cfg.draft_engine is None:
             raise ValueError("the draft system needs --draft-engine")
@@ -185,7 +189,7 @@ def controls(cfg: Config, work: Workloads) -> list[str]:
     prompts = {w: datasets.describe([r for reqs in by_level.values() for r in reqs]) for w, by_level in work.items()}
     return [
         f"target {cfg.engine} (fp32); draft {cfg.draft_engine or '-'}; k = {cfg.num_speculative_tokens} draft tokens "
-        f"per step; speculation pauses while more than {cfg.disable_batch_size} requests run",
+        f"per step; speculation pauses while more than {cfg.disable_batch_size or DEFAULT_DISABLE} requests run/wait",
         f"every server: max {s.max_num_seqs} sequences, KV for {s.kv_tokens} tokens, {s.max_num_batched_tokens}-token "
         "step budget, prefix caching off; tritonserver generate_stream (SSE) from benchmarks/client.py",
         f"greedy, EOS honoured, at most {cfg.max_tokens} tokens; closed loop, {sizes}; {cfg.warmup} warm-up chat "
@@ -212,11 +216,11 @@ WORKLOAD_NAMES = {COPY: "Copy-heavy: the answer repeats or edits a passage of th
 @click.option("--repetitions", default=3, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-tokens", default=192, show_default=True, type=click.IntRange(min=2))
 @click.option("--num-speculative-tokens", default=4, show_default=True, type=click.IntRange(1, 16))
-@click.option("--speculative-disable-batch-size", default=4, show_default=True, type=click.IntRange(min=1))
+@click.option("--speculative-disable-batch-size", default=None, type=click.IntRange(min=1), help=DEFAULT_DISABLE)
 @click.option("--quick", is_flag=True, help="Smoke test: c=1, one 32-token request per workload, one repetition.")
 @click.option("--name", default="spec_decode", show_default=True)
 def main(engine: Path, draft_engine: Path | None, systems: str, workloads: str, concurrency: str, repetitions: int,
-         max_tokens: int, num_speculative_tokens: int, speculative_disable_batch_size: int, quick: bool,
+         max_tokens: int, num_speculative_tokens: int, speculative_disable_batch_size: int | None, quick: bool,
          name: str) -> None:  # fmt: skip
     from runtime.engine.tokenizer import load_tokenizer
 

@@ -100,6 +100,7 @@ def test_server_params_per_system():
     assert server_params(cfg, NGRAM) == {"speculative": "ngram", "num_speculative_tokens": "3",
                                          "speculative_disable_batch_size": "2"}  # fmt: skip
     assert server_params(cfg, DRAFT)["draft_engine"] == "draft"
+    assert "speculative_disable_batch_size" not in server_params(Config(Path("t"), None), NGRAM)  # the engine's
     with pytest.raises(ValueError, match="--draft-engine"):
         server_params(Config(Path("target"), None), DRAFT)
 

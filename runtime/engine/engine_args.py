@@ -18,6 +18,11 @@ DEFAULT_ITL_TARGET_MS = 200.0
 DEFAULT_MIN_PREFILL_TOKENS = 64
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_DRAFT_MIN_CONFIDENCE = 0.0  # measured in benchmarks/results/spec_decode.md
+# Measured through tritonserver at concurrency 4 (benchmarks/results/spec_decode_*_c4.md): n-gram drafts
+# still pay (copy-heavy 1.6x, chat 1.05x); an INT4 draft engine of the same model costs 13-17% (its steps
+# for several requests and its catch-up on each new prompt outweigh the tokens it saves), so it drafts
+# for a lone request only.
+DEFAULT_SPECULATIVE_DISABLE_BATCH_SIZE = {"ngram": 4, "draft": 1}
 
 
 @dataclass(frozen=True)
@@ -45,12 +50,20 @@ class EngineArgs:
     draft_min_confidence: float = DEFAULT_DRAFT_MIN_CONFIDENCE
     ngram_prompt_lookup_min: int = 1  # shortest suffix the n-gram proposer matches
     ngram_prompt_lookup_max: int = 4  # longest (tried first)
-    # Speculation pauses while more than this many requests run: a verify pass costs (k + 1) tokens
-    # per sequence, which a large batch pays in compute rather than hides behind memory-bound decode.
-    speculative_disable_batch_size: int = 4
+    # Speculation pauses while more than this many requests run or wait (None: the method's default,
+    # DEFAULT_SPECULATIVE_DISABLE_BATCH_SIZE): a verify pass costs (k + 1) tokens per sequence, which a
+    # large batch pays in compute rather than hides behind memory-bound decode.
+    speculative_disable_batch_size: int | None = None
     # Below that: speculate only where measured steps with drafts cost less per emitted token than steps
     # without, per batch size (runtime/engine/spec/governor.py); False: always.
     speculative_adaptive: bool = True
+
+    @property
+    def disable_batch_size(self) -> int:
+        """speculative_disable_batch_size, or the speculative method's default."""
+        if self.speculative_disable_batch_size is not None:
+            return self.speculative_disable_batch_size
+        return DEFAULT_SPECULATIVE_DISABLE_BATCH_SIZE[self.speculative or "ngram"]
 
     def __post_init__(self) -> None:
         names = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "threads",

@@ -46,7 +46,7 @@ def create_spec_decoder(
             f"rows per step; the TensorRT plan returns at most {config.tensorrt.max_logit_rows}"
         )
     governor = SpeculationGovernor() if args.speculative_adaptive else None
-    return SpecDecoder(proposer, args.num_speculative_tokens, args.speculative_disable_batch_size, config.max_seq_len,
+    return SpecDecoder(proposer, args.num_speculative_tokens, args.disable_batch_size, config.max_seq_len,
                        governor, clock)  # fmt: skip
 
 
