@@ -81,12 +81,10 @@ def runs_whole_graph(chunks: Sequence[SequenceChunk]) -> bool:
     """Whether a step runs the whole-graph session rather than the segments (see above)."""
     if len(chunks) == 1:
         return True
-    longest = max(c.past_len + len(c.token_ids) for c in chunks)
-    return (
-        len(chunks) <= GRAPH_MAX_SEQS
-        and max(len(c.token_ids) for c in chunks) <= GRAPH_MAX_CHUNK
-        and len(chunks) * longest <= GRAPH_MAX_PADDED_CONTEXT
-    )
+    if len(chunks) > GRAPH_MAX_SEQS:  # the common case under load: no per-chunk scan
+        return False
+    short = max(len(c.token_ids) for c in chunks) <= GRAPH_MAX_CHUNK
+    return short and len(chunks) * max(c.past_len + len(c.token_ids) for c in chunks) <= GRAPH_MAX_PADDED_CONTEXT
 
 
 class OrtCpuBackend:
