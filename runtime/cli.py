@@ -24,7 +24,10 @@ from runtime.gateway.cli import gateway as gateway_command
 from runtime.serve.serve_loop import ADMIN_KEY_ENV
 
 COMMAND_ENTRY_POINTS = "trtserve.commands"
-BACKEND_HELP = "Executor (default: TensorRT for TensorRT engines where installed, else torch on a GPU, else ORT)."
+BACKEND_HELP = (
+    "Executor (default: TensorRT for TensorRT engines where installed, else torch on a GPU, else ORT). "
+    "cpu-bf16: the CPU kernel backend with bfloat16 dense layers (oneDNN, AMX): faster, HF-bf16 numerics."
+)
 
 
 class _Commands(click.Group):

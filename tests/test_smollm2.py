@@ -8,8 +8,11 @@ allow 1e-3 (20x headroom; a real fault moves logits by > 0.1).
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
+import torch
 
 from engine_format import EngineConfig, ceil_div
 from runtime import LLM, SamplingParams
@@ -90,6 +93,19 @@ def test_engine_greedy_tokens_identical_to_hf_generate(setup, smollm2_engine):
     outs = llm.generate(messages, SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS))
     assert not describe_mismatches(tokenizer, [o.token_ids for o in outs], answers)
     assert outs[1].text == "The capital of France is Paris."
+
+
+def test_cpu_bf16_greedy_is_as_close_to_float32_as_hf_bfloat16(setup):
+    """The bfloat16 backend: its greedy answers equal HF's float32 ones on at least as many prompts as
+    HF's own bfloat16 forward does (measured: 18 of 20 against 13; it keeps RoPE, attention and the
+    KV cache in float32)."""
+    model, tokenizer, config, prompts, stop, answers = setup
+    got = greedy_generate(create_backend(config, kind="cpu-bf16"), prompts, MAX_NEW_TOKENS, stop, prefill_chunk=256)
+    hf16 = copy.deepcopy(model).to(torch.bfloat16)  # the fixture's model is shared
+    hf16_answers = [hf_greedy(hf16, p, MAX_NEW_TOKENS, stop) for p in prompts]
+    same = sum(g == a for g, a in zip(got, answers, strict=True))
+    assert same >= sum(h == a for h, a in zip(hf16_answers, answers, strict=True))
+    assert tokenizer.decode(got[1], skip_special_tokens=True).strip() == "The capital of France is Paris."
 
 
 @pytest.mark.parametrize("kind", ["graph", "cpu"])

@@ -4,6 +4,8 @@ One vocabulary: an engine's *target* (engine_format.TARGETS) is what it was comp
 a *backend* (BACKENDS) is what runs it in this process:
 - "cpu": the graph segments on ONNX Runtime with trtserve's paged-attention kernel between
   them (float32 engines; the default where the engine has segments);
+- "cpu-bf16": the same steps with the dense layers in bfloat16 on torch (oneDNN, AMX where the CPU
+  has it) instead of ONNX Runtime (float32 engines; runtime/backends/torch_cpu.py);
 - "graph": the whole portable graph on ONNX Runtime (any dtype);
 - "plugin": the TensorRT plugin graph on ONNX Runtime, plugin ops through their reference bodies;
 - "tensorrt": the compiled plan on a GPU (the default for target "tensorrt" where TensorRT is installed);
@@ -31,7 +33,7 @@ from engine_format.files import PLUGIN_GRAPH_FILE
 from runtime.backends.base import EngineBackend, SequenceChunk
 from runtime.backends.kv_pool import require_kv_support
 
-BACKENDS = ("cpu", "graph", "plugin", "tensorrt", "torch")
+BACKENDS = ("cpu", "cpu-bf16", "graph", "plugin", "tensorrt", "torch")
 
 # (token_id, logprob, top-n [(token_id, logprob)] descending): runtime.engine's TokenLogprobs fields.
 RowLogprobs = tuple[int, float, list[tuple[int, float]]]
@@ -166,6 +168,10 @@ def create_backend(
         from runtime.backends.ort_cpu import OrtCpuBackend  # loads the kernel, which sets the OpenMP policy
 
         return OrtCpuBackend(config, num_blocks, threads)
+    if kind == "cpu-bf16":
+        from runtime.backends.torch_cpu import TorchCpuBackend  # loads the kernel, then torch
+
+        return TorchCpuBackend(config, num_blocks, threads)
     if kind in ("graph", "plugin"):
         from runtime.backends.ort_graph import OrtGraphBackend
 

@@ -5,19 +5,13 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from runtime.backends.cpus import usable_cpus
+from runtime.backends.cpus import libgomp_loaded, usable_cpus
 from runtime.backends.kv_quant import KVQuant
 
 log = logging.getLogger(__name__)
-
-
-def _libgomp_loaded() -> bool:
-    maps = Path("/proc/self/maps")
-    return maps.exists() and "libgomp" in maps.read_text()
 
 
 # The kernel's OpenMP threads must sleep, not spin, between calls: ONNX Runtime needs the same
@@ -25,7 +19,7 @@ def _libgomp_loaded() -> bool:
 # 67 vs 82 tok/s). libgomp reads the policy once, when it is first loaded, by whichever
 # library loads it first (torch ships one too), so it must be set before that.
 _policy_before = os.environ.get("OMP_WAIT_POLICY")
-if (_policy_before or "").upper() != "PASSIVE" and _libgomp_loaded():
+if (_policy_before or "").upper() != "PASSIVE" and libgomp_loaded():
     log.warning(
         "libgomp was loaded (by torch?) before trtserve's attention kernel with OMP_WAIT_POLICY=%s, so "
         "its threads will spin between calls and slow the engine; export OMP_WAIT_POLICY=PASSIVE or "

@@ -1,8 +1,9 @@
-"""How many cores the CPU backends' thread pools should use."""
+"""The CPU backends' threads: how many cores they should use, and whether OpenMP is already loaded."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def usable_cpus() -> int:
@@ -11,3 +12,10 @@ def usable_cpus() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return os.cpu_count() or 1
+
+
+def libgomp_loaded() -> bool:
+    """Whether this process has loaded libgomp, which reads its OpenMP settings (wait policy, spin
+    count) once, when it loads."""
+    maps = Path("/proc/self/maps")
+    return maps.exists() and "libgomp" in maps.read_text()

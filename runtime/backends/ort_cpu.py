@@ -13,54 +13,22 @@ steps all run the segments and the kernel.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine_format import EngineConfig, EngineLoadError
 from engine_format.files import segment_file
-from runtime.backends.base import SequenceChunk, logit_rows
+from runtime.backends.base import SequenceChunk
 from runtime.backends.cpu_attention import AttentionShape, paged_attention
 from runtime.backends.cpus import usable_cpus
+from runtime.backends.flat_step import FlatStep
 from runtime.backends.kv_pool import KVPool
 from runtime.backends.ort_graph import OrtGraphBackend, graph_pool_dtype
 from runtime.backends.ort_session import create_session
 
 if TYPE_CHECKING:  # at run time onnxruntime loads after the kernel (OpenMP policy, see cpu_attention)
     import onnxruntime as ort
-
-
-@dataclass(frozen=True)
-class FlatStep:
-    """A step's chunks as one flat token list."""
-
-    input_ids: np.ndarray  # [T, 1] int64
-    positions: np.ndarray  # [T, 1] int64
-    seq_of_token: np.ndarray  # [T] int64: index of the token's chunk
-    block_tables: np.ndarray  # [B, M] int64
-    slots: np.ndarray  # [T] pool slot of each token's K/V
-    logit_rows: np.ndarray  # [rows] positions in T of each chunk's last num_logits tokens
-
-    @classmethod
-    def pack(cls, chunks: Sequence[SequenceChunk], block_size: int) -> FlatStep:
-        lengths = np.array([len(c.token_ids) for c in chunks])
-        width = max(len(c.block_table) for c in chunks)
-        tables = np.zeros((len(chunks), width), np.int64)
-        for b, chunk in enumerate(chunks):
-            tables[b, : len(chunk.block_table)] = chunk.block_table
-        seq_of_token = np.repeat(np.arange(len(chunks)), lengths)
-        starts = np.repeat([c.past_len for c in chunks], lengths)
-        positions = starts + np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-        return cls(
-            input_ids=np.concatenate([np.asarray(c.token_ids, np.int64) for c in chunks])[:, None],
-            positions=positions[:, None],
-            seq_of_token=seq_of_token,
-            block_tables=tables,
-            slots=slots,
-            logit_rows=logit_rows(lengths, np.array([c.num_logits for c in chunks]), np.cumsum(lengths) - lengths),
-        )
 
 
 # The whole graph (one ORT run; ORT's attention over K/V gathered from the pool) saves the segments'

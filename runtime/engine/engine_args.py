@@ -33,7 +33,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     max_waiting: int = 1024  # waiting-queue bound; beyond it requests get Overloaded
     threads: int | None = None  # backend compute threads (default: all cores)
-    backend: str | None = None  # runtime.backends.BACKENDS: "cpu", "graph", "plugin", "tensorrt", "torch"
+    backend: str | None = None  # runtime.backends.BACKENDS: "cpu", "cpu-bf16", "graph", "plugin", "tensorrt", "torch"
     # While requests decode, a step carries only the prefill its learned cost keeps within this
     # target (None: the fixed max_num_batched_tokens budget, whatever the decodes wait).
     itl_target_ms: float | None = DEFAULT_ITL_TARGET_MS

@@ -1,0 +1,151 @@
+"""The CPU backend with bfloat16 dense layers (backend kind "cpu-bf16"): torch (oneDNN) for the
+matmuls, our kernel for paged attention.
+
+Why: a CPU step is bound by the bytes it moves (README, "Where a step's time goes"): the fp32 dense
+layers stream all of their weights through once per step. In bfloat16 they move half as much, and
+oneDNN runs them on AMX tiles where the CPU has them (large chunks: 512 rows through SmolLM2-135M's
+30 layers take 65 ms against ONNX Runtime's 338 in fp32). bfloat16 is the model's training dtype;
+the residual stream and the norms follow HF's bfloat16 forward (`rms_norm`), RoPE and attention run
+in float32 over a float32 (or int8/fp8) pool, so the reference is HF eager in bfloat16.
+
+A step has the `cpu` backend's layout (`FlatStep`) with torch in place of ONNX Runtime between the
+kernel calls: per layer RMSNorm -> QKV -> RoPE, the new K/V rows into the pool, the kernel over each
+sequence's blocks in place, then o_proj and the MLP, whose SiLU, gating product and residual adds
+are oneDNN post-ops of the matmuls. Weights are the engine's (runtime/backends/torch/weights.py;
+INT4 engines dequantized), reordered once into oneDNN's blocked layout.
+
+OpenMP: torch's elementwise ops over more than 32K elements and the kernel share one libgomp pool,
+used hundreds of times a step, microseconds apart. Sleeping workers (the `cpu` backend's passive
+policy, right between ONNX Runtime runs) cost a futex wake-up each time: 93 vs 38 ms for a 64-token
+chunk. So this backend lets them spin ~1 ms before sleeping (GOMP_SPINCOUNT), set before libgomp
+loads: the first of the two CPU backends imported in a process sets the policy for both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine_format import EngineConfig, EngineLoadError
+from runtime.backends.base import SequenceChunk
+from runtime.backends.cpus import libgomp_loaded, usable_cpus
+from runtime.backends.flat_step import FlatStep
+from runtime.backends.kv_pool import KVPool
+
+SPIN_COUNT = "100000"  # libgomp spins ~100,000 per ms (its own estimate)
+if "GOMP_SPINCOUNT" not in os.environ and libgomp_loaded():
+    logging.getLogger(__name__).warning(
+        "libgomp was loaded (by torch?) before the cpu-bf16 backend could set GOMP_SPINCOUNT: its steps will "
+        "be slower; export GOMP_SPINCOUNT=%s or create the engine before importing torch",
+        SPIN_COUNT,
+    )
+os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
+
+# isort: off
+from runtime.backends.cpu_attention import AttentionShape, paged_attention  # noqa: E402 - loads libgomp
+import torch  # noqa: E402 - after the kernel: one libgomp, with the policy above
+import torch.nn.functional as F  # noqa: E402
+from runtime.backends.torch.model import rms_norm  # noqa: E402
+from runtime.backends.torch.weights import Layer, Linear, load_weights  # noqa: E402
+# isort: on
+
+DTYPE = torch.bfloat16
+_linear = torch.ops.mkldnn._linear_pointwise  # oneDNN matmul on a prepacked weight, with a fused post-op
+
+
+def _packed(linear: Linear | torch.Tensor, rows_hint: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A weight reordered once into oneDNN's blocked layout (as torch.compile's CPU freezing does;
+    10-20% faster than a plain matmul at 1-32 rows here) and its bias. Takes a [in, out] Linear
+    or a [out, in] tensor."""
+    if isinstance(linear, torch.Tensor):
+        return torch.ops.mkldnn._reorder_linear_weight(linear, rows_hint), None
+    if linear.input_scale is not None:
+        raise EngineLoadError("the cpu-bf16 backend does not run FP8 engines: use --backend cpu")
+    return torch.ops.mkldnn._reorder_linear_weight(linear.weight.T.contiguous(), rows_hint), linear.bias
+
+
+@dataclass(frozen=True)
+class PackedLayer:
+    """One decoder layer's weights as oneDNN runs them. gate and up are apart so that SiLU and the
+    product fuse into their matmuls (post-ops), and the residual adds into o_proj's and down's."""
+
+    input_norm: torch.Tensor
+    qkv: tuple[torch.Tensor, torch.Tensor | None]
+    o_proj: tuple[torch.Tensor, torch.Tensor | None]
+    post_norm: torch.Tensor
+    gate: tuple[torch.Tensor, torch.Tensor | None]
+    up: tuple[torch.Tensor, torch.Tensor | None]
+    down: tuple[torch.Tensor, torch.Tensor | None]
+
+    @classmethod
+    def pack(cls, layer: Layer, rows_hint: int) -> PackedLayer:
+        gate_up = layer.gate_up.weight  # [hidden, 2 * intermediate]: gate | up
+        half = gate_up.shape[1] // 2
+        gate, up = (Linear(part.contiguous()) for part in (gate_up[:, :half], gate_up[:, half:]))
+        return cls(layer.input_norm, _packed(layer.qkv, rows_hint), _packed(layer.o_proj, rows_hint),
+                   layer.post_norm, _packed(gate, rows_hint), _packed(up, rows_hint),
+                   _packed(layer.down, rows_hint))  # fmt: skip
+
+
+class TorchCpuBackend:
+    def __init__(self, config: EngineConfig, num_blocks: int | None = None, threads: int | None = None) -> None:
+        if config.dtype != "float32":
+            raise EngineLoadError(f"the cpu-bf16 backend reads a float32 engine's weights (got {config.dtype})")
+        if not torch.backends.mkldnn.is_available():
+            raise EngineLoadError("the cpu-bf16 backend needs torch built with oneDNN (mkldnn)")
+        spec = config.model
+        self.config = config
+        self.threads = threads or usable_cpus()
+        torch.set_num_threads(self.threads)
+        self.num_blocks = num_blocks or config.max_batch_size * config.max_blocks_per_seq
+        self.shape = AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, config.block_size)
+        weights = load_weights(config, torch.device("cpu"), DTYPE)
+        hint = config.max_batch_size  # oneDNN picks its blocking for this many rows; any count runs
+        self.embed, self.final_norm = weights.embed, weights.final_norm
+        self.lm_head = _packed(weights.lm_head, hint)
+        # RoPE as x * [cos, cos] + [x2, x1] * [-sin, sin] over x = [x1, x2], in float32
+        self.cos = torch.cat([weights.cos, weights.cos], dim=-1)
+        self.sin = torch.cat([-weights.sin, weights.sin], dim=-1)
+        self.layers = [PackedLayer.pack(layer, hint) for layer in weights.layers]
+        self.kv = KVPool.allocate(config, self.num_blocks)
+        self.pool = self.kv.data
+
+    def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
+        flat = FlatStep.pack(chunks, self.config.block_size)
+        return self._run(flat, flat.logit_rows)
+
+    def prompt_logits(self, chunk: SequenceChunk) -> np.ndarray:
+        """The logits of every token of one chunk [len(token_ids), vocab] (perplexity, KL)."""
+        flat = FlatStep.pack([chunk], self.config.block_size)
+        return self._run(flat, np.arange(len(chunk.token_ids)))
+
+    @torch.inference_mode()
+    def _run(self, flat: FlatStep, logit_rows: np.ndarray) -> np.ndarray:
+        spec = self.config.model
+        eps, tokens, half = spec.rms_norm_eps, len(flat.slots), spec.head_dim // 2
+        roped_width = (spec.num_heads + spec.num_kv_heads) * spec.head_dim
+        positions = torch.from_numpy(flat.positions[:, 0])
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        hidden = F.embedding(torch.from_numpy(flat.input_ids[:, 0]), self.embed)
+        for index, layer in enumerate(self.layers):
+            qkv = _linear(rms_norm(hidden, layer.input_norm, eps), *layer.qkv, "none", [], "")
+            qk = qkv[:, :roped_width].float().view(tokens, -1, spec.head_dim)
+            qk = qk * cos + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * sin
+            q = qk[:, : spec.num_heads].reshape(tokens, -1).contiguous().numpy()
+            k = qk[:, spec.num_heads :].reshape(tokens, -1).contiguous().numpy()
+            self.kv.write(index, flat.slots, k, qkv[:, roped_width:].float().numpy())
+            attn = paged_attention(
+                q, self.pool[index, 0], self.pool[index, 1], flat.block_tables, flat.seq_of_token,
+                flat.positions[:, 0], self.shape, window=spec.sliding_windows[index], threads=self.threads,
+                quant=self.kv.quant(index),
+            )  # fmt: skip
+            hidden = _linear.binary(torch.from_numpy(attn).to(DTYPE), hidden, *layer.o_proj, "add")
+            normed = rms_norm(hidden, layer.post_norm, eps)
+            gated = _linear.binary(normed, _linear(normed, *layer.gate, "swish", [], ""), *layer.up, "mul")
+            hidden = _linear.binary(gated, hidden, *layer.down, "add")
+        last = rms_norm(hidden[torch.from_numpy(logit_rows)], self.final_norm, eps)
+        return _linear(last, *self.lm_head, "none", [], "").float().numpy()
