@@ -8,7 +8,8 @@ prompts and arrival times; repetitions interleave rates (rep 1 of every rate, th
 repetition with fresh user turns. Goodput is the headline: requests/s meeting TTFT <= 3 s and
 TPOT <= 250 ms.
 
-    python -m benchmarks.mixed --engine /work/engines/v3/smollm2-135m-b32
+    python -m benchmarks.mixed --engine /work/engines/v3/smollm2-135m-b32 [--backend cpu-bf16]
+        [--more-engines DIR[@BACKEND],...]
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import click
@@ -34,7 +35,6 @@ from benchmarks.suite import Row, flatten
 from engine_format import EngineConfig
 
 MIXED_SLO = SLO(ttft_s=3.0, tpot_s=0.25)
-TRTSERVE = "trtserve via Triton (fp32 engine)"
 WORKLOAD = (
     "benchmarks.datasets.mixed: 3 shared ~300-token system prompts, lognormal user turns (mean ~80 "
     "tokens), answers uniform in 16-256 tokens with EOS ignored; Poisson arrivals; every server: 32 "
@@ -44,24 +44,43 @@ TOK_S_VS_VLLM, GOODPUT_VS_VLLM = 1.3, 1.5  # issue 17's targets near and past sa
 
 
 @dataclass(frozen=True)
+class TrtserveRun:
+    """One trtserve server of the run: an engine directory on a backend (None: the engine's default)."""
+
+    engine: Path
+    backend: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> TrtserveRun:
+        """DIR or DIR@BACKEND."""
+        engine, _, backend = text.partition("@")
+        return cls(Path(engine), backend or None)
+
+    @property
+    def system(self) -> str:
+        """The row label: what the engine is and what runs it."""
+        config = EngineConfig.load(self.engine)
+        weights = f"{config.quantization} weights" if config.quantization else f"{config.dtype} weights"
+        backend = f", backend {self.backend}" if self.backend else ""
+        return f"trtserve via Triton ({weights}, {config.kv_cache_dtype} KV{backend}: {self.engine.name})"
+
+
+@dataclass(frozen=True)
 class Config:
     engine: Path
+    backend: str | None = None  # the main engine's (runtime.backends.BACKENDS; None: its default)
     rates: tuple[float, ...] = (1.0, 1.75, 2.5, 3.25)
     arrival_s: float = 60.0  # seconds of arrivals per (rate, repetition)
     repetitions: int = 3
     vllm_dtypes: tuple[str, ...] = ("float32",)
-    more_engines: tuple[Path, ...] = ()  # further trtserve engines (e.g. an int8-KV build), after the main one
+    more_engines: tuple[TrtserveRun, ...] = ()  # further trtserve runs (e.g. an int8-KV build), after the main one
     settings: servers.ServingSettings = field(default_factory=servers.ServingSettings)
     logs: Path = RESULTS_DIR / "logs" / "mixed"
 
-
-def trtserve_system(engine: Path, main: bool) -> str:
-    """The row label: the main engine's is TRTSERVE (the targets' reference); others name what differs."""
-    if main:
-        return TRTSERVE
-    config = EngineConfig.load(engine)
-    weights = f"{config.quantization} weights" if config.quantization else f"{config.dtype} weights"
-    return f"trtserve via Triton ({weights}, {config.kv_cache_dtype} KV: {engine.name})"
+    @property
+    def trtserve_runs(self) -> tuple[TrtserveRun, ...]:
+        """The main run (the targets' trtserve side) first."""
+        return TrtserveRun(self.engine, self.backend), *self.more_engines
 
 
 def build_workloads(tok, cfg: Config) -> dict[tuple[float, int], list[BenchRequest]]:
@@ -105,11 +124,14 @@ def run_all(cfg: Config, tok, log: Callable[[str], None]) -> list[Row]:
     work = build_workloads(tok, cfg)
     warm = [datasets.mixed(tok, 2, seed=99, answer_range=(8, 8))[i] for i in range(2)]
     rows: list[Row] = []
-    for engine in (cfg.engine, *cfg.more_engines):
-        system = trtserve_system(engine, main=engine == cfg.engine)
+    for run in cfg.trtserve_runs:
+        system = run.system
         log(f"== {system}: starting")
+        extra = {"backend": run.backend} if run.backend else {}
+        settings = replace(cfg.settings, extra_params={**cfg.settings.extra_params, **extra})
+        logs = cfg.logs / f"tritonserver-{run.engine.name}{'-' + run.backend if run.backend else ''}.log"
         try:
-            with servers.trtserve(engine, cfg.settings, cfg.logs / f"tritonserver-{engine.name}.log") as endpoint:
+            with servers.trtserve(run.engine, settings, logs) as endpoint:
                 rows += measure_server(cfg, system, endpoint, work, warm, log)
         except RuntimeError as exc:
             rows.append(Row("mixed chat traffic, Poisson arrivals", system, "-", 0, unavailable=str(exc)[-600:]))
@@ -128,12 +150,13 @@ def run_all(cfg: Config, tok, log: Callable[[str], None]) -> list[Row]:
     return rows
 
 
-def targets(rows: list[dict], rates: tuple[float, ...], vllm: str) -> list[dict]:
-    """Issue 17's targets at each rate: tok/s and goodput ratios to vLLM, TPOT p50 no worse."""
+def targets(rows: list[dict], rates: tuple[float, ...], trtserve: str, vllm: str) -> list[dict]:
+    """Issue 17's targets at each rate: tok/s and goodput ratios of `trtserve` to `vllm` (row labels),
+    TPOT p50 no worse."""
     out = []
     for rate in rates:
         ours, peer = (next((r["median"] for r in rows if r["system"] == s and r["mode"] == poisson_mode(rate)
-                            and r.get("median")), None) for s in (TRTSERVE, vllm))  # fmt: skip
+                            and r.get("median")), None) for s in (trtserve, vllm))  # fmt: skip
         if not ours or not peer:
             out.append({"rate": rate, "status": "not measured"})
             continue
@@ -157,7 +180,7 @@ def render(p: dict) -> str:
         "",
         f"Workload: {p['workload']}",
         "",
-        f"## Targets vs {p['vllm_reference']}",
+        f"## Targets: {p['trtserve_reference']} vs {p['vllm_reference']}",
         "",
         f"tok/s ≥ {TOK_S_VS_VLLM}x, goodput ≥ {GOODPUT_VS_VLLM}x, TPOT p50 no worse (medians).",
         "",
@@ -202,26 +225,33 @@ def write_plot(p: dict, name: str) -> None:
 @click.option("--arrival-s", default=60.0, show_default=True, help="Seconds of arrivals per rate and repetition.")
 @click.option("--repetitions", default=3, show_default=True, type=click.IntRange(1))
 @click.option("--vllm-dtypes", default="float32", show_default=True, help="vLLM runs ('' for none).")
-@click.option("--more-engines", default="", help="Further trtserve engines to run (comma-separated directories).")
+@click.option("--backend", default=None, help="The main engine's backend (default: the engine's default).")
+@click.option(
+    "--more-engines",
+    default="",
+    help="Further trtserve runs: comma-separated DIR or DIR@BACKEND (the same engine may run twice).",
+)
 @click.option("--name", default="mixed", show_default=True)
-def main(engine: Path, rates: str, arrival_s: float, repetitions: int, vllm_dtypes: str, more_engines: str,
-         name: str) -> None:  # fmt: skip
+def main(engine: Path, rates: str, arrival_s: float, repetitions: int, vllm_dtypes: str, backend: str | None,
+         more_engines: str, name: str) -> None:  # fmt: skip
     from runtime.engine.tokenizer import load_tokenizer
 
     dtypes = tuple(d for d in vllm_dtypes.split(",") if d)
-    cfg = Config(engine, tuple(float(x) for x in rates.split(",")), arrival_s, repetitions, dtypes,
-                 tuple(Path(e) for e in more_engines.split(",") if e), logs=RESULTS_DIR / "logs" / name)  # fmt: skip
+    cfg = Config(engine, backend, tuple(float(x) for x in rates.split(",")), arrival_s, repetitions, dtypes,
+                 tuple(TrtserveRun.parse(e) for e in more_engines.split(",") if e),
+                 logs=RESULTS_DIR / "logs" / name)  # fmt: skip
     cfg.logs.mkdir(parents=True, exist_ok=True)
     log = lambda s: click.echo(s, err=True)  # noqa: E731
     busy, started = cpu_busy_fraction(), time.time()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the servers too
     rows = [r.to_json() for r in run_all(cfg, load_tokenizer(engine), log)]
-    reference = vllm_system(dtypes[0]) if dtypes else "-"
+    reference, ours = vllm_system(dtypes[0]) if dtypes else "-", cfg.trtserve_runs[0].system
     payload = {"command": "python -m benchmarks.mixed " + shlex.join(sys.argv[1:]), "cpu_busy_before": busy,
                "config": {**asdict(cfg), "engine": str(engine), "logs": str(cfg.logs),
-                          "more_engines": [str(e) for e in cfg.more_engines]},
+                          "more_engines": [f"{r.engine}@{r.backend or ''}" for r in cfg.more_engines]},
                "workload": WORKLOAD, "wall_s": round(time.time() - started, 1), "rows": rows,
-               "vllm_reference": reference, "targets": targets(rows, cfg.rates, reference)}  # fmt: skip
+               "trtserve_reference": ours, "vllm_reference": reference,
+               "targets": targets(rows, cfg.rates, ours, reference)}  # fmt: skip
     md, full = write_report(name, payload, render)
     write_plot(full, name)
     click.echo(md.read_text())

@@ -3,7 +3,7 @@ its target check (ratios to vLLM per rate, TPOT no worse), on synthetic rows."""
 
 from __future__ import annotations
 
-from benchmarks.mixed import TRTSERVE, targets
+from benchmarks.mixed import TrtserveRun, targets
 from benchmarks.slo_report import poisson_mode, vllm_system
 
 
@@ -22,6 +22,15 @@ def test_mixed_workload_is_seeded_shares_three_system_prompts_and_varies_turns(l
     assert len({len(r.prompt_ids) for r in a}) > 5  # turn lengths vary
 
 
+TRTSERVE = "trtserve via Triton (float32 weights, auto KV: e)"
+
+
+def test_runs_name_engine_and_backend(llama_engine):
+    run = TrtserveRun.parse(f"{llama_engine}@cpu-bf16")
+    assert run == TrtserveRun(llama_engine, "cpu-bf16") and TrtserveRun.parse(str(llama_engine)).backend is None
+    assert run.system == f"trtserve via Triton (float32 weights, auto KV, backend cpu-bf16: {llama_engine.name})"
+
+
 def _row(system: str, rate: float, tok_s: float, goodput: float, tpot: float) -> dict:
     median = {"output_tok_s": tok_s, "goodput_req_s": goodput, "tpot_ms_p50": tpot}
     return {"system": system, "mode": poisson_mode(rate), "median": median}
@@ -32,7 +41,7 @@ def test_mixed_targets_need_every_ratio_and_no_worse_tpot():
     rows = [_row(TRTSERVE, 1.0, 130, 1.5, 40), _row(vllm, 1.0, 100, 1.0, 50),  # all met
             _row(TRTSERVE, 2.0, 140, 1.5, 60), _row(vllm, 2.0, 100, 1.0, 50),  # TPOT worse
             _row(TRTSERVE, 3.0, 120, 2.0, 40), _row(vllm, 3.0, 100, 1.0, 50)]  # tok/s short  # fmt: skip
-    got = {t["rate"]: t for t in targets(rows, (1.0, 2.0, 3.0, 4.0), vllm)}
+    got = {t["rate"]: t for t in targets(rows, (1.0, 2.0, 3.0, 4.0), TRTSERVE, vllm)}
     assert got[1.0]["met"] and got[1.0]["tok_s_ratio"] == 1.3 and got[1.0]["goodput_ratio"] == 1.5
     assert not got[2.0]["met"] and not got[3.0]["met"]
     assert got[4.0] == {"rate": 4.0, "status": "not measured"}
