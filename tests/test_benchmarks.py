@@ -302,3 +302,17 @@ def test_ttft_beyond_the_engine_subtracts_its_histogram_over_the_same_requests()
     # The engine saw those two requests at 0.29 and 0.48 s: 15 ms of mean TTFT outside it.
     assert beyond_engine_ttft_ms(rs, scrape(1.0, 5), scrape(1.77, 7)) == pytest.approx(15.0)
     assert beyond_engine_ttft_ms(rs, scrape(1.0, 5), scrape(2.0, 8)) is None  # a third request: not comparable
+
+
+def test_backend_steps_report_has_a_row_per_shape_and_speedups_over_the_first_backend():
+    from benchmarks.backend_steps import SHAPES, render
+
+    times = {"cpu": {label: [0.010, 0.012, 0.011] for label, *_ in SHAPES},
+             "cpu-bf16": {label: [0.005, 0.006, 0.0055] for label, *_ in SHAPES}}  # fmt: skip
+    payload = {"machine": {"cpu": "x", "cores": 2}, "date_utc": "d", "command": "c", "engine": "e", "repeats": 3,
+               "backends": ["cpu", "cpu-bf16"], "times": times}  # fmt: skip
+    lines = render(payload).splitlines()
+    rows = [line for line in lines if line.startswith("| ") and "ms (" not in line and "---" not in line]
+    assert rows[0] == "| step | cpu ms | cpu-bf16 ms | cpu-bf16 speedup |"
+    assert f"| {SHAPES[0][0]} | 11.0 (10.0–12.0) | 5.5 (5.0–6.0) | 2.00x |" in lines
+    assert len([line for line in lines if "x |" in line]) == len(SHAPES)
