@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine_format import EngineConfig, EngineLoadError
+from engine_format import EngineConfig, EngineLoadError, ceil_div
 from runtime.backends.base import SequenceChunk
 from runtime.backends.cpus import libgomp_loaded, usable_cpus
 from runtime.backends.flat_step import FlatStep
@@ -54,6 +54,10 @@ from runtime.backends.torch.weights import Layer, Linear, load_weights  # noqa: 
 # isort: on
 
 DTYPE = torch.bfloat16
+# Matmuls of more than 16 rows run on a multiple of 16 (AMX tiles hold 16 rows; oneDNN's tail path for the
+# rest was ~12% slower over prefill chunks of random lengths here, and every new row count costs it a
+# kernel JIT of ~1-3 ms); fewer rows run as they are (padding a decode of 1-8 rows cost 10-25%).
+ROW_BUCKET = 16
 _linear = torch.ops.mkldnn._linear_pointwise  # oneDNN matmul on a prepacked weight, with a fused post-op
 
 
@@ -130,9 +134,13 @@ class TorchCpuBackend:
         roped_width = (spec.num_heads + spec.num_kv_heads) * spec.head_dim
         positions = torch.from_numpy(flat.positions[:, 0])
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        hidden = F.embedding(torch.from_numpy(flat.input_ids[:, 0]), self.embed)
+        rows = tokens if tokens <= ROW_BUCKET else ceil_div(tokens, ROW_BUCKET) * ROW_BUCKET  # padding: token 0
+        ids = torch.zeros(rows, dtype=torch.int64)
+        ids[:tokens] = torch.from_numpy(flat.input_ids[:, 0])
+        hidden = F.embedding(ids, self.embed)
+        attn_rows = torch.zeros(rows, spec.num_heads * spec.head_dim, dtype=DTYPE)  # padding rows stay 0
         for index, layer in enumerate(self.layers):
-            qkv = _linear(rms_norm(hidden, layer.input_norm, eps), *layer.qkv, "none", [], "")
+            qkv = _linear(rms_norm(hidden, layer.input_norm, eps), *layer.qkv, "none", [], "")[:tokens]
             qk = qkv[:, :roped_width].float().view(tokens, -1, spec.head_dim)
             qk = qk * cos + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * sin
             q = qk[:, : spec.num_heads].reshape(tokens, -1).contiguous().numpy()
@@ -143,7 +151,8 @@ class TorchCpuBackend:
                 flat.positions[:, 0], self.shape, window=spec.sliding_windows[index], threads=self.threads,
                 quant=self.kv.quant(index),
             )  # fmt: skip
-            hidden = _linear.binary(torch.from_numpy(attn).to(DTYPE), hidden, *layer.o_proj, "add")
+            attn_rows[:tokens] = torch.from_numpy(attn)
+            hidden = _linear.binary(attn_rows, hidden, *layer.o_proj, "add")
             normed = rms_norm(hidden, layer.post_norm, eps)
             gated = _linear.binary(normed, _linear(normed, *layer.gate, "swish", [], ""), *layer.up, "mul")
             hidden = _linear.binary(gated, hidden, *layer.down, "add")
