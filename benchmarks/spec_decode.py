@@ -48,6 +48,7 @@ from benchmarks.spec_decode_report import (
     write_plot,
 )
 from benchmarks.suite import DEFAULT_SLO, flatten
+from runtime.engine.engine_args import DISABLE_BATCH_SIZE_DEFAULTS
 
 ASSUMED_TOK_S = {1: 25.0, 4: 50.0, 16: 80.0}  # output tok/s, speculation off (2 cores, SmolLM2-135M fp32)
 STARTUP_S = 40.0  # per server
@@ -79,7 +80,7 @@ class Config:
         return max(self.min_requests, self.requests_per_slot * c)
 
 
-DEFAULT_DISABLE = "the engine's default for the method (ngram 4, draft 1)"
+DEFAULT_DISABLE = f"the engine's default for the method ({DISABLE_BATCH_SIZE_DEFAULTS})"
 
 
 def server_params(cfg: Config, system: str) -> dict[str, str]:

@@ -12,6 +12,7 @@ by `generate` before the first delta.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import uuid
@@ -28,8 +29,6 @@ log = logging.getLogger(__name__)
 
 
 class AsyncLLM:
-    engine: LLMEngine
-
     def __init__(
         self,
         engine_dir: str | Path,
@@ -45,14 +44,11 @@ class AsyncLLM:
         # worker threads per thread that starts parallel work, and once pools outnumber the cores, libgomp
         # stops letting workers spin: cpu-bf16 steps built on one thread and run on another took 49.5
         # instead of 27.6 ms (8 decodes), its elementwise ops 70 instead of 12 us.
-        built = threading.Event()
-        failed: list[BaseException] = []
-        self._thread = threading.Thread(target=self._run, args=(engine_dir, args, built, failed),
-                                        name="trtserve-engine", daemon=True)  # fmt: skip
+        built: concurrent.futures.Future[LLMEngine] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(engine_dir, args, built), name="trtserve-engine",
+                                        daemon=True)  # fmt: skip
         self._thread.start()
-        built.wait()
-        if failed:
-            raise failed[0]
+        self.engine = built.result()  # a failed build raises here, on the caller's thread
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
@@ -104,15 +100,15 @@ class AsyncLLM:
             self.abort(request_id)
         self._thread.join()
 
-    def _run(self, engine_dir: str | Path, args: EngineArgs | None, built: threading.Event,
-             failed: list[BaseException]) -> None:  # fmt: skip
+    def _run(
+        self, engine_dir: str | Path, args: EngineArgs | None, built: concurrent.futures.Future[LLMEngine]
+    ) -> None:
         try:
-            self.engine = engine = LLMEngine(engine_dir, args)
-        except BaseException as exc:  # raised by __init__, on the caller's thread
-            failed.append(exc)
+            engine = LLMEngine(engine_dir, args)
+        except BaseException as exc:
+            built.set_exception(exc)
             return
-        finally:
-            built.set()
+        built.set_result(engine)
         try:
             while not (self._stopping and not engine.has_unfinished_requests()):
                 if not engine.has_unfinished_requests():

@@ -16,7 +16,7 @@ import click
 
 from engine_format import EngineConfig, EngineLoadError
 from runtime.backends import BACKENDS
-from runtime.engine.engine_args import MAX_SPECULATIVE_TOKENS, EngineArgs
+from runtime.engine.engine_args import DISABLE_BATCH_SIZE_DEFAULTS, MAX_SPECULATIVE_TOKENS, EngineArgs
 from runtime.engine.errors import InvalidRequest
 from runtime.engine.spec.proposer import SPECULATIVE_METHODS
 from runtime.gateway.cli import API_KEY_ENV, DEFAULT_PORT
@@ -78,7 +78,7 @@ SPECULATIVE_OPTIONS = (
                  help=f"Draft tokens verified per step (default {EngineArgs.num_speculative_tokens})."),
     click.option("--speculative-disable-batch-size", type=click.IntRange(min=1), default=None,
                  help="Speculation pauses while more requests than this run or wait: a large batch pays for "
-                      "drafts in compute (default: 4 with ngram, 1 with draft, as measured)."),
+                      f"drafts in compute (default: {DISABLE_BATCH_SIZE_DEFAULTS}, as measured)."),
 )  # fmt: skip
 
 

@@ -23,6 +23,7 @@ DEFAULT_DRAFT_MIN_CONFIDENCE = 0.0  # measured in benchmarks/results/spec_decode
 # for several requests and its catch-up on each new prompt outweigh the tokens it saves), so it drafts
 # for a lone request only.
 DEFAULT_SPECULATIVE_DISABLE_BATCH_SIZE = {"ngram": 4, "draft": 1}
+DISABLE_BATCH_SIZE_DEFAULTS = ", ".join(f"{n} with {m}" for m, n in DEFAULT_SPECULATIVE_DISABLE_BATCH_SIZE.items())
 
 
 @dataclass(frozen=True)
