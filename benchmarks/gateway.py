@@ -31,7 +31,7 @@ import click
 
 from benchmarks import client, datasets, plots, prometheus, servers
 from benchmarks.client import Endpoint
-from benchmarks.cpu import machine_busy_s, session_cpu_s, wait_quiet
+from benchmarks.cpu import machine_busy_s, pinned, session_affinity, session_cpu_s, wait_quiet
 from benchmarks.datasets import BenchRequest
 from benchmarks.gateway_report import GATEWAY, QUIET_CPU_S, TRITON, overhead, render
 from benchmarks.metrics import RequestRecord, summarize
@@ -58,6 +58,7 @@ class Config:
     steady_concurrency: int = 32
     steady_waves: int = 2  # requests = waves x concurrency; the first wave is discarded
     parts: tuple[str, ...] = PARTS
+    pin: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (tritonserver's cores, the gateway's + client's)
     logs: Path = RESULTS_DIR / "logs" / "gateway"
 
     def requests(self, c: int) -> int:
@@ -130,11 +131,35 @@ def measure(send: client.Sender, prompts: list[BenchRequest], warm: list[BenchRe
     return out
 
 
+def parse_pin(text: str | None) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """'0/1' -> ((0,), (1,)): the engine's cores, then the gateway's and the client's (disjoint)."""
+    if not text:
+        return None
+    try:
+        engine, front = ({int(c) for c in part.split(",")} for part in text.split("/"))
+    except ValueError:
+        raise click.BadParameter(f"--pin takes ENGINE_CORES/FRONT_CORES, e.g. 0/1 (got {text!r})") from None
+    if engine & front or not engine <= os.sched_getaffinity(0) or not front <= os.sched_getaffinity(0):
+        raise click.BadParameter(f"--pin {text}: two disjoint sets of this machine's cores")
+    return tuple(sorted(engine)), tuple(sorted(front))
+
+
+def placement(cfg: Config) -> str:
+    if cfg.pin is None:
+        return "unpinned: tritonserver, the gateway and the client share all cores"
+    engine, front = (",".join(map(str, cores)) for cores in cfg.pin)
+    return (
+        f"pinned: tritonserver (its engine's threads sized to them) on core(s) {engine}; the gateway and the "
+        f"client on core(s) {front}, so the gateway's own cost is measured without competing with the engine"
+    )
+
+
 def controls(cfg: Config, template_tokens: int) -> list[str]:
     p_in, p_out, p_n = cfg.probe
     return [
         "one tritonserver (fp32 engine, prefix caching OFF so both paths re-run every prompt), the gateway as "
         "`trtserve serve` starts it (python -m runtime.gateway, its own process, gRPC to Triton)",
+        placement(cfg),
         f"same prompts for both paths at each level and repetition: {cfg.input_len} tokens -> exactly "
         f"{cfg.output_len} output tokens, EOS ignored, greedy; requests per level "
         + ", ".join(f"c{c}: {cfg.requests(c)}" for c in cfg.levels),
@@ -209,10 +234,16 @@ def fixed_name(cfg: Config) -> str:
 @click.option("--gateway-nice", default=None, type=int, help="The gateway's --nice (default: as `trtserve serve`).")
 @click.option("--itl-target-ms", default=None, help="The engine's itl_target_ms ('0': the fixed token budget; "
               "default: the engine's SLO budget).")  # fmt: skip
+@click.option(
+    "--pin",
+    default=None,
+    metavar="ENGINE_CORES/FRONT_CORES",
+    help="e.g. 0/1: tritonserver on core 0, the gateway and the client on core 1 (default: unpinned).",
+)
 @click.option("--name", default="gateway", show_default=True)
 def main(engine: Path, concurrency: str, repetitions: int, max_requests: int, output_len: int,
          aiperf_repetitions: int, steady_waves: int, parts: str, gateway_nice: int | None, itl_target_ms: str | None,
-         name: str) -> None:  # fmt: skip
+         pin: str | None, name: str) -> None:  # fmt: skip
     from runtime.engine.tokenizer import load_tokenizer
     from runtime.gateway.process import BESIDE_ENGINE_NICE, GatewayProcess
     from runtime.serve.launcher import ServerConfig, TritonServer, free_port
@@ -224,7 +255,7 @@ def main(engine: Path, concurrency: str, repetitions: int, max_requests: int, ou
         raise click.BadParameter(f"unknown parts {sorted(unknown)} (choose from {', '.join(PARTS)})")
     cfg = Config(engine, levels, repetitions, output_len=output_len, max_requests=max_requests,
                  aiperf_repetitions=aiperf_repetitions if "aiperf" in chosen else 0, steady_waves=steady_waves,
-                 parts=chosen, logs=RESULTS_DIR / "logs" / name)  # fmt: skip
+                 parts=chosen, pin=parse_pin(pin), logs=RESULTS_DIR / "logs" / name)  # fmt: skip
     cfg.logs.mkdir(parents=True, exist_ok=True)
     tok, log = load_tokenizer(engine), lambda s: click.echo(s, err=True)
     chat = tok.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=False)
@@ -239,8 +270,13 @@ def main(engine: Path, concurrency: str, repetitions: int, max_requests: int, ou
     extra: dict = {"datasets": {}, "quiet_waits_s": []}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the servers too
     model = engine.resolve().name  # as `trtserve serve` names it
-    with TritonServer(server_cfg, cfg.logs / "tritonserver.log") as triton:
+    engine_cores, front_cores = cfg.pin or (None, None)
+    with pinned(set(engine_cores) if engine_cores else None):
+        triton = TritonServer(server_cfg, cfg.logs / "tritonserver.log")
+    with triton:
         triton.wait_ready()
+        if front_cores is not None:  # this process (the client) and what it starts from here on: the gateway
+            os.sched_setaffinity(0, front_cores)
         args = ["--triton-url", f"127.0.0.1:{server_cfg.grpc_port}", "--model", model, "--nice", str(nice)]
         with GatewayProcess(args, "127.0.0.1", free_port(), log_path=cfg.logs / "gateway.log") as gw:
             gw.wait_ready()
@@ -256,6 +292,7 @@ def main(engine: Path, concurrency: str, repetitions: int, max_requests: int, ou
                     aiperf_rows.append(row)
 
             sessions = {"gateway": gw.process.pid, "triton": triton.process.pid}
+            extra["affinity"] = {name: session_affinity(pid) for name, pid in sessions.items()}
             metrics_url = f"http://127.0.0.1:{server_cfg.metrics_port}/metrics"
             rows = paired_runs(cfg, tok, senders, sessions, metrics_url, extra, log, profile)
             if "paired" not in cfg.parts:
