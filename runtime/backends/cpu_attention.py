@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 
@@ -30,13 +31,18 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import runtime.backends._paged_attention as _paged_attention  # noqa: E402 - after the policy is set
 
-KERNEL_ABI = 3  # the call interface this file speaks (the C module's ABI constant)
+KERNEL_ABI = 4  # the call interface this file speaks (the C module's ABI constant)
 if getattr(_paged_attention, "ABI", 1) != KERNEL_ABI:
     raise ImportError(
         f"{_paged_attention.__file__} is a stale build of runtime/backends/kernels/paged_attention.c "
         f"(ABI {getattr(_paged_attention, 'ABI', 1)}, need {KERNEL_ABI}); rebuild it: "
         "`pip install -e .` or `python -c 'import setuptools; setuptools.setup()' build_ext --inplace`"
     )
+
+
+def kernel_module() -> ModuleType:
+    """The C module, loaded under the OpenMP policy above and its ABI checked (layer_ops.py calls it too)."""
+    return _paged_attention
 
 
 @dataclass(frozen=True)

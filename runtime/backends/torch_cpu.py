@@ -49,7 +49,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
 from runtime.backends.cpu_attention import AttentionShape, paged_attention  # noqa: E402 - loads libgomp
 import torch  # noqa: E402 - after the kernel: one libgomp, with the policy above
 import torch.nn.functional as F  # noqa: E402
-from runtime.backends.torch.model import rms_norm  # noqa: E402
+from runtime.backends.layer_ops import rms_norm, rope_split  # noqa: E402
 from runtime.backends.torch.weights import Layer, Linear, load_weights  # noqa: E402
 # isort: on
 
@@ -112,8 +112,8 @@ class TorchCpuBackend:
         self.embed, self.final_norm = weights.embed, weights.final_norm
         self.lm_head = _packed(weights.lm_head, hint)
         # RoPE as x * [cos, cos] + [x2, x1] * [-sin, sin] over x = [x1, x2], in float32
-        self.cos = torch.cat([weights.cos, weights.cos], dim=-1)
-        self.sin = torch.cat([-weights.sin, weights.sin], dim=-1)
+        self.cos = torch.cat([weights.cos, weights.cos], dim=-1).float().contiguous()
+        self.sin = torch.cat([-weights.sin, weights.sin], dim=-1).float().contiguous()
         self.layers = [PackedLayer.pack(layer, hint) for layer in weights.layers]
         self.kv = KVPool.allocate(config, self.num_blocks)
         self.pool = self.kv.data
@@ -130,10 +130,7 @@ class TorchCpuBackend:
     @torch.inference_mode()
     def _run(self, flat: FlatStep, logit_rows: np.ndarray) -> np.ndarray:
         spec = self.config.model
-        eps, tokens, half = spec.rms_norm_eps, len(flat.slots), spec.head_dim // 2
-        roped_width = (spec.num_heads + spec.num_kv_heads) * spec.head_dim
-        positions = torch.from_numpy(flat.positions[:, 0])
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        eps, tokens, positions = spec.rms_norm_eps, len(flat.slots), flat.positions[:, 0]
         rows = tokens if tokens <= ROW_BUCKET else ceil_div(tokens, ROW_BUCKET) * ROW_BUCKET  # padding: token 0
         ids = torch.zeros(rows, dtype=torch.int64)
         ids[:tokens] = torch.from_numpy(flat.input_ids[:, 0])
@@ -141,14 +138,11 @@ class TorchCpuBackend:
         attn_rows = torch.zeros(rows, spec.num_heads * spec.head_dim, dtype=DTYPE)  # padding rows stay 0
         for index, layer in enumerate(self.layers):
             qkv = _linear(rms_norm(hidden, layer.input_norm, eps), *layer.qkv, "none", [], "")[:tokens]
-            qk = qkv[:, :roped_width].float().view(tokens, -1, spec.head_dim)
-            qk = qk * cos + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * sin
-            q = qk[:, : spec.num_heads].reshape(tokens, -1).contiguous().numpy()
-            k = qk[:, spec.num_heads :].reshape(tokens, -1).contiguous().numpy()
-            self.kv.write(index, flat.slots, k, qkv[:, roped_width:].float().numpy())
+            q, k, v = rope_split(qkv, spec.num_heads, spec.num_kv_heads, self.cos, self.sin, positions)
+            self.kv.write(index, flat.slots, k, v)
             attn = paged_attention(
                 q, self.pool[index, 0], self.pool[index, 1], flat.block_tables, flat.seq_of_token,
-                flat.positions[:, 0], self.shape, window=spec.sliding_windows[index], threads=self.threads,
+                positions, self.shape, window=spec.sliding_windows[index], threads=self.threads,
                 quant=self.kv.quant(index),
             )  # fmt: skip
             attn_rows[:tokens] = torch.from_numpy(attn)

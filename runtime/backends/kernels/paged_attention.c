@@ -421,6 +421,8 @@ static PyObject *write_kv(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+#include "layer_ops.h"
+
 static PyMethodDef methods[] = {
     {"paged_attention", paged_attention, METH_VARARGS,
      "paged_attention(q, k_cache, v_cache, out, block_tables, seq_of_token, positions, T, M, Hq, Hkv, D, "
@@ -429,6 +431,10 @@ static PyMethodDef methods[] = {
     {"write_kv", write_kv, METH_VARARGS,
      "write_kv(k, v, slots, T, kv_heads, head_dim, k_pool, v_pool, num_slots, kind[, k_scales, v_scales, k_scale, "
      "v_scale]): quantize rows into the pool in place; see runtime/backends/cpu_attention.py"},
+    {"rms_norm_bf16", rms_norm_bf16, METH_VARARGS,
+     "rms_norm_bf16(x, weight, out, T, H, eps): bfloat16 rows; see runtime/backends/layer_ops.py"},
+    {"rope_split_bf16", rope_split_bf16, METH_VARARGS,
+     "rope_split_bf16(qkv, T, Hq, Hkv, D, cos, sin, positions, q, k, v); see runtime/backends/layer_ops.py"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_paged_attention", NULL, -1, methods};
@@ -436,8 +442,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_paged_attention", N
 PyMODINIT_FUNC PyInit__paged_attention(void) {
     PyObject *m = PyModule_Create(&module);
     /* The call's interface version (cpu_attention.py refuses an older build of this file). 2: kv_kind + scales;
-     * 3: simd flag, write_kv. */
-    if (m && PyModule_AddIntConstant(m, "ABI", 3) < 0) {
+     * 3: simd flag, write_kv; 4: rms_norm_bf16, rope_split_bf16. */
+    if (m && PyModule_AddIntConstant(m, "ABI", 4) < 0) {
         Py_DECREF(m);
         return NULL;
     }
