@@ -203,6 +203,22 @@ def test_steady_state_drops_the_first_wave_and_spans_the_rest():
         steady_state(rs, discard=4)
 
 
+def test_gateway_pin_takes_two_disjoint_sets_of_this_machines_cores():
+    import os
+
+    import click
+
+    from benchmarks.gateway import parse_pin
+
+    cores = sorted(os.sched_getaffinity(0))
+    assert parse_pin(None) is None
+    if len(cores) > 1:
+        assert parse_pin(f"{cores[0]}/{cores[1]}") == ((cores[0],), (cores[1],))
+    for bad in (f"{cores[0]}/{cores[0]}", "0/x", "0", f"{cores[0]}/{max(cores) + 1}"):
+        with pytest.raises(click.BadParameter):
+            parse_pin(bad)
+
+
 def test_poisson_arrivals_are_seeded_exponential_gaps():
     import numpy as np
 

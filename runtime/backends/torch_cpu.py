@@ -11,8 +11,10 @@ in float32 over a float32 (or int8/fp8) pool, so the reference is HF eager in bf
 A step has the `cpu` backend's layout (`FlatStep`) with torch in place of ONNX Runtime between the
 kernel calls: per layer RMSNorm -> QKV -> RoPE, the new K/V rows into the pool, the kernel over each
 sequence's blocks in place, then o_proj and the MLP, whose SiLU, gating product and residual adds
-are oneDNN post-ops of the matmuls. Weights are the engine's (runtime/backends/torch/weights.py;
-INT4 engines dequantized), reordered once into oneDNN's blocked layout.
+are oneDNN post-ops of the matmuls. RMSNorm and RoPE (with the split of the fused QKV rows) are C
+(runtime/backends/layer_ops.py): in torch they were ~18 small ops per layer, 10-16% of a step.
+Weights are the engine's (runtime/backends/torch/weights.py; INT4 engines dequantized), reordered once
+into oneDNN's blocked layout.
 
 OpenMP: torch's elementwise ops over more than 32K elements and the kernel share one libgomp pool,
 used hundreds of times a step, microseconds apart. Sleeping workers (the `cpu` backend's passive
