@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 from benchmarks.report import cpu_busy_fraction
@@ -58,7 +58,7 @@ def wait_quiet(log: Callable[[str], None], limit_s: float = 90.0, busy: float = 
 
 
 @contextlib.contextmanager
-def pinned(cores: set[int] | None) -> Iterator[None]:
+def pinned(cores: Collection[int] | None) -> Iterator[None]:
     """Processes started inside run on `cores` (None: unchanged): this thread's CPU mask, which a
     fork copies (every thread of the child, and its children, start with it)."""
     if cores is None:

@@ -139,7 +139,7 @@ def parse_pin(text: str | None) -> tuple[tuple[int, ...], tuple[int, ...]] | Non
         engine, front = ({int(c) for c in part.split(",")} for part in text.split("/"))
     except ValueError:
         raise click.BadParameter(f"--pin takes ENGINE_CORES/FRONT_CORES, e.g. 0/1 (got {text!r})") from None
-    if engine & front or not engine <= os.sched_getaffinity(0) or not front <= os.sched_getaffinity(0):
+    if engine & front or not (engine | front) <= os.sched_getaffinity(0):
         raise click.BadParameter(f"--pin {text}: two disjoint sets of this machine's cores")
     return tuple(sorted(engine)), tuple(sorted(front))
 
@@ -271,7 +271,7 @@ def main(engine: Path, concurrency: str, repetitions: int, max_requests: int, ou
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the servers too
     model = engine.resolve().name  # as `trtserve serve` names it
     engine_cores, front_cores = cfg.pin or (None, None)
-    with pinned(set(engine_cores) if engine_cores else None):
+    with pinned(engine_cores):
         triton = TritonServer(server_cfg, cfg.logs / "tritonserver.log")
     with triton:
         triton.wait_ready()

@@ -113,9 +113,9 @@ class TorchCpuBackend:
         hint = config.max_batch_size  # oneDNN picks its blocking for this many rows; any count runs
         self.embed, self.final_norm = weights.embed, weights.final_norm
         self.lm_head = _packed(weights.lm_head, hint)
-        # RoPE as x * [cos, cos] + [x2, x1] * [-sin, sin] over x = [x1, x2], in float32
-        self.cos = torch.cat([weights.cos, weights.cos], dim=-1).float().contiguous()
-        self.sin = torch.cat([-weights.sin, weights.sin], dim=-1).float().contiguous()
+        # RoPE as x * [cos, cos] + [x2, x1] * [-sin, sin] over x = [x1, x2], in float32 (as the tables are)
+        self.cos = torch.cat([weights.cos, weights.cos], dim=-1)
+        self.sin = torch.cat([-weights.sin, weights.sin], dim=-1)
         self.layers = [PackedLayer.pack(layer, hint) for layer in weights.layers]
         self.kv = KVPool.allocate(config, self.num_blocks)
         self.pool = self.kv.data
