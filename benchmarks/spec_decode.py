@@ -1,9 +1,10 @@
 """`python -m benchmarks.spec_decode`: issue 18's speculative decoding -> results/spec_decode.{json,md,png}.
 
-Three tritonservers serve the fp32 target (--engine), started side by side (an idle one costs no CPU)
-and measured in turn: speculation off, `ngram` (prompt lookup) and `draft` (--draft-engine, the INT4-AWQ
-engine of the same model), with --num-speculative-tokens drafts and the engine's auto-off rule (no
-drafts while more than --speculative-disable-batch-size requests run). Two workloads, greedy with EOS
+One tritonserver per system serves the fp32 target (--engine), started side by side (an idle one costs
+no CPU) and measured in turn: speculation off, `ngram` (prompt lookup), `draft` (--draft-engine, the
+INT4-AWQ engine of the same model, as served: prompt lookup first, the draft model where it has nothing)
+and `draft-model` (the draft model for every guess), with --num-speculative-tokens drafts and the engine's
+auto-off rule (no drafts while more than --speculative-disable-batch-size requests run). Two workloads, greedy with EOS
 honoured, capped at --max-tokens: copy-heavy (datasets.copy_heavy: the answer repeats or edits a passage
 of the prompt) and chat (datasets.chat). A closed loop at each concurrency; every (workload, level) runs
 --repetitions times with the systems interleaved in a rotating order, so drift hits them alike. Greedy
@@ -38,6 +39,9 @@ from benchmarks.spec_decode_report import (
     CHAT,
     COPY,
     DRAFT,
+    DRAFT_MODEL,
+    DRAFT_SYSTEMS,
+    NGRAM,
     OFF,
     SYSTEMS,
     WORKLOADS,
@@ -87,13 +91,18 @@ def server_params(cfg: Config, system: str) -> dict[str, str]:
     """The trtserve config parameters of a system (what `trtserve serve --speculative ...` writes)."""
     if system == OFF:
         return {}
-    params = {"speculative": system, "num_speculative_tokens": str(cfg.num_speculative_tokens)}
+    params = {
+        "speculative": NGRAM if system == NGRAM else DRAFT,
+        "num_speculative_tokens": str(cfg.num_speculative_tokens),
+    }
     if cfg.disable_batch_size is not None:
         params["speculative_disable_batch_size"] = str(cfg.disable_batch_size)
-    if system == DRAFT:
+    if system in DRAFT_SYSTEMS:
         if cfg.draft_engine is None:
-            raise ValueError("the draft system needs --draft-engine")
+            raise ValueError(f"the {system} system needs --draft-engine")
         params["draft_engine"] = str(cfg.draft_engine)
+    if system == DRAFT_MODEL:
+        params["draft_prompt_lookup_min"] = "0"
     return params
 
 
@@ -225,7 +234,7 @@ def main(engine: Path, draft_engine: Path | None, systems: str, workloads: str, 
          name: str) -> None:  # fmt: skip
     from runtime.engine.tokenizer import load_tokenizer
 
-    picked = tuple(s for s in systems.split(",") if s and (s != DRAFT or draft_engine is not None))
+    picked = tuple(s for s in systems.split(",") if s and (s not in DRAFT_SYSTEMS or draft_engine is not None))
     cfg = Config(engine, draft_engine, picked, tuple(w for w in workloads.split(",") if w),
                  tuple(int(c) for c in concurrency.split(",") if c), repetitions, max_tokens, num_speculative_tokens,
                  speculative_disable_batch_size, logs=RESULTS_DIR / "logs" / name)  # fmt: skip
@@ -244,9 +253,10 @@ def main(engine: Path, draft_engine: Path | None, systems: str, workloads: str, 
         rows = run(cfg, work, warm, endpoints, log)
     for row in rows:
         row["unavailable"] = failed.get(row["system"])
-    if draft_engine is None and DRAFT in systems.split(","):
-        rows += [{"workload": w, "system": DRAFT, "concurrency": c, "reps": [], "unavailable": "no --draft-engine"}
-                 for w in cfg.workloads for c in cfg.levels]  # fmt: skip
+    if draft_engine is None:
+        missing = [s for s in DRAFT_SYSTEMS if s in systems.split(",")]
+        rows += [{"workload": w, "system": s, "concurrency": c, "reps": [], "unavailable": "no --draft-engine"}
+                 for s in missing for w in cfg.workloads for c in cfg.levels]  # fmt: skip
     aggregated = aggregate(rows)
     payload = {"command": "python -m benchmarks.spec_decode " + shlex.join(sys.argv[1:]), "cpu_busy_before": busy,
                "config": {**asdict(cfg), "engine": str(engine), "draft_engine": str(draft_engine),

@@ -64,6 +64,7 @@ class SpeculativeFields(TypedDict, total=False):
     draft_engine: str
     num_speculative_tokens: int
     speculative_disable_batch_size: int
+    draft_prompt_lookup_min: int
 
 
 SPECULATIVE_OPTIONS = (
@@ -79,6 +80,10 @@ SPECULATIVE_OPTIONS = (
     click.option("--speculative-disable-batch-size", type=click.IntRange(min=1), default=None,
                  help="Speculation pauses while more requests than this run or wait: a large batch pays for "
                       f"drafts in compute (default: {DISABLE_BATCH_SIZE_DEFAULTS}, as measured)."),
+    click.option("--draft-prompt-lookup-min", type=click.IntRange(min=0), default=None,
+                 help="With --speculative draft: a request whose text ends in this many or more tokens seen earlier "
+                      "in it takes the prompt-lookup guess, free, instead of the draft model's; 0: the draft model "
+                      f"always (default {EngineArgs.draft_prompt_lookup_min})."),
 )  # fmt: skip
 
 
@@ -88,8 +93,10 @@ def speculative_options(command: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(command)
     def run(*args: Any, speculative: str | None, draft_engine: Path | None, num_speculative_tokens: int | None,
-            speculative_disable_batch_size: int | None, **kwargs: Any) -> None:  # fmt: skip
-        fields = speculative_args(speculative, draft_engine, num_speculative_tokens, speculative_disable_batch_size)
+            speculative_disable_batch_size: int | None, draft_prompt_lookup_min: int | None,
+            **kwargs: Any) -> None:  # fmt: skip
+        fields = speculative_args(speculative, draft_engine, num_speculative_tokens, speculative_disable_batch_size,
+                                  draft_prompt_lookup_min)  # fmt: skip
         command(*args, speculative=fields, **kwargs)
 
     for option in reversed(SPECULATIVE_OPTIONS):
@@ -98,17 +105,19 @@ def speculative_options(command: Callable[..., None]) -> Callable[..., None]:
 
 
 def speculative_args(method: str | None, draft_engine: Path | None, num_tokens: int | None,
-                     disable_batch_size: int | None) -> SpeculativeFields:  # fmt: skip
+                     disable_batch_size: int | None, lookup_min: int | None = None) -> SpeculativeFields:  # fmt: skip
     """EngineArgs fields of the options (none: speculation off); a missing or stray one is a usage error
     naming it (raised before any engine loads or server starts)."""
     if method == "draft" and draft_engine is None:
         raise click.UsageError("--speculative draft needs --draft-engine DIR (the draft model's engine directory)")
-    if draft_engine is not None and method != "draft":
-        raise click.UsageError("--draft-engine is only used with --speculative draft")
+    for name, value in (("--draft-engine", draft_engine), ("--draft-prompt-lookup-min", lookup_min)):
+        if value is not None and method != "draft":
+            raise click.UsageError(f"{name} is only used with --speculative draft")
     if method is None and (num_tokens is not None or disable_batch_size is not None):
         raise click.UsageError("--num-speculative-tokens and --speculative-disable-batch-size need --speculative")
     fields = {"speculative": method, "draft_engine": None if draft_engine is None else str(draft_engine),
-              "num_speculative_tokens": num_tokens, "speculative_disable_batch_size": disable_batch_size}  # fmt: skip
+              "num_speculative_tokens": num_tokens, "speculative_disable_batch_size": disable_batch_size,
+              "draft_prompt_lookup_min": lookup_min}  # fmt: skip
     return cast(SpeculativeFields, {k: v for k, v in fields.items() if v is not None})
 
 

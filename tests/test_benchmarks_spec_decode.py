@@ -9,7 +9,18 @@ import pytest
 
 from benchmarks import prometheus
 from benchmarks.spec_decode import Config, server_params
-from benchmarks.spec_decode_report import CHAT, COPY, DRAFT, NGRAM, OFF, aggregate, render, spec_deltas, targets
+from benchmarks.spec_decode_report import (
+    CHAT,
+    COPY,
+    DRAFT,
+    DRAFT_MODEL,
+    NGRAM,
+    OFF,
+    aggregate,
+    render,
+    spec_deltas,
+    targets,
+)
 
 
 def scrape(generated: int, drafts: int = 0, drafted: int = 0, accepted: int = 0, per_position=()) -> dict:
@@ -100,6 +111,8 @@ def test_server_params_per_system():
     assert server_params(cfg, NGRAM) == {"speculative": "ngram", "num_speculative_tokens": "3",
                                          "speculative_disable_batch_size": "2"}  # fmt: skip
     assert server_params(cfg, DRAFT)["draft_engine"] == "draft"
+    assert "draft_prompt_lookup_min" not in server_params(cfg, DRAFT)  # as served: the engine's default
+    assert server_params(cfg, DRAFT_MODEL) == {**server_params(cfg, DRAFT), "draft_prompt_lookup_min": "0"}
     assert "speculative_disable_batch_size" not in server_params(Config(Path("t"), None), NGRAM)  # the engine's
     with pytest.raises(ValueError, match="--draft-engine"):
         server_params(Config(Path("target"), None), DRAFT)
@@ -120,7 +133,7 @@ def test_copy_heavy_workload_cycles_seeded_prompts_in_the_chat_template(llama_en
 
 @pytest.mark.serving
 def test_quick_run_through_tritonservers(llama_engine, tmp_path):
-    """Three servers of the tiny engine (it drafts for itself), one quick pass: every system streams the same
+    """A server per system of the tiny engine (it drafts for itself), one quick pass: every system streams the same
     greedy tokens, speculation shows in the metrics deltas, and the report's rows aggregate."""
     from benchmarks import servers
     from benchmarks.datasets import BenchRequest
@@ -140,12 +153,13 @@ def test_quick_run_through_tritonservers(llama_engine, tmp_path):
     )
     cfg = Config(llama_engine, llama_engine, levels=(1,), repetitions=1, quiet=False, settings=settings, logs=tmp_path)
     with started(cfg, print) as (endpoints, failed):
-        assert not failed and set(endpoints) == {OFF, NGRAM, DRAFT}
+        assert not failed and set(endpoints) == {OFF, NGRAM, DRAFT, DRAFT_MODEL}
         rows = aggregate(run(cfg, {COPY: {1: reqs}}, reqs[:1], endpoints, print))
     by_system = {r["system"]: r for r in rows}
     for r in rows:
         assert [x["output_tokens"] for x in r["reps"]] == [48] and r["median"]["failed"] == 0
     assert by_system[OFF]["reps"][0]["drafts"] == 0 and by_system[OFF]["median"].get("acceptance_rate") is None
-    assert by_system[DRAFT]["median"]["acceptance_rate"] > 0.9  # the target drafting for itself
+    for system in (DRAFT, DRAFT_MODEL):
+        assert by_system[system]["median"]["acceptance_rate"] > 0.9  # the target drafting for itself
     assert by_system[NGRAM]["reps"][0]["draft_tokens"] > 0
     assert len(by_system[NGRAM]["speedup"]) == 3 and by_system[DRAFT]["position_acceptance"]

@@ -37,7 +37,7 @@ def mistral_engine(engines_dir):
 def draft_args(draft_dir, **extra) -> EngineArgs:
     return EngineArgs(speculative="draft", draft_engine=str(draft_dir), num_speculative_tokens=3,
                       speculative_disable_batch_size=8, itl_target_ms=None, speculative_adaptive=False,
-                      **extra)  # fmt: skip
+                      **{"draft_prompt_lookup_min": 0, **extra})  # fmt: skip  # the draft model alone
 
 
 def test_the_target_as_its_own_draft_is_accepted(llama_engine, reference):

@@ -124,7 +124,7 @@ def test_a_draft_engine_s_one_off_catch_up_is_not_judged_as_the_cost_of_speculat
     drafting look ~3x dearer per token than it is in steady state (what turned a paying INT4 draft off)."""
     clock = TokenClock()
     args = EngineArgs(speculative="draft", draft_engine=str(llama_engine), num_speculative_tokens=3,
-                      itl_target_ms=None)  # fmt: skip
+                      itl_target_ms=None, draft_prompt_lookup_min=0)  # fmt: skip
     engine = LLMEngine(llama_engine, args, clock=clock)
     assert engine.spec is not None and engine.spec.governor is not None
     for backend in (engine.backend, engine.spec.proposer.backend):  # type: ignore[attr-defined]

@@ -62,6 +62,10 @@ def serve(engine: Path, *args: str):
         (["--speculative", "draft"], "--speculative draft needs --draft-engine DIR"),
         (["--draft-engine", "."], "--draft-engine is only used with --speculative draft"),
         (["--speculative", "ngram", "--draft-engine", "."], "--draft-engine is only used with --speculative draft"),
+        (
+            ["--speculative", "ngram", "--draft-prompt-lookup-min", "2"],
+            "--draft-prompt-lookup-min is only used with --speculative draft",
+        ),
         (["--num-speculative-tokens", "3"], "--num-speculative-tokens and --speculative-disable-batch-size need"),
         (["--speculative", "ngram", "--num-speculative-tokens", "17"], "Invalid value for '--num-speculative-tokens'"),
         (["--speculative", "medusa"], "Invalid value for '--speculative'"),
@@ -90,7 +94,8 @@ def test_serve_writes_the_options_into_the_model_config(llama_engine, tmp_path, 
     monkeypatch.setattr(launcher, "TritonServer", capture)
     monkeypatch.chdir(draft.parent)
     result = serve(llama_engine, "--speculative", "draft", "--draft-engine", draft.name,
-                   "--num-speculative-tokens", "3", "--speculative-disable-batch-size", "2")  # fmt: skip
+                   "--num-speculative-tokens", "3", "--speculative-disable-batch-size", "2",
+                   "--draft-prompt-lookup-min", "0")  # fmt: skip
     assert result.exit_code == 1 and "captured" in result.output, result.output
     prepare(configs[0], tmp_path / "repo")
     text = (tmp_path / "repo" / "models" / MODEL_NAME / "config.pbtxt").read_text()
@@ -99,13 +104,14 @@ def test_serve_writes_the_options_into_the_model_config(llama_engine, tmp_path, 
     assert params["draft_engine"].string_value == str(draft.resolve())  # absolute: tritonserver runs elsewhere
     assert params["num_speculative_tokens"].string_value == "3"
     assert params["speculative_disable_batch_size"].string_value == "2"
+    assert params["draft_prompt_lookup_min"].string_value == "0"
 
 
 def test_help_of_generate_and_serve_names_the_same_options():
     for command in ("generate", "serve"):
         text = CliRunner().invoke(trtserve_cli, [command, "--help"], terminal_width=200).output
         for needle in ("--speculative [ngram|draft]", "--draft-engine", "--num-speculative-tokens",
-                       "--speculative-disable-batch-size"):  # fmt: skip
+                       "--speculative-disable-batch-size", "--draft-prompt-lookup-min"):  # fmt: skip
             assert needle in text, (command, needle)
 
 

@@ -18,6 +18,9 @@ DEFAULT_ITL_TARGET_MS = 200.0
 DEFAULT_MIN_PREFILL_TOKENS = 64
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_DRAFT_MIN_CONFIDENCE = 0.0  # measured in benchmarks/results/spec_decode.md
+# Shortest prompt-lookup match the `draft` method takes instead of its draft model's guess (runtime/engine/
+# spec/lookup_first.py): 3 measured best on chat (2 and 4 both lost ~0.1x of decode speed-up).
+DEFAULT_DRAFT_PROMPT_LOOKUP_MIN = 3
 # Measured through tritonserver at concurrency 4 (benchmarks/results/spec_decode_*_c4.md): n-gram drafts
 # still pay (copy-heavy 1.6x, chat 1.05x); an INT4 draft engine of the same model costs 13-17% (its steps
 # for several requests and its catch-up on each new prompt outweigh the tokens it saves), so it drafts
@@ -49,6 +52,9 @@ class EngineArgs:
     # A draft engine stops proposing for a request at its first guess below this probability (its own
     # softmax): a doubted guess is mostly rejected, and each draft step costs a draft forward pass.
     draft_min_confidence: float = DEFAULT_DRAFT_MIN_CONFIDENCE
+    # "draft": a request whose text ends in this many or more tokens seen earlier in it takes the prompt-lookup
+    # guess (free) instead of the draft model's (a forward pass per token); 0: the draft model always.
+    draft_prompt_lookup_min: int = DEFAULT_DRAFT_PROMPT_LOOKUP_MIN
     ngram_prompt_lookup_min: int = 1  # shortest suffix the n-gram proposer matches
     ngram_prompt_lookup_max: int = 4  # longest (tried first)
     # Speculation pauses while more than this many requests run or wait (None: the method's default,
@@ -85,6 +91,9 @@ class EngineArgs:
             raise ValueError(f"EngineArgs.speculative_adaptive must be a bool (got {self.speculative_adaptive!r})")
         if not isinstance(self.draft_min_confidence, int | float) or not 0 <= self.draft_min_confidence < 1:
             raise ValueError(f"EngineArgs.draft_min_confidence must be in [0, 1) (got {self.draft_min_confidence!r})")
+        lookup = self.draft_prompt_lookup_min
+        if not isinstance(lookup, int) or isinstance(lookup, bool) or lookup < 0:
+            raise ValueError(f"EngineArgs.draft_prompt_lookup_min must be an integer >= 0 (got {lookup!r})")
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"EngineArgs.num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}")
         if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:

@@ -40,7 +40,7 @@ CANCEL_POLL_S = 0.5  # default of the `cancel_poll_s` parameter
 METRICS_INTERVAL_S = 0.5
 LIMIT_ARGS = ("max_prompt_chars", "max_messages", "max_stop_strings", "max_stop_chars")  # request_inputs.Limits
 INT_ARGS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_waiting", "min_prefill_tokens",
-            "num_speculative_tokens", "speculative_disable_batch_size")  # fmt: skip
+            "num_speculative_tokens", "speculative_disable_batch_size", "draft_prompt_lookup_min")  # fmt: skip
 STR_ARGS = ("backend", "speculative")  # EngineArgs strings (empty: the engine's default)
 
 

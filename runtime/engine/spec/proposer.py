@@ -47,6 +47,13 @@ def create_proposer(args: EngineArgs, target: EngineConfig) -> Proposer | None:
         from runtime.engine.spec.draft import DraftEngineProposer
 
         # The draft holds K/V for the same tokens as the target: the same pool size in blocks.
-        return DraftEngineProposer.load(args.draft_engine, target, args.threads, args.draft_backend,
-                                        args.num_kv_blocks, args.draft_min_confidence)  # fmt: skip
+        draft = DraftEngineProposer.load(args.draft_engine, target, args.threads, args.draft_backend,
+                                         args.num_kv_blocks, args.draft_min_confidence)  # fmt: skip
+        if not args.draft_prompt_lookup_min:
+            return draft
+        from runtime.engine.spec.lookup_first import LookupFirstProposer
+        from runtime.engine.spec.ngram import NgramProposer
+
+        shortest = args.draft_prompt_lookup_min
+        return LookupFirstProposer(NgramProposer(shortest, max(shortest, args.ngram_prompt_lookup_max)), draft)
     raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)} (got {args.speculative!r})")
