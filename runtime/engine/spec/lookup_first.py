@@ -7,9 +7,10 @@ target step on the 2-core Xeon). A match of 3 or more tokens is mostly right: an
 prompt, lists and code repeat themselves. A request that took lookup guesses is caught up on the tokens
 accepted meanwhile the next time the draft model runs for it (draft.py).
 
-Measured in process (SmolLM2-135M fp32 target, its INT4-AWQ draft with an INT4 head, k = 3, single
-stream, 9 requests each): chat 1.25x -> 1.36-1.45x decode tok/s of no speculation, copy-heavy
-1.53x -> 2.69x; a minimum match of 2 gave chat 1.35x (short matches guess worse), 4 gave 1.35x.
+Measured with SmolLM2-135M (fp32 target, its INT4-AWQ draft with an INT4 head, k = 3, single stream),
+decode tok/s against no speculation: through tritonserver (benchmarks/results/spec_decode_lookup_first.md)
+chat 1.28x -> 1.38x, copy-heavy 1.59x -> 2.31x; in process, a minimum match of 2 or of 4 gave chat
+~0.1x less than 3 (short matches guess worse; long ones are rarer).
 """
 
 from __future__ import annotations
