@@ -105,7 +105,7 @@ def speculative_options(command: Callable[..., None]) -> Callable[..., None]:
 
 
 def speculative_args(method: str | None, draft_engine: Path | None, num_tokens: int | None,
-                     disable_batch_size: int | None, lookup_min: int | None = None) -> SpeculativeFields:  # fmt: skip
+                     disable_batch_size: int | None, lookup_min: int | None) -> SpeculativeFields:  # fmt: skip
     """EngineArgs fields of the options (none: speculation off); a missing or stray one is a usage error
     naming it (raised before any engine loads or server starts)."""
     if method == "draft" and draft_engine is None:
