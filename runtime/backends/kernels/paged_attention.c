@@ -6,10 +6,14 @@
  * found through the sequence's block table. The step's own K/V must already be written
  * into the pool (the runtime scatters them before calling).
  *
- * Work is split over (token, kv head) pairs; the query heads sharing a kv head (GQA) are
- * processed together so each K/V block is fetched once per group. Threads take pairs one at a
- * time (dynamic schedule): a decode batch of 32 x 3 kv heads is 96 equal items for 2 cores, and
- * a prefill's tiles of 4 tokens are small enough not to leave one thread finishing alone. Softmax is computed online
+ * Work is split over tiles of tokens (a decode: one token) and, within a tile, kv heads in turn; the
+ * query heads sharing a kv head (GQA) are processed together so each K/V block is fetched once per
+ * group. A block's rows hold all kv heads side by side, so a tile's first head reads them whole and
+ * the others find them in cache, and for a decode the next block is prefetched meanwhile: a sequence's
+ * blocks lie anywhere in the pool (a saturated mixed-traffic step's attention: 17.2 -> 15.5 ms against one item
+ * per kv head). Threads take items one at a time (dynamic schedule); with fewer tiles than twice the
+ * threads (a lone decode) an item is a tile and one kv head, so every thread has work. Prefill tiles of
+ * 4 tokens are small enough not to leave one thread finishing alone. Softmax is computed online
  * one block at a time (flash-attention style), in float32. Scores come two query rows x four
  * keys per pass and values are accumulated four keys at a time, so the inner loops carry
  * independent vector FMAs instead of one latency-bound chain per key (1.4-1.9x per layer on
@@ -162,9 +166,27 @@ static void dequantize_fp8(const Args *a, const void *cache, float layer_scale, 
     }
 }
 
+/* A block's K and V rows, all kv heads (contiguous), and int8 row scales, into cache: a sequence's
+ * blocks lie anywhere in the pool, where the hardware prefetcher cannot follow. */
+static void prefetch_rows(const Args *a, int64_t first_slot, size_t elem) {
+    const int64_t bytes = a->bs * a->Hkv * a->D * (int64_t)elem;
+    const char *k = (const char *)a->k_cache + first_slot * a->Hkv * a->D * elem;
+    const char *v = (const char *)a->v_cache + first_slot * a->Hkv * a->D * elem;
+    for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(k + b, 0, 3);
+        __builtin_prefetch(v + b, 0, 3);
+    }
+    if (a->kv_kind == KV_INT8)
+        for (int64_t j = 0; j < a->bs * a->Hkv; j += 16) {
+            __builtin_prefetch(a->k_scales + first_slot * a->Hkv + j, 0, 3);
+            __builtin_prefetch(a->v_scales + first_slot * a->Hkv + j, 0, 3);
+        }
+}
+
 /* Tokens t0..t0+nt-1 (same sequence, increasing positions) x the G query heads of kv head g.
- * Each K/V block is brought into cache once for all nt*G query rows. */
-static void attend_tile(const Args *a, int64_t t0, int64_t nt, int64_t g) {
+ * Each K/V block is brought into cache once for all nt*G query rows. `prefetch`: bring each next
+ * block's rows (all kv heads) into cache while this one is computed. */
+static void attend_tile(const Args *a, int64_t t0, int64_t nt, int64_t g, int prefetch) {
     const int64_t G = a->Hq / a->Hkv, D = a->D, bs = a->bs, R = nt * G, row = a->Hkv * D;
     const int64_t *table = a->block_tables + a->seq_of_token[t0] * a->M;
     int64_t lo[MAX_ROWS], hi[MAX_ROWS];
@@ -196,6 +218,7 @@ static void attend_tile(const Args *a, int64_t t0, int64_t nt, int64_t g) {
         const size_t elem = a->kv_kind == KV_F32 ? sizeof(float) : 1;
         const void *k = (const char *)a->k_cache + (size_t)(slot * row + g * D) * elem;
         const void *v = (const char *)a->v_cache + (size_t)(slot * row + g * D) * elem;
+        if (prefetch && start + n <= last) prefetch_rows(a, table[(start + n) / bs] * bs, elem);
         if (a->kv_kind == KV_INT8) {  /* the rows' own scales */
             for (int64_t j = 0; j < n; j++) {
                 kmul[j] = k_const * a->k_scales[(slot + j) * a->Hkv + g];
@@ -318,12 +341,19 @@ static PyObject *paged_attention(PyObject *self, PyObject *args) {
         if (t == 0 || a.seq_of_token[t] != a.seq_of_token[t - 1] || t - starts[tiles - 1] == tile)
             starts[tiles++] = t;
     starts[tiles] = a.T;
-    const int64_t items = tiles * a.Hkv;
+    /* Work items: a tile with all its kv heads in turn, which reads each block's rows whole (the heads
+     * lie side by side) and the later heads from cache; or, with too few tiles to keep every thread
+     * busy (a lone decode), a tile and one kv head. */
+    const int64_t heads = tiles >= 2 * threads ? a.Hkv : 1, items = tiles * (a.Hkv / heads);
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t i = 0; i < items; i++) {
-        const int64_t tile_index = i / a.Hkv;
-        attend_tile(&a, starts[tile_index], starts[tile_index + 1] - starts[tile_index], i % a.Hkv);
+        const int64_t tile_index = i / (a.Hkv / heads), first = i % (a.Hkv / heads) * heads;
+        const int64_t t0 = starts[tile_index], t1 = starts[tile_index + 1];
+        /* a sequence's only tile (a decode): its blocks are in no cache yet; a prefill's tiles share theirs */
+        const int alone = (t0 == 0 || a.seq_of_token[t0 - 1] != a.seq_of_token[t0]) &&
+                          (t1 == a.T || a.seq_of_token[t1] != a.seq_of_token[t0]);
+        for (int64_t g = first; g < first + heads; g++) attend_tile(&a, t0, t1 - t0, g, alone && heads > 1 && g == first);
     }
     Py_END_ALLOW_THREADS
     PyMem_Free(starts);
