@@ -10,10 +10,10 @@
  * query heads sharing a kv head (GQA) are processed together so each K/V block is fetched once per
  * group. A block's rows hold all kv heads side by side, so a tile's first head reads them whole and
  * the others find them in cache, and for a decode the next block is prefetched meanwhile: a sequence's
- * blocks lie anywhere in the pool (a saturated mixed-traffic step's attention: 17.2 -> 15.5 ms against one item
- * per kv head). Threads take items one at a time (dynamic schedule); with fewer tiles than twice the
- * threads (a lone decode) an item is a tile and one kv head, so every thread has work. Prefill tiles of
- * 4 tokens are small enough not to leave one thread finishing alone. Softmax is computed online
+ * blocks lie anywhere in the pool (a saturated mixed-traffic step's attention: 16.8 -> 15.7 ms against
+ * one item per kv head). Threads take items one at a time (dynamic schedule); with fewer tiles than
+ * twice the threads (a lone decode) an item is a tile and one kv head, so every thread has work.
+ * Prefill tiles of 4 tokens are small enough not to leave one thread finishing alone. Softmax is computed online
  * one block at a time (flash-attention style), in float32. Scores come two query rows x four
  * keys per pass and values are accumulated four keys at a time, so the inner loops carry
  * independent vector FMAs instead of one latency-bound chain per key (1.4-1.9x per layer on
@@ -353,7 +353,8 @@ static PyObject *paged_attention(PyObject *self, PyObject *args) {
         /* a sequence's only tile (a decode): its blocks are in no cache yet; a prefill's tiles share theirs */
         const int alone = (t0 == 0 || a.seq_of_token[t0 - 1] != a.seq_of_token[t0]) &&
                           (t1 == a.T || a.seq_of_token[t1] != a.seq_of_token[t0]);
-        for (int64_t g = first; g < first + heads; g++) attend_tile(&a, t0, t1 - t0, g, alone && heads > 1 && g == first);
+        for (int64_t g = first; g < first + heads; g++)
+            attend_tile(&a, t0, t1 - t0, g, alone && heads > 1 && g == first);
     }
     Py_END_ALLOW_THREADS
     PyMem_Free(starts);
