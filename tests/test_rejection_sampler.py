@@ -47,6 +47,24 @@ def test_greedy_accepts_the_argmax_prefix_then_emits_the_argmax():
     assert result.logprobs == [None, None, None]
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=2)])
+def test_rows_pick_the_verify_rows_out_of_the_step(params):
+    """A step's logits hold other requests' rows between the verify rows: `rows` picks them, the greedy
+    path (argmax over the step, no gather) and the general one alike. Rows that are not picked have
+    other argmaxes, so picking a wrong one changes the result."""
+    packed = (np.eye(8)[[3, 5, 1, 6, 3, 4, 7]] * 4.0).astype(np.float32)
+    drafts = [[3, 5, 2], [3], []]
+    rows = np.array([1, 2, 4, 5, 7, 8, 10])
+    step = np.tile(np.eye(8, dtype=np.float32)[0] * 9.0, (11, 1))  # argmax 0 where no verify row lies
+    step[rows] = packed
+    expected = RejectionSampler().verify(packed, drafts, [state(params, vocab=8) for _ in range(3)])
+    got = RejectionSampler().verify(step, drafts, [state(params, vocab=8) for _ in range(3)], rows=rows)
+    assert got.token_ids == expected.token_ids == [[3, 5, 1], [3, 4], [7]]
+    assert got.num_accepted.tolist() == expected.num_accepted.tolist()
+    shifted = RejectionSampler().verify(step, drafts, [state(params, vocab=8) for _ in range(3)], rows=rows - 1)
+    assert shifted.token_ids != expected.token_ids
+
+
 @pytest.mark.parametrize(
     "params",
     [

@@ -108,9 +108,10 @@ def test_greedy_speculation_gives_the_reference_tokens(llama_engine, reference, 
 def test_accepting_every_draft_is_caught(llama_engine, reference, monkeypatch):
     """The comparison above fails for a verifier that keeps drafts the target would not emit."""
 
-    def accept_all(self, logits, drafts, states, draft_probs=None) -> VerifyResult:
+    def accept_all(self, logits, drafts, states, draft_probs=None, rows=None) -> VerifyResult:
         ends = np.cumsum([len(d) + 1 for d in drafts]) - 1
-        tokens = [[*d, int(np.argmax(logits[e]))] for d, e in zip(drafts, ends, strict=True)]
+        last_rows = ends if rows is None else rows[ends]
+        tokens = [[*d, int(np.argmax(logits[e]))] for d, e in zip(drafts, last_rows, strict=True)]
         return VerifyResult(tokens, np.array([len(d) for d in drafts]), [None] * len(drafts))
 
     monkeypatch.setattr(rejection_module.RejectionSampler, "verify", accept_all)

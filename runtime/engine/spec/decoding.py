@@ -138,7 +138,7 @@ class SpecDecoder:
         the last real token's, are valid; the rejected rows are stale); returns the tokens to append."""
         rows = np.concatenate([np.arange(first, first + len(d) + 1) for _, first, d in to_verify])
         requests, drafts = [r for r, _, _ in to_verify], [d for _, _, d in to_verify]
-        result = self.sampler.verify(logits[rows], drafts, [r.sampling for r in requests])
+        result = self.sampler.verify(logits, drafts, [r.sampling for r in requests], rows=rows)
         for request, d, accepted in zip(requests, drafts, result.num_accepted.tolist(), strict=True):
             self.counters.record(len(d), accepted)
             request.num_computed_tokens = request.num_tokens + accepted  # tokens so far hold K/V, plus accepted

@@ -51,15 +51,26 @@ class RejectionSampler:
         drafts: Sequence[Sequence[int]],
         states: Sequence[SamplingState],
         draft_probs: Sequence[np.ndarray | None] | None = None,
+        rows: np.ndarray | None = None,
     ) -> VerifyResult:
-        """logits: [sum(len(d) + 1), V], request after request. draft_probs[i]: q of request i,
-        [len(d_i), V] over the vocabulary after the same sampling transforms as p (None: one-hot)."""
+        """logits: [sum(len(d) + 1), V], request after request, or any rows of which `rows` picks those.
+        draft_probs[i]: q of request i, [len(d_i), V] over the vocabulary after the same sampling
+        transforms as p (None: one-hot)."""
         counts = np.array([len(d) for d in drafts], np.int64)
         starts = np.concatenate([[0], np.cumsum(counts + 1)[:-1]]).astype(np.int64)
-        if logits.ndim != 2 or logits.shape[0] != int((counts + 1).sum()):
-            raise ValueError(f"logits must be [{int((counts + 1).sum())}, vocab] for drafts of {counts.tolist()}")
+        needed = int((counts + 1).sum())
+        if logits.ndim != 2 or (logits.shape[0] if rows is None else len(rows)) != needed:
+            raise ValueError(f"logits must be [{needed}, vocab] for drafts of {counts.tolist()}")
+        one_hot = draft_probs is None or all(q is None for q in draft_probs)
+        if one_hot and all(s.params.greedy and not s.penalized and s.params.logprobs is None for s in states):
+            tokens = np.argmax(logits, axis=1)  # every row's token is its argmax (no gather of the rows first)
+            num_accepted, final = _accept_argmax(tokens if rows is None else tokens[rows], drafts, counts, starts)
+            return VerifyResult([[*d[:n], int(f)] for d, n, f in zip(drafts, num_accepted, final, strict=True)],
+                                num_accepted, [None] * len(states))  # fmt: skip
+        if rows is not None:
+            logits = logits[rows]
         row_states = [s for i, state in enumerate(states) for s in _row_states(state, drafts[i])]
-        if draft_probs is None or all(q is None for q in draft_probs):
+        if one_hot:
             num_accepted, final = self._coupled(logits, row_states, states, drafts, starts)
         else:
             num_accepted, final = self._general(logits, row_states, states, drafts, draft_probs, starts)
@@ -151,6 +162,21 @@ class RejectionSampler:
             at += len(t)
             out.append(None if chunk[0] is None else [lp for lp in chunk if lp is not None])
         return out
+
+
+def _accept_argmax(
+    tokens: np.ndarray, drafts: Sequence[Sequence[int]], counts: np.ndarray, starts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy verification from every row's argmax `tokens`: the drafts accepted while they equal the
+    argmax of the row before them, then that row's argmax."""
+    width = int(counts.max(initial=0))
+    draft_mat = np.full((len(drafts), width), -1, np.int64)
+    for i, d in enumerate(drafts):
+        draft_mat[i, : len(d)] = d
+    rows = np.minimum(starts[:, None] + np.arange(width)[None, :], len(tokens) - 1)  # row j: the token after d_j
+    agree = (draft_mat == tokens[rows]) & (np.arange(width)[None, :] < counts[:, None])
+    num_accepted = np.cumprod(agree, axis=1).sum(axis=1).astype(np.int64)
+    return num_accepted, tokens[starts + num_accepted].astype(np.int64)
 
 
 def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
