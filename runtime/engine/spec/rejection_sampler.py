@@ -70,7 +70,7 @@ class RejectionSampler:
         if rows is not None:
             logits = logits[rows]
         row_states = [s for i, state in enumerate(states) for s in _row_states(state, drafts[i])]
-        if one_hot:
+        if draft_probs is None or one_hot:
             num_accepted, final = self._coupled(logits, row_states, states, drafts, starts)
         else:
             num_accepted, final = self._general(logits, row_states, states, drafts, draft_probs, starts)
