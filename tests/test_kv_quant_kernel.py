@@ -20,6 +20,10 @@ from tests.test_paged_attention import SHAPES, make_case, reference
 
 SEQS = [(0, 1), (5, 1), (37, 1), (0, 23), (19, 9), (64, 1)]  # decodes, a prefill, a chunk after a prefix
 IDS = [f"h{s.num_heads}kv{s.num_kv_heads}d{s.head_dim}b{s.block_size}" for s in SHAPES]
+# The AMX tiles' tolerance (outputs ~1): the query and p x value scale carry ~16 bits there, each within
+# ~1e-4 of the output (a numpy model of the arithmetic: 1.4e-4 relative at worst over 50 draws), far
+# below int8 storage's own error (~2e-2: test_quantized_attention_stays_close_to_float).
+AMX_ATOL = 3e-4
 
 
 def quantize_pool(kind: str, k_cache: np.ndarray, v_cache: np.ndarray, kv_heads: int):
@@ -41,17 +45,21 @@ def quantize_pool(kind: str, k_cache: np.ndarray, v_cache: np.ndarray, kv_heads:
     return kq, vq, KVQuant("fp8", k_scale=k_scale, v_scale=v_scale), to_float * k_scale, to_float_v * v_scale
 
 
-@pytest.mark.parametrize("simd", [True, False], ids=["simd", "portable"])
+@pytest.mark.parametrize("loops", ["amx", "simd", "portable"])
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 @pytest.mark.parametrize("window", [None, 7])
-def test_kernel_matches_dequantized_reference(kind, shape, window, simd):
+def test_kernel_matches_dequantized_reference(kind, shape, window, loops):
     """Decodes at several depths, a prefill, a prefill chunk after a prefix; GQA, MHA, MQA; windows;
-    the AVX-512 loops (where built: every shape here has head_dim % 16 == 0) and the portable ones."""
+    the AVX-512 loops (where built: every shape here has head_dim % 16 == 0), the portable ones, and
+    AMX tiles where usable (int8, SmolLM2's shape, tiles of several tokens: the query and p carry ~16
+    bits there, test_paged_attention_amx.py)."""
     q, k, v, tables, seqs, pos = make_case(np.random.default_rng(0), shape, SEQS)
     kq, vq, quant, kd, vd = quantize_pool(kind, k, v, shape.num_kv_heads)
-    got = paged_attention(q, kq, vq, tables, seqs, pos, shape, window=window, quant=quant, simd=simd)
-    np.testing.assert_allclose(got, reference(q, kd, vd, tables, seqs, pos, shape, window=window), atol=3e-5)
+    got = paged_attention(q, kq, vq, tables, seqs, pos, shape, window=window, quant=quant,
+                          simd=loops != "portable", amx=loops == "amx")  # fmt: skip
+    want = reference(q, kd, vd, tables, seqs, pos, shape, window=window)
+    np.testing.assert_allclose(got, want, atol=AMX_ATOL if loops == "amx" else 3e-5)
 
 
 @pytest.mark.parametrize("kind", [None, "int8", "fp8"])
@@ -60,7 +68,7 @@ def test_simd_and_portable_loops_agree(kind):
     shape = SHAPES[0]
     q, k, v, tables, seqs, pos = make_case(np.random.default_rng(7), shape, [(130, 1), (0, 37), (70, 5), (3, 1)])
     kq, vq, quant = (k, v, None) if kind is None else quantize_pool(kind, k, v, shape.num_kv_heads)[:3]
-    fast = paged_attention(q, kq, vq, tables, seqs, pos, shape, quant=quant)
+    fast = paged_attention(q, kq, vq, tables, seqs, pos, shape, quant=quant, amx=False)
     np.testing.assert_allclose(fast, paged_attention(q, kq, vq, tables, seqs, pos, shape, quant=quant, simd=False),
                                atol=2e-6)  # fmt: skip
 

@@ -31,7 +31,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import runtime.backends._paged_attention as _paged_attention  # noqa: E402 - after the policy is set
 
-KERNEL_ABI = 4  # the call interface this file speaks (the C module's ABI constant)
+KERNEL_ABI = 5  # the call interface this file speaks (the C module's ABI constant)
 if getattr(_paged_attention, "ABI", 1) != KERNEL_ABI:
     raise ImportError(
         f"{_paged_attention.__file__} is a stale build of runtime/backends/kernels/paged_attention.c "
@@ -70,10 +70,12 @@ def paged_attention(
     threads: int | None = None,
     quant: KVQuant | None = None,
     simd: bool = True,
+    amx: bool = True,
 ) -> np.ndarray:
     """Attention of each query token over its sequence's cached keys, read in place. `quant`: the
     caches hold int8 or fp8 codes (None: float32). `simd=False`: the kernel's portable loops instead
-    of its AVX-512 ones (where it has them; tests compare the two)."""
+    of its AVX-512 ones (where it has them; tests compare the two). `amx=False`: int8 tiles of several
+    tokens stay on the vector loops instead of AMX tile products (where usable: amx_available())."""
     tokens = q.shape[0]
     width = shape.num_heads * shape.head_dim
     if q.dtype != np.float32 or q.shape != (tokens, width) or not q.flags.c_contiguous:
@@ -98,8 +100,14 @@ def paged_attention(
         tokens, tables.shape[1], shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.block_size,
         window or 0, shape.head_dim**-0.5, threads or usable_cpus(),
         KV_KINDS[kind], k_scales, v_scales, quant.k_scale if quant else 1.0, quant.v_scale if quant else 1.0, simd,
+        amx,
     )  # fmt: skip
     return out
+
+
+def amx_available() -> bool:
+    """Whether the kernel runs int8 attention tiles on AMX here (built with AMX-INT8 and allowed by the OS)."""
+    return bool(_paged_attention.amx_available())
 
 
 def write_kv(
