@@ -41,20 +41,55 @@ WORKLOAD = (
     "sequences, 512-token steps, KV for 65,536 tokens, prefix caching on; 2 warm-up requests per phase"
 )
 TOK_S_VS_VLLM, GOODPUT_VS_VLLM = 1.3, 1.5  # issue 17's targets near and past saturation
+# Drafts per step of a "+ngram" run, trtserve's and vLLM's alike. In process at saturation (LLMEngine, 40
+# in flight, cpu-bf16, int8 KV, before the AMX tiles): k = 2 / 3 / 4 gave 728 / 761 / 711 tok/s.
+NGRAM_TOKENS = 3
+NGRAM = "+ngram"
+
+
+def _split_ngram(text: str) -> tuple[str, bool]:
+    """ "X" or "X+ngram" -> (X, whether the run speculates)."""
+    head, plus, tail = text.rpartition("+")
+    if not plus:
+        return text, False
+    if tail != "ngram":
+        raise click.BadParameter(f"{text!r}: the only speculation a run takes is {NGRAM!r}")
+    return head, True
+
+
+def _ngram_label(ngram: bool) -> str:
+    return f", n-gram speculation k={NGRAM_TOKENS}" if ngram else ""
 
 
 @dataclass(frozen=True)
 class TrtserveRun:
-    """One trtserve server of the run: an engine directory on a backend (None: the engine's default)."""
+    """One trtserve server of the run: an engine directory on a backend (None: the engine's default),
+    with n-gram speculation or without."""
 
     engine: Path
     backend: str | None = None
+    ngram: bool = False
 
     @classmethod
     def parse(cls, text: str) -> TrtserveRun:
-        """DIR or DIR@BACKEND."""
+        """DIR, DIR@BACKEND, either + "+ngram"."""
+        text, ngram = _split_ngram(text)
         engine, _, backend = text.partition("@")
-        return cls(Path(engine), backend or None)
+        return cls(Path(engine), backend or None, ngram)
+
+    @property
+    def log_name(self) -> str:
+        return f"{self.engine.name}{'-' + self.backend if self.backend else ''}{'-ngram' * self.ngram}"
+
+    @property
+    def params(self) -> dict[str, str]:
+        """Its config.pbtxt parameters beyond the run's settings. Speculation stays on whatever the queue
+        (the default turns it off past 4 requests); the engine's governor still judges it by measured cost."""
+        params = {"backend": self.backend} if self.backend else {}
+        if self.ngram:
+            params |= {"speculative": "ngram", "num_speculative_tokens": str(NGRAM_TOKENS),
+                       "speculative_disable_batch_size": "4096"}  # fmt: skip
+        return params
 
     @property
     def system(self) -> str:
@@ -62,7 +97,30 @@ class TrtserveRun:
         config = EngineConfig.load(self.engine)
         weights = f"{config.quantization} weights" if config.quantization else f"{config.dtype} weights"
         backend = f", backend {self.backend}" if self.backend else ""
-        return f"trtserve via Triton ({weights}, {config.kv_cache_dtype} KV{backend}: {self.engine.name})"
+        name = f"{config.kv_cache_dtype} KV{backend}{_ngram_label(self.ngram)}"
+        return f"trtserve via Triton ({weights}, {name}: {self.engine.name})"
+
+
+@dataclass(frozen=True)
+class VllmRun:
+    """One vLLM server of the run: its dtype, with n-gram speculation or without."""
+
+    dtype: str
+    ngram: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> VllmRun:
+        """DTYPE or DTYPE+ngram."""
+        dtype, ngram = _split_ngram(text)
+        return cls(dtype, ngram)
+
+    @property
+    def system(self) -> str:
+        return vllm_system(self.dtype) + _ngram_label(self.ngram)
+
+    @property
+    def log_name(self) -> str:
+        return f"{self.dtype}{'-ngram' * self.ngram}"
 
 
 @dataclass(frozen=True)
@@ -72,15 +130,16 @@ class Config:
     rates: tuple[float, ...] = (1.0, 1.75, 2.5, 3.25)
     arrival_s: float = 60.0  # seconds of arrivals per (rate, repetition)
     repetitions: int = 3
-    vllm_dtypes: tuple[str, ...] = ("float32",)
+    vllm_runs: tuple[VllmRun, ...] = (VllmRun("float32"),)
     more_engines: tuple[TrtserveRun, ...] = ()  # further trtserve runs (e.g. an int8-KV build), after the main one
+    ngram: bool = False  # the main engine speculates (n-gram, NGRAM_TOKENS drafts)
     settings: servers.ServingSettings = field(default_factory=servers.ServingSettings)
     logs: Path = RESULTS_DIR / "logs" / "mixed"
 
     @property
     def trtserve_runs(self) -> tuple[TrtserveRun, ...]:
         """The main run (the targets' trtserve side) first."""
-        return TrtserveRun(self.engine, self.backend), *self.more_engines
+        return TrtserveRun(self.engine, self.backend, self.ngram), *self.more_engines
 
 
 def build_workloads(tok, cfg: Config) -> dict[tuple[float, int], list[BenchRequest]]:
@@ -127,9 +186,8 @@ def run_all(cfg: Config, tok, log: Callable[[str], None]) -> list[Row]:
     for run in cfg.trtserve_runs:
         system = run.system
         log(f"== {system}: starting")
-        extra = {"backend": run.backend} if run.backend else {}
-        settings = replace(cfg.settings, extra_params={**cfg.settings.extra_params, **extra})
-        logs = cfg.logs / f"tritonserver-{run.engine.name}{'-' + run.backend if run.backend else ''}.log"
+        settings = replace(cfg.settings, extra_params={**cfg.settings.extra_params, **run.params})
+        logs = cfg.logs / f"tritonserver-{run.log_name}.log"
         try:
             with servers.trtserve(run.engine, settings, logs) as endpoint:
                 rows += measure_server(cfg, system, endpoint, work, warm, log)
@@ -138,12 +196,12 @@ def run_all(cfg: Config, tok, log: Callable[[str], None]) -> list[Row]:
     from builder.sources import resolve_model
 
     checkpoint = resolve_model("smollm2-135m").checkpoint_dir
-    for dtype in cfg.vllm_dtypes:
-        system = vllm_system(dtype)
+    for vllm_run in cfg.vllm_runs:
+        system = vllm_run.system
         log(f"== {system}: starting (takes minutes)")
-        settings = servers.ServingSettings(**{**asdict(cfg.settings), "vllm_dtype": dtype})
+        settings = replace(cfg.settings, vllm_dtype=vllm_run.dtype, vllm_ngram_tokens=NGRAM_TOKENS * vllm_run.ngram)
         try:
-            with servers.vllm(checkpoint, settings, cfg.logs / f"vllm-{dtype}.log") as endpoint:
+            with servers.vllm(checkpoint, settings, cfg.logs / f"vllm-{vllm_run.log_name}.log") as endpoint:
                 rows += measure_server(cfg, system, endpoint, work, warm, log)
         except RuntimeError as exc:
             rows.append(Row("mixed chat traffic, Poisson arrivals", system, "-", 0, unavailable=str(exc)[-600:]))
@@ -180,21 +238,25 @@ def render(p: dict) -> str:
         "",
         f"Workload: {p['workload']}",
         "",
-        f"## Targets: {p['trtserve_reference']} vs {p['vllm_reference']}",
-        "",
-        f"tok/s ≥ {TOK_S_VS_VLLM}x, goodput ≥ {GOODPUT_VS_VLLM}x, TPOT p50 no worse (medians).",
-        "",
-        "| rate | tok/s ratio | goodput ratio | TPOT p50 ms (trtserve / vLLM) | all met |",
-        "|---|---|---|---|---|",
     ]
-    for t in p["targets"]:
-        if "tok_s_ratio" in t:
-            tp = t["tpot_p50_ms"]
-            lines.append(f"| {t['rate']:g} | {t['tok_s_ratio']:.2f}x | {t['goodput_ratio']:.2f}x | {tp[0]:.0f} / "
-                         f"{tp[1]:.0f} | {'yes' if t['met'] else 'no'} |")  # fmt: skip
-        else:
-            lines.append(f"| {t['rate']:g} | - | - | - | not measured |")
-    lines += ["", "## Results (median of repetitions, min–max in brackets)", "", *tables.workload_table(p["rows"], slo)]
+    for reference in p["targets"]:
+        lines += [
+            f"## Targets: {p['trtserve_reference']} vs {reference['vllm']}",
+            "",
+            f"tok/s ≥ {TOK_S_VS_VLLM}x, goodput ≥ {GOODPUT_VS_VLLM}x, TPOT p50 no worse (medians).",
+            "",
+            "| rate | tok/s ratio | goodput ratio | TPOT p50 ms (trtserve / vLLM) | all met |",
+            "|---|---|---|---|---|",
+        ]
+        for t in reference["by_rate"]:
+            if "tok_s_ratio" in t:
+                tp = t["tpot_p50_ms"]
+                lines.append(f"| {t['rate']:g} | {t['tok_s_ratio']:.2f}x | {t['goodput_ratio']:.2f}x | {tp[0]:.0f} / "
+                             f"{tp[1]:.0f} | {'yes' if t['met'] else 'no'} |")  # fmt: skip
+            else:
+                lines.append(f"| {t['rate']:g} | - | - | - | not measured |")
+        lines.append("")
+    lines += ["## Results (median of repetitions, min–max in brackets)", "", *tables.workload_table(p["rows"], slo)]
     lines += ["", "## trtserve's engine during each phase (its /metrics; medians)", "",
               "Busy: share of the phase's wall time spent in engine steps; the rest the engine waited (for work, or "
               "for the transport).", "",
@@ -224,34 +286,41 @@ def write_plot(p: dict, name: str) -> None:
 @click.option("--rates", default="1,1.75,2.5,3.25", show_default=True, help="Poisson arrival rates, req/s.")
 @click.option("--arrival-s", default=60.0, show_default=True, help="Seconds of arrivals per rate and repetition.")
 @click.option("--repetitions", default=3, show_default=True, type=click.IntRange(1))
-@click.option("--vllm-dtypes", default="float32", show_default=True, help="vLLM runs ('' for none).")
+@click.option(
+    "--vllm-dtypes",
+    default="float32",
+    show_default=True,
+    help=f"vLLM runs: comma-separated DTYPE or DTYPE{NGRAM} ('' for none); each gets a target table.",
+)
 @click.option("--backend", default=None, help="The main engine's backend (default: the engine's default).")
+@click.option("--ngram", is_flag=True, help=f"The main engine speculates: n-gram, {NGRAM_TOKENS} drafts a step.")
 @click.option(
     "--more-engines",
     default="",
-    help="Further trtserve runs: comma-separated DIR or DIR@BACKEND (the same engine may run twice).",
+    help=f"Further trtserve runs: comma-separated DIR or DIR@BACKEND, either + {NGRAM!r} (an engine may run twice).",
 )
 @click.option("--name", default="mixed", show_default=True)
 def main(engine: Path, rates: str, arrival_s: float, repetitions: int, vllm_dtypes: str, backend: str | None,
-         more_engines: str, name: str) -> None:  # fmt: skip
+         ngram: bool, more_engines: str, name: str) -> None:  # fmt: skip
     from runtime.engine.tokenizer import load_tokenizer
 
-    dtypes = tuple(d for d in vllm_dtypes.split(",") if d)
-    cfg = Config(engine, backend, tuple(float(x) for x in rates.split(",")), arrival_s, repetitions, dtypes,
-                 tuple(TrtserveRun.parse(e) for e in more_engines.split(",") if e),
+    vllm_runs = tuple(VllmRun.parse(d) for d in vllm_dtypes.split(",") if d)
+    cfg = Config(engine, backend, tuple(float(x) for x in rates.split(",")), arrival_s, repetitions, vllm_runs,
+                 tuple(TrtserveRun.parse(e) for e in more_engines.split(",") if e), ngram=ngram,
                  logs=RESULTS_DIR / "logs" / name)  # fmt: skip
     cfg.logs.mkdir(parents=True, exist_ok=True)
     log = lambda s: click.echo(s, err=True)  # noqa: E731
     busy, started = cpu_busy_fraction(), time.time()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the servers too
     rows = [r.to_json() for r in run_all(cfg, load_tokenizer(engine), log)]
-    reference, ours = vllm_system(dtypes[0]) if dtypes else "-", cfg.trtserve_runs[0].system
+    ours = cfg.trtserve_runs[0].system
     payload = {"command": "python -m benchmarks.mixed " + shlex.join(sys.argv[1:]), "cpu_busy_before": busy,
                "config": {**asdict(cfg), "engine": str(engine), "logs": str(cfg.logs),
                           "more_engines": [f"{r.engine}@{r.backend or ''}" for r in cfg.more_engines]},
                "workload": WORKLOAD, "wall_s": round(time.time() - started, 1), "rows": rows,
-               "trtserve_reference": ours, "vllm_reference": reference,
-               "targets": targets(rows, cfg.rates, ours, reference)}  # fmt: skip
+               "trtserve_reference": ours,
+               "targets": [{"vllm": v.system, "by_rate": targets(rows, cfg.rates, ours, v.system)}
+                           for v in cfg.vllm_runs]}  # fmt: skip
     md, full = write_report(name, payload, render)
     write_plot(full, name)
     click.echo(md.read_text())

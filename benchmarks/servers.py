@@ -41,6 +41,7 @@ class ServingSettings:
     vllm_dtype: str = "auto"  # "auto" (see vllm_dtype), "float32" or "bfloat16"
     itl_target_ms: str | None = None  # trtserve's step budget: None its default (SLO), "0" the fixed token budget
     extra_params: dict[str, str] = field(default_factory=dict)  # more trtserve config parameters (e.g. speculative)
+    vllm_ngram_tokens: int = 0  # vLLM's n-gram (prompt lookup) speculation: drafts per step (0: off)
 
 
 def trtserve_params(engine_dir: Path, settings: ServingSettings) -> dict[str, str]:
@@ -84,6 +85,10 @@ def vllm_command(checkpoint: Path, settings: ServingSettings, port: int) -> tupl
         "--enable-prefix-caching" if settings.prefix_caching else "--no-enable-prefix-caching",
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
+    if settings.vllm_ngram_tokens:  # the same lookup as trtserve's ngram proposer: the text's last 4..1 tokens
+        spec = {"method": "ngram", "num_speculative_tokens": settings.vllm_ngram_tokens, "prompt_lookup_max": 4,
+                "prompt_lookup_min": 1}  # fmt: skip
+        command += ["--speculative-config", json.dumps(spec)]
     bytes_per_value = 2 if dtype == "bfloat16" else 4
     kv_gib = max(1, math.ceil(settings.kv_tokens * kv_values_per_token(checkpoint) * bytes_per_value / 2**30))
     cores = f"0-{(os.cpu_count() or 1) - 1}"  # bind vLLM's OpenMP threads to every core

@@ -3,7 +3,14 @@ its target check (ratios to vLLM per rate, TPOT no worse), on synthetic rows."""
 
 from __future__ import annotations
 
-from benchmarks.mixed import TrtserveRun, targets
+import json
+from dataclasses import replace
+
+import click
+import pytest
+
+from benchmarks.mixed import NGRAM_TOKENS, TrtserveRun, VllmRun, targets
+from benchmarks.servers import ServingSettings, vllm_command
 from benchmarks.slo_report import poisson_mode, vllm_system
 
 
@@ -29,6 +36,28 @@ def test_runs_name_engine_and_backend(llama_engine):
     run = TrtserveRun.parse(f"{llama_engine}@cpu-bf16")
     assert run == TrtserveRun(llama_engine, "cpu-bf16") and TrtserveRun.parse(str(llama_engine)).backend is None
     assert run.system == f"trtserve via Triton (float32 weights, auto KV, backend cpu-bf16: {llama_engine.name})"
+    assert run.params == {"backend": "cpu-bf16"}
+
+
+def test_ngram_runs_speculate_at_every_load_with_the_same_drafts_as_vllm(llama_engine, tmp_path):
+    run = TrtserveRun.parse(f"{llama_engine}@cpu-bf16+ngram")
+    assert run == TrtserveRun(llama_engine, "cpu-bf16", ngram=True)
+    assert run.params == {"backend": "cpu-bf16", "speculative": "ngram", "num_speculative_tokens": str(NGRAM_TOKENS),
+                          "speculative_disable_batch_size": "4096"}  # fmt: skip
+    assert run.system.endswith(f"n-gram speculation k={NGRAM_TOKENS}: {llama_engine.name})")
+    vllm = VllmRun.parse("bfloat16+ngram")
+    assert vllm == VllmRun("bfloat16", ngram=True) and VllmRun.parse("bfloat16") == VllmRun("bfloat16")
+    assert vllm.system == vllm_system("bfloat16") + f", n-gram speculation k={NGRAM_TOKENS}"
+    settings = replace(ServingSettings(), vllm_dtype="bfloat16", vllm_ngram_tokens=NGRAM_TOKENS)
+    hf_config = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    command, _ = vllm_command(tmp_path, settings, 8000)
+    spec = json.loads(command[command.index("--speculative-config") + 1])
+    assert spec == {"method": "ngram", "num_speculative_tokens": NGRAM_TOKENS, "prompt_lookup_max": 4,
+                    "prompt_lookup_min": 1}  # fmt: skip
+    assert "--speculative-config" not in vllm_command(tmp_path, ServingSettings(), 8000)[0]
+    with pytest.raises(click.BadParameter, match="ngram"):
+        VllmRun.parse("bfloat16+eagle")
 
 
 def _row(system: str, rate: float, tok_s: float, goodput: float, tpot: float) -> dict:
