@@ -26,11 +26,13 @@ import click
 from benchmarks.cpu import wait_quiet
 from benchmarks.report import write_report
 
-# (label, sequences, context tokens already in the pool, new tokens per sequence)
+# (label, sequences, context tokens already in the pool, new tokens per sequence). "verify": a decode with
+# 3 speculative drafts per sequence, logits for all 4 tokens.
 SHAPES = [
     ("decode, 1 sequence, 470 context", 1, 470, 1),
     ("decode, 8 sequences, 470 context", 8, 470, 1),
     ("decode, 32 sequences, 470 context", 32, 470, 1),
+    ("verify, 32 sequences x 4 tokens, 470 context", 32, 470, 4),
     ("prefill chunk of 64 tokens after 100", 1, 100, 64),
     ("prefill, 8 x 64 tokens", 8, 0, 64),
     ("prefill, 512 tokens", 1, 0, 512),
@@ -54,7 +56,8 @@ def time_backend(engine: Path, kind: str, repeats: int) -> dict[str, list[float]
         tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(seqs)]
         for table in tables if ctx else []:  # the context, written by a prefill of its own
             backend.step([SequenceChunk(rng.integers(3, 1000, ctx).tolist(), 0, table)])
-        step = [SequenceChunk(rng.integers(3, 1000, new).tolist(), ctx, table) for table in tables]
+        logits = new if label.startswith("verify") else 1
+        step = [SequenceChunk(rng.integers(3, 1000, new).tolist(), ctx, table, logits) for table in tables]
         backend.step(step)
         times = []
         for _ in range(repeats):
