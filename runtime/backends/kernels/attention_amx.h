@@ -53,6 +53,18 @@ static void amx_configure(void) {
     _tile_loadconfig(&config);
 }
 
+/* Tiles C_HI = A_HI x B_HI and C_LO = A_LO x B_LO (int8 products, int32 sums), stored 64 bytes a row to
+ * DST_HI / DST_LO. A macro: tile numbers must be immediates. */
+#define HI_LO_PRODUCTS(C_HI, C_LO, A_HI, B_HI, A_LO, B_LO, DST_HI, DST_LO) \
+    do {                                                                 \
+        _tile_zero(C_HI);                                                \
+        _tile_zero(C_LO);                                                \
+        _tile_dpbssd(C_HI, A_HI, B_HI);                                  \
+        _tile_dpbssd(C_LO, A_LO, B_LO);                                  \
+        _tile_stored(C_HI, DST_HI, 64);                                  \
+        _tile_stored(C_LO, DST_LO, 64);                                  \
+    } while (0)
+
 /* out[L] = [x0.L, x1.L, x2.L, x3.L]: a 4 x 4 transpose of 128-bit lanes. */
 static inline void transpose_lanes(const __m512i x[4], __m512i out[4]) {
     const __m512i y0 = _mm512_shuffle_i32x4(x[0], x[1], 0x44), y1 = _mm512_shuffle_i32x4(x[2], x[3], 0x44);
@@ -174,20 +186,10 @@ static void attend_tile_amx(const Args *a, int64_t t0, int64_t nt, int64_t g, in
             const int8_t *k = k_pool + slot * row;
             if (grp % 2 == 0) {
                 _tile_loadd(0, k, row);
-                _tile_zero(3);
-                _tile_zero(4);
-                _tile_dpbssd(3, 0, 1);
-                _tile_dpbssd(4, 0, 2);
-                _tile_stored(3, s_t[0][16 * grp], 64);
-                _tile_stored(4, s_t[1][16 * grp], 64);
+                HI_LO_PRODUCTS(3, 4, 0, 1, 0, 2, s_t[0][16 * grp], s_t[1][16 * grp]);
             } else {
                 _tile_loadd(7, k, row);
-                _tile_zero(5);
-                _tile_zero(6);
-                _tile_dpbssd(5, 7, 1);
-                _tile_dpbssd(6, 7, 2);
-                _tile_stored(5, s_t[0][16 * grp], 64);
-                _tile_stored(6, s_t[1][16 * grp], 64);
+                HI_LO_PRODUCTS(5, 6, 7, 1, 7, 2, s_t[0][16 * grp], s_t[1][16 * grp]);
             }
             for (int64_t i = 0; i < 4; i++) values_as_b(v_pool + (slot + 4 * i) * row, row, 4 * grp + i, values);
             for (int64_t j = 0; j < 16; j++) {
@@ -249,20 +251,10 @@ static void attend_tile_amx(const Args *a, int64_t t0, int64_t nt, int64_t g, in
         for (int s = 0; s < 4; s++) { /* p.V, 16 values at a time */
             if (s % 2 == 0) {
                 _tile_loadd(0, values[s], 64);
-                _tile_zero(3);
-                _tile_zero(4);
-                _tile_dpbssd(3, 5, 0);
-                _tile_dpbssd(4, 6, 0);
-                _tile_stored(3, o[0], 64);
-                _tile_stored(4, o[1], 64);
+                HI_LO_PRODUCTS(3, 4, 5, 0, 6, 0, o[0], o[1]);
             } else {
                 _tile_loadd(7, values[s], 64);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_dpbssd(1, 5, 7);
-                _tile_dpbssd(2, 6, 7);
-                _tile_stored(1, o[0], 64);
-                _tile_stored(2, o[1], 64);
+                HI_LO_PRODUCTS(1, 2, 5, 7, 6, 7, o[0], o[1]);
             }
             for (int64_t r = 0; r < R; r++) {
                 const __m512 pv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(o[1][r])),

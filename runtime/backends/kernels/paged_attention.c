@@ -472,8 +472,7 @@ static PyMethodDef methods[] = {
     {"paged_attention", paged_attention, METH_VARARGS,
      "paged_attention(q, k_cache, v_cache, out, block_tables, seq_of_token, positions, T, M, Hq, Hkv, D, "
      "block_size, window, scale, threads[, kv_kind, k_scales, v_scales, k_scale, v_scale, simd, amx]): raw data "
-     "pointers; "
-     "see runtime/backends/cpu_attention.py"},
+     "pointers; see runtime/backends/cpu_attention.py"},
     {"amx_available", amx_available, METH_NOARGS, "amx_available(): whether int8 tiles run on AMX here"},
     {"write_kv", write_kv, METH_VARARGS,
      "write_kv(k, v, slots, T, kv_heads, head_dim, k_pool, v_pool, num_slots, kind[, k_scales, v_scales, k_scale, "
