@@ -26,16 +26,16 @@ import click
 from benchmarks.cpu import wait_quiet
 from benchmarks.report import write_report
 
-# (label, sequences, context tokens already in the pool, new tokens per sequence). "verify": a decode with
-# 3 speculative drafts per sequence, logits for all 4 tokens.
+# (label, sequences, context tokens already in the pool, new tokens per sequence, logits per sequence).
+# "verify": a decode with 3 speculative drafts per sequence, logits for all 4 tokens.
 SHAPES = [
-    ("decode, 1 sequence, 470 context", 1, 470, 1),
-    ("decode, 8 sequences, 470 context", 8, 470, 1),
-    ("decode, 32 sequences, 470 context", 32, 470, 1),
-    ("verify, 32 sequences x 4 tokens, 470 context", 32, 470, 4),
-    ("prefill chunk of 64 tokens after 100", 1, 100, 64),
-    ("prefill, 8 x 64 tokens", 8, 0, 64),
-    ("prefill, 512 tokens", 1, 0, 512),
+    ("decode, 1 sequence, 470 context", 1, 470, 1, 1),
+    ("decode, 8 sequences, 470 context", 8, 470, 1, 1),
+    ("decode, 32 sequences, 470 context", 32, 470, 1, 1),
+    ("verify, 32 sequences x 4 tokens, 470 context", 32, 470, 4, 4),
+    ("prefill chunk of 64 tokens after 100", 1, 100, 64, 1),
+    ("prefill, 8 x 64 tokens", 8, 0, 64, 1),
+    ("prefill, 512 tokens", 1, 0, 512, 1),
 ]
 
 
@@ -48,15 +48,14 @@ def time_backend(engine: Path, kind: str, repeats: int) -> dict[str, list[float]
     from runtime.backends.base import SequenceChunk
 
     config = EngineConfig.load(engine)
-    per_seq = ceil_div(max(ctx + new for _, _, ctx, new in SHAPES), config.block_size)
-    backend = create_backend(config, max(n for _, n, _, _ in SHAPES) * per_seq, kind=kind)
+    per_seq = ceil_div(max(ctx + new for _, _, ctx, new, _ in SHAPES), config.block_size)
+    backend = create_backend(config, max(n for _, n, *_ in SHAPES) * per_seq, kind=kind)
     rng = np.random.default_rng(0)
     out = {}
-    for label, seqs, ctx, new in SHAPES:
+    for label, seqs, ctx, new, logits in SHAPES:
         tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(seqs)]
         for table in tables if ctx else []:  # the context, written by a prefill of its own
             backend.step([SequenceChunk(rng.integers(3, 1000, ctx).tolist(), 0, table)])
-        logits = new if label.startswith("verify") else 1
         step = [SequenceChunk(rng.integers(3, 1000, new).tolist(), ctx, table, logits) for table in tables]
         backend.step(step)
         times = []

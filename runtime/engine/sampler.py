@@ -51,6 +51,11 @@ class SamplingState:
         p = self.params
         return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy, without penalties or logprobs: the token is the raw logits' argmax, nothing else is computed."""
+        return self.params.greedy and not self.penalized and self.params.logprobs is None
+
     def append(self, token_id: int) -> None:
         """Record a generated token (updates the penalty counts)."""
         if self.output_counts.size:
@@ -85,7 +90,7 @@ class Sampler:
     def sample(self, logits: np.ndarray, states: Sequence[SamplingState]) -> SampleResult:
         logits = _check(logits, states)
         greedy = np.array([s.params.greedy for s in states], dtype=bool)
-        if greedy.all() and not any(s.penalized or s.params.logprobs is not None for s in states):
+        if all(s.argmax_only for s in states):
             return SampleResult(np.argmax(logits, axis=1).astype(np.int64), [None] * len(states))
         x = apply_penalties(logits, states)
         token_ids = np.argmax(x, axis=1).astype(np.int64)  # random rows are overwritten below

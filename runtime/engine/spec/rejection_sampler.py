@@ -61,8 +61,9 @@ class RejectionSampler:
         needed = int((counts + 1).sum())
         if logits.ndim != 2 or (logits.shape[0] if rows is None else len(rows)) != needed:
             raise ValueError(f"logits must be [{needed}, vocab] for drafts of {counts.tolist()}")
-        one_hot = draft_probs is None or all(q is None for q in draft_probs)
-        if one_hot and all(s.params.greedy and not s.penalized and s.params.logprobs is None for s in states):
+        probs = [] if draft_probs is None else list(draft_probs)
+        one_hot = all(q is None for q in probs)
+        if one_hot and all(s.argmax_only for s in states):
             tokens = np.argmax(logits, axis=1)  # every row's token is its argmax (no gather of the rows first)
             num_accepted, final = _accept_argmax(tokens if rows is None else tokens[rows], drafts, counts, starts)
             return VerifyResult([[*d[:n], int(f)] for d, n, f in zip(drafts, num_accepted, final, strict=True)],
@@ -70,10 +71,10 @@ class RejectionSampler:
         if rows is not None:
             logits = logits[rows]
         row_states = [s for i, state in enumerate(states) for s in _row_states(state, drafts[i])]
-        if draft_probs is None or one_hot:
+        if one_hot:
             num_accepted, final = self._coupled(logits, row_states, states, drafts, starts)
         else:
-            num_accepted, final = self._general(logits, row_states, states, drafts, draft_probs, starts)
+            num_accepted, final = self._general(logits, row_states, states, drafts, probs, starts)
         tokens = [[*drafts[i][: num_accepted[i]], int(final[i])] for i in range(len(states))]
         return VerifyResult(tokens, num_accepted, self._logprobs(logits, row_states, starts, tokens))
 
@@ -111,9 +112,7 @@ class RejectionSampler:
         """min(1, p/q) acceptance, then the residual or the bonus: (accepted per request, final tokens)."""
         counts = np.array([len(d) for d in drafts], np.int64)
         width = max(int(counts.max(initial=0)), 1)
-        draft_mat = np.full((len(states), width), -1, np.int64)
-        for i, d in enumerate(drafts):
-            draft_mat[i, : len(d)] = d
+        draft_mat = _draft_matrix(drafts, width)
         valid = np.arange(width)[None, :] < counts[:, None]  # [R, K]
         row_of = np.where(valid, starts[:, None] + np.arange(width)[None, :], 0)  # row of p_j, j < k
         p = self.sampler.distribution(logits, row_states)  # [N, V] float64; greedy rows one-hot
@@ -164,15 +163,21 @@ class RejectionSampler:
         return out
 
 
+def _draft_matrix(drafts: Sequence[Sequence[int]], width: int) -> np.ndarray:
+    """[R, width] int64: request i's drafts in row i, -1 past them."""
+    out = np.full((len(drafts), width), -1, np.int64)
+    for i, d in enumerate(drafts):
+        out[i, : len(d)] = d
+    return out
+
+
 def _accept_argmax(
     tokens: np.ndarray, drafts: Sequence[Sequence[int]], counts: np.ndarray, starts: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Greedy verification from every row's argmax `tokens`: the drafts accepted while they equal the
     argmax of the row before them, then that row's argmax."""
     width = int(counts.max(initial=0))
-    draft_mat = np.full((len(drafts), width), -1, np.int64)
-    for i, d in enumerate(drafts):
-        draft_mat[i, : len(d)] = d
+    draft_mat = _draft_matrix(drafts, width)
     rows = np.minimum(starts[:, None] + np.arange(width)[None, :], len(tokens) - 1)  # row j: the token after d_j
     agree = (draft_mat == tokens[rows]) & (np.arange(width)[None, :] < counts[:, None])
     num_accepted = np.cumprod(agree, axis=1).sum(axis=1).astype(np.int64)
