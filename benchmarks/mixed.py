@@ -48,7 +48,7 @@ NGRAM = "+ngram"
 
 
 def _split_ngram(text: str) -> tuple[str, bool]:
-    """ "X" or "X+ngram" -> (X, whether the run speculates)."""
+    """A run's text, "X" or "X+ngram", as (X, whether the run speculates)."""
     head, plus, tail = text.rpartition("+")
     if not plus:
         return text, False
