@@ -70,10 +70,24 @@ def test_mixed_targets_need_every_ratio_and_no_worse_tpot():
     rows = [_row(TRTSERVE, 1.0, 130, 1.5, 40), _row(vllm, 1.0, 100, 1.0, 50),  # all met
             _row(TRTSERVE, 2.0, 140, 1.5, 60), _row(vllm, 2.0, 100, 1.0, 50),  # TPOT worse
             _row(TRTSERVE, 3.0, 120, 2.0, 40), _row(vllm, 3.0, 100, 1.0, 50)]  # tok/s short  # fmt: skip
-    got = {t["rate"]: t for t in targets(rows, (1.0, 2.0, 3.0, 4.0), TRTSERVE, vllm)}
+    offered = {1.0: 150.0, 2.0: 300.0, 3.0: 450.0, 4.0: 600.0}
+    got = {t["rate"]: t for t in targets(rows, offered, TRTSERVE, vllm)}
     assert got[1.0]["met"] and got[1.0]["tok_s_ratio"] == 1.3 and got[1.0]["goodput_ratio"] == 1.5
+    assert got[1.0]["offered_tok_s"] == 150.0 and got[1.0]["tok_s_ratio_bound"] == 1.5
     assert not got[2.0]["met"] and not got[3.0]["met"]
     assert got[4.0] == {"rate": 4.0, "status": "not measured"}
+
+
+def test_offered_load_is_the_answers_tokens_over_the_window_median_of_repetitions():
+    from benchmarks.datasets import BenchRequest
+    from benchmarks.mixed import offered_tok_s
+
+    def answers(*lengths: int) -> list[BenchRequest]:
+        return [BenchRequest("p", (1,), n, True) for n in lengths]
+
+    work = {(1.0, 0): answers(10, 30), (1.0, 1): answers(50), (1.0, 2): answers(100, 100),
+            (2.0, 0): answers(5)}  # fmt: skip
+    assert offered_tok_s(work, 10.0) == {1.0: 5.0, 2.0: 0.5}
 
 
 def test_write_report_renders_the_payload_as_written(tmp_path, monkeypatch):
