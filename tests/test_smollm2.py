@@ -25,6 +25,7 @@ from tests.helpers import hf_greedy, hf_logits
 pytestmark = pytest.mark.slow
 ATOL = 1e-3
 MAX_NEW_TOKENS = 24
+BF16_MARGIN = 1.25  # cpu-bf16's logit error may exceed HF bfloat16's by this factor (rounding differs by CPU)
 
 LONG_CONTEXT = (
     "The Transformer architecture relies on self-attention to relate every token of a sequence "
@@ -95,17 +96,25 @@ def test_engine_greedy_tokens_identical_to_hf_generate(setup, smollm2_engine):
     assert outs[1].text == "The capital of France is Paris."
 
 
-def test_cpu_bf16_greedy_is_as_close_to_float32_as_hf_bfloat16(setup):
-    """The bfloat16 backend: its greedy answers equal HF's float32 ones on at least as many prompts as
-    HF's own bfloat16 forward does (measured: 18 of 20 against 13; it keeps RoPE, attention and the
-    KV cache in float32)."""
-    model, tokenizer, config, prompts, stop, answers = setup
-    got = greedy_generate(create_backend(config, kind="cpu-bf16"), prompts, MAX_NEW_TOKENS, stop, prefill_chunk=256)
+def test_cpu_bf16_logits_are_as_close_to_float32_as_hf_bfloat16(setup):
+    """The bfloat16 backend keeps RoPE, attention and the KV cache in float32, so its logits are at least
+    about as close to HF float32's as HF's own bfloat16 forward: the worst |difference| at each prompt's
+    last position, median over the 20 prompts (measured 0.40 against 0.42 on an AMD EPYC with AVX-512
+    BF16). Greedy answers are not the measure: over 24 tokens near-ties decide them (equal to float32's on
+    18 of 20 prompts against HF bfloat16's 13 on a Xeon with AMX, 13 against 16 on the EPYC)."""
+    model, tokenizer, config, prompts, stop, _ = setup
+    backend = create_backend(config, kind="cpu-bf16")
     hf16 = copy.deepcopy(model).to(torch.bfloat16)  # the fixture's model is shared
-    hf16_answers = [hf_greedy(hf16, p, MAX_NEW_TOKENS, stop) for p in prompts]
-    same = sum(g == a for g, a in zip(got, answers, strict=True))
-    assert same >= sum(h == a for h, a in zip(hf16_answers, answers, strict=True))
-    assert tokenizer.decode(got[1], skip_special_tokens=True).strip() == "The capital of France is Paris."
+    ours, theirs = [], []
+    for tokens in prompts:
+        ref = hf_logits(model, tokens)
+        got = backend.step([SequenceChunk(tokens, 0, list(range(ceil_div(len(tokens), config.block_size))))])[0]
+        ours.append(np.abs(got - ref[-1]).max())
+        theirs.append(np.abs(hf_logits(hf16, tokens)[-1] - ref[-1]).max())
+        assert np.abs(got - ref[-2]).max() > 10 * BF16_MARGIN * theirs[-1]  # the check tells positions apart
+    assert np.median(ours) <= BF16_MARGIN * np.median(theirs)
+    answer = greedy_generate(backend, [prompts[1]], MAX_NEW_TOKENS, stop, prefill_chunk=256)[0]
+    assert tokenizer.decode(answer, skip_special_tokens=True).strip() == "The capital of France is Paris."
 
 
 @pytest.mark.parametrize("kind", ["graph", "cpu"])

@@ -188,7 +188,8 @@ def test_decode_buckets_and_padding_match_eager(llama_engine):
         np.testing.assert_allclose(graphs.step(chunks), eager.step(chunks), atol=1e-5)
     assert sorted(graphs.graphs.graphs) == [4]
     real = graphs.num_blocks
-    torch.testing.assert_close(graphs.pool[:, :, :real], eager.pool[:, :, :real], atol=1e-6, rtol=0)
+    # Padding changes the matmuls' row count, so float32 rounding may differ (2e-6 on an AMD EPYC).
+    torch.testing.assert_close(graphs.pool[:, :, :real], eager.pool[:, :, :real], atol=1e-5, rtol=0)
     assert graphs.pool[:, :, real].abs().sum() > 0 and eager.pool[:, :, real].abs().sum() == 0
 
 
