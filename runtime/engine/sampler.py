@@ -89,9 +89,9 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, states: Sequence[SamplingState]) -> SampleResult:
         logits = _check(logits, states)
-        greedy = np.array([s.params.greedy for s in states], dtype=bool)
         if all(s.argmax_only for s in states):
             return SampleResult(np.argmax(logits, axis=1).astype(np.int64), [None] * len(states))
+        greedy = np.array([s.params.greedy for s in states], dtype=bool)
         x = apply_penalties(logits, states)
         token_ids = np.argmax(x, axis=1).astype(np.int64)  # random rows are overwritten below
         rand = np.flatnonzero(~greedy)
