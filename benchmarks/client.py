@@ -16,6 +16,7 @@ Arrivals: a fixed number of requests in flight (`concurrency`), or Poisson arriv
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -32,7 +33,9 @@ Sender = Callable[[aiohttp.ClientSession, BenchRequest], Awaitable[RequestRecord
 
 @dataclass(frozen=True)
 class Endpoint:
-    kind: str  # "triton" (generate_stream), "openai" (vLLM's /v1/completions) or "gateway" (trtserve's)
+    # "triton" (generate_stream), "triton-whole" (the same, "stream": false: one response per request),
+    # "openai" (vLLM's /v1/completions) or "gateway" (trtserve's)
+    kind: str
     url: str  # http://host:port
     model: str = "llm"
     metrics_url: str | None = None  # the server's Prometheus /metrics, where known
@@ -53,8 +56,11 @@ async def _sse_events(response: aiohttp.ClientResponse):
         yield json.loads(payload)
 
 
-async def send_triton(session: aiohttp.ClientSession, endpoint: Endpoint, req: BenchRequest) -> RequestRecord:
-    body = {"text_input": req.prompt, "max_tokens": req.max_tokens, "stream": True, "temperature": 0.0,
+async def send_triton(
+    session: aiohttp.ClientSession, endpoint: Endpoint, req: BenchRequest, stream: bool = True
+) -> RequestRecord:
+    """Without `stream` the answer comes as one event: its time is the first (and last) token's."""
+    body = {"text_input": req.prompt, "max_tokens": req.max_tokens, "stream": stream, "temperature": 0.0,
             "ignore_eos": req.ignore_eos}  # fmt: skip
     url = f"{endpoint.url}/v2/models/{endpoint.model}/generate_stream"
     return await _stream(session, url, body, req, lambda event: event)
@@ -125,7 +131,8 @@ def _check(record: RequestRecord, req: BenchRequest) -> RequestRecord:
 
 
 def sender_for(endpoint: Endpoint) -> Sender:
-    send = {"triton": send_triton, "openai": send_openai, "gateway": send_gateway}[endpoint.kind]
+    send = {"triton": send_triton, "triton-whole": functools.partial(send_triton, stream=False), "openai": send_openai,
+            "gateway": send_gateway}[endpoint.kind]  # fmt: skip
     return lambda session, req: send(session, endpoint, req)
 
 

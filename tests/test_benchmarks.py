@@ -3,6 +3,7 @@ the streaming client against a real tritonserver serving the tiny engine."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,9 @@ def test_client_against_tritonserver(llama_engine):
     with trtserve(llama_engine, settings) as endpoint:
         closed = client.run(endpoint, requests[2:], requests[:2], concurrency=2)
         poisson = client.run(endpoint, requests[2:], [], rate=50.0, concurrency=4)
+        whole = client.run(replace(endpoint, kind="triton-whole"), requests[2:], [], concurrency=2)
+    # Not streamed: each answer is one event carrying all its tokens.
+    assert [(len(r.chunk_tokens), r.output_tokens, r.error) for r in whole.records] == [(1, 6, None)] * 4
     for result in (closed, poisson):
         summary = summarize(result.records, result.duration_s, SLO(60.0, 60.0))
         assert summary["failed"] == 0, summary["errors"]

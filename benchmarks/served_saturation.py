@@ -1,0 +1,153 @@
+"""`python -m benchmarks.served_saturation`: an engine kept saturated through tritonserver, at steady state.
+
+The mixed chat workload (benchmarks.datasets.mixed) closed-loop with --concurrency requests in flight
+(32 sequences run, so prompts always wait), through tritonserver with benchmarks.mixed's settings. Output
+tok/s, the mean step and the engine's busy fraction come from the server's /metrics over a window that
+starts --window-start seconds after the load and lasts --window seconds, so neither the ramp nor the
+drain counts (benchmarks.mixed's output tok/s includes its drain). Configurations: responses streamed a
+token at a time or whole (one response per request: what the per-token responses cost), speculation off
+or n-gram; each in its own server, alternated --repetitions times. Compare with
+benchmarks.saturated_engine, the same loop in process with no server.
+
+    python -m benchmarks.served_saturation --engine /work/engines/v3/kv-int8 --backend cpu-bf16
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import click
+
+from benchmarks import client, datasets, prometheus, servers
+from benchmarks.cpu import wait_quiet
+from benchmarks.mixed import TrtserveRun
+from benchmarks.report import write_report
+from runtime.engine.tokenizer import load_tokenizer
+
+CONFIGS = {  # label -> (streamed, n-gram speculation)
+    "streamed": (True, False),
+    "whole": (False, False),
+    "streamed+ngram": (True, True),
+}
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The engine's cumulative counters at one moment, from its /metrics."""
+
+    time_s: float
+    generation_tokens: float
+    step_seconds: float
+    steps: float
+
+    @classmethod
+    def scrape(cls, metrics_url: str) -> Sample:
+        m = prometheus.fetch(metrics_url)
+        return cls(time.monotonic(), prometheus.total(m, "trtserve_generation_tokens_total"),
+                   prometheus.total(m, "trtserve_step_duration_seconds_sum"),
+                   prometheus.total(m, "trtserve_step_duration_seconds_count"))  # fmt: skip
+
+
+def steady_state(before: Sample, after: Sample) -> dict[str, float]:
+    """Output tok/s, ms per step, busy fraction and output tokens per step between two samples."""
+    wall, steps = after.time_s - before.time_s, after.steps - before.steps
+    if wall <= 0 or steps <= 0:
+        raise ValueError(f"no steps in the window ({steps:g} steps over {wall:.1f} s): the load did not run")
+    tokens, busy = after.generation_tokens - before.generation_tokens, after.step_seconds - before.step_seconds
+    return {"output_tok_s": tokens / wall, "ms_per_step": 1000 * busy / steps, "busy": busy / wall,
+            "tokens_per_step": tokens / steps}  # fmt: skip
+
+
+def run_config(engine_dir: Path, backend: str, streamed: bool, ngram: bool, concurrency: int, window_start_s: float,
+               window_s: float) -> dict[str, float]:  # fmt: skip
+    """One configuration in a server of its own."""
+    run = TrtserveRun(engine_dir, backend, ngram)
+    settings = replace(servers.ServingSettings(), extra_params=run.params)
+    tokenizer = load_tokenizer(engine_dir)
+    # More requests than the window can finish: the loop stays closed at `concurrency` throughout.
+    work = datasets.mixed(tokenizer, 2000, seed=5)
+    warm = datasets.mixed(tokenizer, 2, seed=99, answer_range=(8, 8))
+    with servers.trtserve(engine_dir, settings) as endpoint:
+        client.run(endpoint, warm, [], concurrency=2)
+        load_endpoint = endpoint if streamed else replace(endpoint, kind="triton-whole")
+        load = threading.Thread(target=client.run, args=(load_endpoint, work, []),
+                                kwargs={"concurrency": concurrency}, daemon=True)  # fmt: skip
+        load.start()
+        time.sleep(window_start_s)
+        before = Sample.scrape(endpoint.metrics_url or "")
+        time.sleep(window_s)
+        after = Sample.scrape(endpoint.metrics_url or "")
+    load.join(timeout=60)  # the server is gone: its remaining requests fail at once
+    return steady_state(before, after)
+
+
+def render(p: dict) -> str:
+    lines = [
+        "# An engine kept saturated through tritonserver: steady-state output tok/s",
+        "",
+        f"Machine: {p['machine']['cpu']}, {p['machine']['cores']} cores; run {p['date_utc']}. "
+        f"Command: `{p['command']}`",
+        "",
+        f"Workload: {p['workload']}. Median (min–max) of {p['repetitions']} runs, configurations alternated, each in "
+        "its own server. `whole`: one response per request instead of one per token.",
+        "",
+        "| configuration | output tok/s | ms per step | engine busy | output tokens per step | vs streamed |",
+        "|---|---|---|---|---|---|",
+    ]
+    base = None
+    for label, runs in p["runs"].items():
+        tok = [r["output_tok_s"] for r in runs]
+        med = statistics.median(tok)
+        base = base or med
+        lines.append(
+            f"| {label} | {med:.0f} ({min(tok):.0f}–{max(tok):.0f}) | "
+            f"{statistics.median(r['ms_per_step'] for r in runs):.1f} | "
+            f"{statistics.median(r['busy'] for r in runs):.3f} | "
+            f"{statistics.median(r['tokens_per_step'] for r in runs):.1f} | {med / base:.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+@click.command()
+@click.option("--engine", "engine_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True)
+@click.option("--backend", default="cpu-bf16", show_default=True)
+@click.option("--configs", default=",".join(CONFIGS), show_default=True,
+              help=f"Configurations to compare, the first the baseline: {', '.join(CONFIGS)}.")  # fmt: skip
+@click.option("--concurrency", default=40, show_default=True, help="Requests in flight (32 sequences run).")
+@click.option("--window-start", default=12.0, show_default=True, help="Seconds of load before the window.")
+@click.option("--window", default=30.0, show_default=True, help="Seconds measured.")
+@click.option("--repetitions", default=2, show_default=True, type=click.IntRange(1))
+@click.option("--name", default="served_saturation", show_default=True)
+def main(engine_dir: Path, backend: str, configs: str, concurrency: int, window_start: float, window: float,
+         repetitions: int, name: str) -> None:  # fmt: skip
+    labels = [c for c in configs.split(",") if c]
+    unknown = set(labels) - set(CONFIGS)
+    if unknown:
+        raise click.BadParameter(f"unknown {sorted(unknown)}; choose from {', '.join(CONFIGS)}", param_hint="--configs")
+    runs: dict[str, list[dict]] = {}
+    for _ in range(repetitions):
+        for label in labels:
+            wait_quiet(lambda s: click.echo(s, err=True))
+            result = run_config(engine_dir, backend, *CONFIGS[label], concurrency, window_start, window)
+            click.echo(f"{label}: {result}", err=True)
+            runs.setdefault(label, []).append(result)
+    payload = {
+        "command": f"python -m benchmarks.served_saturation --engine {engine_dir} --backend {backend} --configs "
+        f"{configs} --concurrency {concurrency} --window-start {window_start:g} --window {window:g} "
+        f"--repetitions {repetitions}",
+        "workload": f"benchmarks.datasets.mixed closed-loop, {concurrency} requests in flight, greedy, EOS ignored; "
+        f"32 sequences, 512-token steps, prefix caching on, backend {backend}; /metrics over {window:g} s from "
+        f"{window_start:g} s after the load started",
+        "repetitions": repetitions,
+        "runs": runs,
+    }
+    md, _ = write_report(name, payload, render)
+    click.echo(md.read_text())
+
+
+if __name__ == "__main__":
+    main()
