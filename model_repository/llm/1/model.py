@@ -195,8 +195,8 @@ async def _until_cancelled(stream, request, poll_s: float = CANCEL_POLL_S):
     the request is aborted as the cancellation unwinds AsyncLLM.generate. Asking on every delta
     woke Triton hundreds of times a second under load, and each wake-up stalls one of the kernel's
     two threads on a 2-core machine (c32: 67-68 -> 72 tok/s without them). Watching with a timer,
-    not an `asyncio.wait` per delta, keeps a delta's cost to the queue hand-off: the serving
-    thread's per-token work is charged to the engine's cores.
+    not a task and an `asyncio.wait` per delta, keeps a delta's cost to the queue hand-off: this
+    thread's per-token Python holds the GIL that the engine thread needs between its ops.
     With `poll_s` 0 it is asked before each delta is passed on (and every CANCEL_POLL_S while
     none comes, e.g. while the request waits to be scheduled).
     It must not be asked once the final response is sent (Triton frees the response factory
