@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -70,3 +71,43 @@ def write_report(name: str, results: dict, render: Callable[[dict], str]) -> tup
     full = json.loads(md.with_suffix(".json").read_text())
     md.write_text(render(full))
     return md, full
+
+
+# A column of a configurations report: its header, and its cell from one configuration's runs.
+Column = tuple[str, Callable[[list[dict]], str]]
+
+
+def median_cell(key: str, digits: int) -> Callable[[list[dict]], str]:
+    """A configurations-report cell: the median of `key` over the runs that have it ("-" where none has)."""
+
+    def cell(runs: list[dict]) -> str:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        return f"{statistics.median(values):.{digits}f}" if values else "-"
+
+    return cell
+
+
+def configurations_report(p: dict, title: str, each_in: str, columns: list[Column]) -> str:
+    """Markdown comparing configurations run alternately (p["runs"]: label -> runs): per configuration its median
+    (min–max) output tok/s, then `columns`, then its median tok/s over the first configuration's."""
+    first = next(iter(p["runs"]))
+    lines = [
+        f"# {title}",
+        "",
+        f"Machine: {p['machine']['cpu']}, {p['machine']['cores']} cores; run {p['date_utc']}. "
+        f"Command: `{p['command']}`",
+        "",
+        f"Workload: {p['workload']}. Median (min–max) of {p['repetitions']} runs, configurations alternated, each in "
+        f"{each_in}.",
+        "",
+        "| " + " | ".join(["configuration", "output tok/s", *(h for h, _ in columns), f"vs {first}"]) + " |",
+        "|" + "---|" * (len(columns) + 3),
+    ]
+    base = None
+    for label, runs in p["runs"].items():
+        tok = [r["output_tok_s"] for r in runs]
+        med = statistics.median(tok)
+        base = base or med
+        cells = [label, f"{med:.0f} ({min(tok):.0f}–{max(tok):.0f})", *(cell(runs) for _, cell in columns)]
+        lines.append("| " + " | ".join([*cells, f"{med / base:.2f}x"]) + " |")
+    return "\n".join(lines) + "\n"

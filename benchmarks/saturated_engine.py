@@ -23,7 +23,7 @@ from unittest import mock
 import click
 
 from benchmarks.cpu import wait_quiet
-from benchmarks.report import write_report
+from benchmarks.report import configurations_report, median_cell, write_report
 
 
 def run_config(engine_dir: Path, backend: str, k: int, outstanding: int, warmup: int, steps: int,
@@ -77,32 +77,12 @@ def run_config(engine_dir: Path, backend: str, k: int, outstanding: int, warmup:
 
 
 def render(p: dict) -> str:
-    lines = [
-        "# An engine kept saturated: output tok/s per configuration",
-        "",
-        f"Machine: {p['machine']['cpu']}, {p['machine']['cores']} cores; run {p['date_utc']}. "
-        f"Command: `{p['command']}`",
-        "",
-        f"Workload: {p['workload']}. Median (min–max) of {p['repetitions']} runs, configurations alternated, each in "
-        "its own process.",
-        "",
-        "| configuration | output tok/s | ms per step | attention ms per step | acceptance | vs off |",
-        "|---|---|---|---|---|---|",
-    ]
-    base = None
-    for label, runs in p["runs"].items():
-        tok = [r["output_tok_s"] for r in runs]
-        med = statistics.median(tok)
-        base = base or med
-        att = [r["attention_ms_per_step"] for r in runs if r["attention_ms_per_step"] is not None]
-        acc = [r["acceptance"] for r in runs if r["acceptance"] is not None]
-        lines.append(
-            f"| {label} | {med:.0f} ({min(tok):.0f}–{max(tok):.0f}) | "
-            f"{statistics.median(r['ms_per_step'] for r in runs):.1f} | "
-            f"{f'{statistics.median(att):.1f}' if att else '-'} | {f'{statistics.median(acc):.2f}' if acc else '-'} | "
-            f"{med / base:.2f}x |"
-        )
-    return "\n".join(lines) + "\n"
+    return configurations_report(
+        p, "An engine kept saturated: output tok/s per configuration", "its own process",
+        [("ms per step", median_cell("ms_per_step", 1)),
+         ("attention ms per step", median_cell("attention_ms_per_step", 1)),
+         ("acceptance", median_cell("acceptance", 2))],
+    )  # fmt: skip
 
 
 @click.command()

@@ -14,7 +14,6 @@ benchmarks.saturated_engine, the same loop in process with no server.
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -25,7 +24,7 @@ import click
 from benchmarks import client, datasets, prometheus, servers
 from benchmarks.cpu import wait_quiet
 from benchmarks.mixed import TrtserveRun
-from benchmarks.report import write_report
+from benchmarks.report import configurations_report, median_cell, write_report
 from runtime.engine.tokenizer import load_tokenizer
 
 CONFIGS = {  # label -> (streamed, n-gram speculation)
@@ -86,30 +85,12 @@ def run_config(engine_dir: Path, backend: str, streamed: bool, ngram: bool, conc
 
 
 def render(p: dict) -> str:
-    lines = [
-        "# An engine kept saturated through tritonserver: steady-state output tok/s",
-        "",
-        f"Machine: {p['machine']['cpu']}, {p['machine']['cores']} cores; run {p['date_utc']}. "
-        f"Command: `{p['command']}`",
-        "",
-        f"Workload: {p['workload']}. Median (min–max) of {p['repetitions']} runs, configurations alternated, each in "
-        "its own server. `whole`: one response per request instead of one per token.",
-        "",
-        "| configuration | output tok/s | ms per step | engine busy | output tokens per step | vs streamed |",
-        "|---|---|---|---|---|---|",
-    ]
-    base = None
-    for label, runs in p["runs"].items():
-        tok = [r["output_tok_s"] for r in runs]
-        med = statistics.median(tok)
-        base = base or med
-        lines.append(
-            f"| {label} | {med:.0f} ({min(tok):.0f}–{max(tok):.0f}) | "
-            f"{statistics.median(r['ms_per_step'] for r in runs):.1f} | "
-            f"{statistics.median(r['busy'] for r in runs):.3f} | "
-            f"{statistics.median(r['tokens_per_step'] for r in runs):.1f} | {med / base:.2f}x |"
-        )
-    return "\n".join(lines) + "\n"
+    return configurations_report(
+        p, "An engine kept saturated through tritonserver: steady-state output tok/s",
+        "its own server. `whole`: one response per request instead of one per token",
+        [("ms per step", median_cell("ms_per_step", 1)), ("engine busy", median_cell("busy", 3)),
+         ("output tokens per step", median_cell("tokens_per_step", 1))],
+    )  # fmt: skip
 
 
 @click.command()
