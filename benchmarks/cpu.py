@@ -57,6 +57,21 @@ def wait_quiet(log: Callable[[str], None], limit_s: float = 90.0, busy: float = 
     return round(time.monotonic() - start, 1)
 
 
+def alternate(
+    configs: dict[str, Callable[[], dict]], repetitions: int, log: Callable[[str], None]
+) -> dict[str, list[dict]]:
+    """Each configuration's results: `repetitions` rounds running every configuration in turn, each once the
+    machine is quiet, so that a drift of the machine falls on all of them alike."""
+    runs: dict[str, list[dict]] = {}
+    for _ in range(repetitions):
+        for label, run in configs.items():
+            wait_quiet(log)
+            result = run()
+            log(f"{label}: {result}")
+            runs.setdefault(label, []).append(result)
+    return runs
+
+
 @contextlib.contextmanager
 def pinned(cores: Collection[int] | None) -> Iterator[None]:
     """Processes started inside run on `cores` (None: unchanged): this thread's CPU mask, which a

@@ -12,6 +12,7 @@ for n-gram the acceptance and the attention kernel's share. Writes results/<name
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import subprocess
@@ -22,7 +23,7 @@ from unittest import mock
 
 import click
 
-from benchmarks.cpu import wait_quiet
+from benchmarks.cpu import alternate
 from benchmarks.report import configurations_report, median_cell, write_report
 
 
@@ -100,17 +101,18 @@ def main(engine_dir: Path, backend: str, ngram: str, outstanding: int, warmup: i
     if worker is not None:
         click.echo(json.dumps(run_config(engine_dir, backend, worker, outstanding, warmup, steps)))
         return
+
+    def in_own_process(k: int) -> dict:
+        command = [sys.executable, "-m", "benchmarks.saturated_engine", "--engine", str(engine_dir), "--backend",
+                   backend, "--outstanding", str(outstanding), "--warmup", str(warmup), "--steps", str(steps),
+                   "--worker", str(k)]  # fmt: skip
+        proc = subprocess.run(command, capture_output=True, text=True, check=True)
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
     ks = [int(k) for k in ngram.split(",") if k]
-    runs: dict[str, list[dict]] = {}
-    for _ in range(repetitions):
-        for k in ks:
-            wait_quiet(lambda s: click.echo(s, err=True))
-            command = [sys.executable, "-m", "benchmarks.saturated_engine", "--engine", str(engine_dir), "--backend",
-                       backend, "--outstanding", str(outstanding), "--warmup", str(warmup), "--steps", str(steps),
-                       "--worker", str(k)]  # fmt: skip
-            proc = subprocess.run(command, capture_output=True, text=True, check=True)
-            label = f"n-gram speculation, k = {k}" if k else "speculation off"
-            runs.setdefault(label, []).append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    configurations = {f"n-gram speculation, k = {k}" if k else "speculation off": functools.partial(in_own_process, k)
+                      for k in ks}  # fmt: skip
+    runs = alternate(configurations, repetitions, lambda s: click.echo(s, err=True))
     payload = {
         "command": f"python -m benchmarks.saturated_engine --engine {engine_dir} --backend {backend} --ngram {ngram} "
         f"--outstanding {outstanding} --steps {steps} --repetitions {repetitions}",

@@ -14,6 +14,7 @@ benchmarks.saturated_engine, the same loop in process with no server.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -22,7 +23,7 @@ from pathlib import Path
 import click
 
 from benchmarks import client, datasets, prometheus, servers
-from benchmarks.cpu import wait_quiet
+from benchmarks.cpu import alternate
 from benchmarks.mixed import TrtserveRun
 from benchmarks.report import configurations_report, median_cell, write_report
 from runtime.engine.tokenizer import load_tokenizer
@@ -109,13 +110,9 @@ def main(engine_dir: Path, backend: str, configs: str, concurrency: int, window_
     unknown = set(labels) - set(CONFIGS)
     if unknown:
         raise click.BadParameter(f"unknown {sorted(unknown)}; choose from {', '.join(CONFIGS)}", param_hint="--configs")
-    runs: dict[str, list[dict]] = {}
-    for _ in range(repetitions):
-        for label in labels:
-            wait_quiet(lambda s: click.echo(s, err=True))
-            result = run_config(engine_dir, backend, *CONFIGS[label], concurrency, window_start, window)
-            click.echo(f"{label}: {result}", err=True)
-            runs.setdefault(label, []).append(result)
+    configurations = {label: functools.partial(run_config, engine_dir, backend, *CONFIGS[label], concurrency,
+                                               window_start, window) for label in labels}  # fmt: skip
+    runs = alternate(configurations, repetitions, lambda s: click.echo(s, err=True))
     payload = {
         "command": f"python -m benchmarks.served_saturation --engine {engine_dir} --backend {backend} --configs "
         f"{configs} --concurrency {concurrency} --window-start {window_start:g} --window {window:g} "
