@@ -315,14 +315,22 @@ def write_plot(p: dict, name: str) -> None:
     default="",
     help=f"Further trtserve runs: comma-separated DIR or DIR@BACKEND, either + {NGRAM!r} (an engine may run twice).",
 )
+@click.option(
+    "--stream-interval",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Tokens per streamed response, on every server (vLLM's --stream-interval).",
+)
 @click.option("--name", default="mixed", show_default=True)
 def main(engine: Path, rates: str, arrival_s: float, repetitions: int, vllm_dtypes: str, backend: str | None,
-         ngram: bool, more_engines: str, name: str) -> None:  # fmt: skip
+         ngram: bool, more_engines: str, stream_interval: int, name: str) -> None:  # fmt: skip
     from runtime.engine.tokenizer import load_tokenizer
 
     vllm_runs = tuple(VllmRun.parse(d) for d in vllm_dtypes.split(",") if d)
     cfg = Config(engine, backend, tuple(float(x) for x in rates.split(",")), arrival_s, repetitions, vllm_runs,
                  tuple(TrtserveRun.parse(e) for e in more_engines.split(",") if e), ngram=ngram,
+                 settings=servers.ServingSettings(stream_interval=stream_interval),
                  logs=RESULTS_DIR / "logs" / name)  # fmt: skip
     cfg.logs.mkdir(parents=True, exist_ok=True)
     log = lambda s: click.echo(s, err=True)  # noqa: E731

@@ -5,8 +5,9 @@ The mixed chat workload (benchmarks.datasets.mixed) closed-loop with --concurren
 tok/s, the mean step and the engine's busy fraction come from the server's /metrics over a window that
 starts --window-start seconds after the load and lasts --window seconds, so neither the ramp nor the
 drain counts (benchmarks.mixed's output tok/s includes its drain). Configurations: responses streamed a
-token at a time or whole (one response per request: what the per-token responses cost), speculation off
-or n-gram; each in its own server, alternated --repetitions times. Compare with
+token at a time, 4 tokens at a time (the server's stream_interval) or whole (one response per request:
+what the per-token responses cost), speculation off or n-gram; each in its own server, alternated
+--repetitions times. Compare with
 benchmarks.saturated_engine, the same loop in process with no server.
 
     python -m benchmarks.served_saturation --engine /work/engines/v3/kv-int8 --backend cpu-bf16
@@ -28,10 +29,11 @@ from benchmarks.mixed import TrtserveRun
 from benchmarks.report import configurations_report, median_cell, write_report
 from runtime.engine.tokenizer import load_tokenizer
 
-CONFIGS = {  # label -> (streamed, n-gram speculation)
-    "streamed": (True, False),
-    "whole": (False, False),
-    "streamed+ngram": (True, True),
+CONFIGS = {  # label -> (streamed, n-gram speculation, stream interval)
+    "streamed": (True, False, 1),
+    "streamed/4": (True, False, 4),
+    "whole": (False, False, 1),
+    "streamed+ngram": (True, True, 1),
 }
 
 
@@ -62,11 +64,11 @@ def steady_state(before: Sample, after: Sample) -> dict[str, float]:
             "tokens_per_step": tokens / steps}  # fmt: skip
 
 
-def run_config(engine_dir: Path, backend: str, streamed: bool, ngram: bool, concurrency: int, window_start_s: float,
-               window_s: float) -> dict[str, float]:  # fmt: skip
+def run_config(engine_dir: Path, backend: str, streamed: bool, ngram: bool, stream_interval: int, concurrency: int,
+               window_start_s: float, window_s: float) -> dict[str, float]:  # fmt: skip
     """One configuration in a server of its own."""
     run = TrtserveRun(engine_dir, backend, ngram)
-    settings = replace(servers.ServingSettings(), extra_params=run.params)
+    settings = servers.ServingSettings(extra_params=run.params, stream_interval=stream_interval)
     tokenizer = load_tokenizer(engine_dir)
     # More requests than the window can finish: the loop stays closed at `concurrency` throughout.
     work = datasets.mixed(tokenizer, 2000, seed=5)
@@ -88,7 +90,7 @@ def run_config(engine_dir: Path, backend: str, streamed: bool, ngram: bool, conc
 def render(p: dict) -> str:
     return configurations_report(
         p, "An engine kept saturated through tritonserver: steady-state output tok/s",
-        "its own server. `whole`: one response per request instead of one per token",
+        "its own server. `whole`: one response per request instead of one per token; `/4`: one per 4 tokens",
         [("ms per step", median_cell("ms_per_step", 1)), ("engine busy", median_cell("busy", 3)),
          ("output tokens per step", median_cell("tokens_per_step", 1))],
     )  # fmt: skip

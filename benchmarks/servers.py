@@ -42,6 +42,7 @@ class ServingSettings:
     itl_target_ms: str | None = None  # trtserve's step budget: None its default (SLO), "0" the fixed token budget
     extra_params: dict[str, str] = field(default_factory=dict)  # more trtserve config parameters (e.g. speculative)
     vllm_ngram_tokens: int = 0  # vLLM's n-gram (prompt lookup) speculation: drafts per step (0: off)
+    stream_interval: int = 1  # tokens per streamed response, both servers (vLLM's --stream-interval)
 
 
 def trtserve_params(engine_dir: Path, settings: ServingSettings) -> dict[str, str]:
@@ -52,6 +53,7 @@ def trtserve_params(engine_dir: Path, settings: ServingSettings) -> dict[str, st
         "max_num_batched_tokens": str(settings.max_num_batched_tokens),
         "enable_prefix_caching": "true" if settings.prefix_caching else "false",
         "max_waiting": "4096",
+        "stream_interval": str(settings.stream_interval),
     }
     if settings.itl_target_ms is not None:
         params["itl_target_ms"] = settings.itl_target_ms
@@ -83,7 +85,7 @@ def vllm_command(checkpoint: Path, settings: ServingSettings, port: int) -> tupl
         "--max-num-seqs", str(settings.max_num_seqs), "--max-model-len", str(settings.max_model_len),
         "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
         "--enable-prefix-caching" if settings.prefix_caching else "--no-enable-prefix-caching",
-        "--disable-uvicorn-access-log",
+        "--disable-uvicorn-access-log", "--stream-interval", str(settings.stream_interval),
     ]  # fmt: skip
     if settings.vllm_ngram_tokens:  # the same lookup as trtserve's ngram proposer: the text's last 4..1 tokens
         spec = {"method": "ngram", "num_speculative_tokens": settings.vllm_ngram_tokens, "prompt_lookup_max": 4,

@@ -6,7 +6,9 @@
 
 Leaving the `async for` early (break, cancellation, client disconnect) aborts the request
 and frees its KV blocks at once. Admission errors (InvalidRequest, Overloaded) are raised
-by `generate` before the first delta.
+by `generate` before the first delta. A delta carries up to the stream interval's tokens
+(EngineArgs.stream_interval, or the request's own if longer); the first token and the final
+delta are passed on at once.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.engine.admission import Prompt
@@ -28,6 +31,29 @@ from runtime.engine.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Stream:
+    """A request's way to its caller: its loop and queue, and the delta held back until the stream
+    interval's tokens are ready."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    interval: int
+    held: RequestOutput | None = None
+    started: bool = False  # the first delta went out
+
+    def due(self, out: RequestOutput) -> RequestOutput | None:
+        """`out` merged after what is held, if it is due now (the first, the final, or a full
+        interval's tokens); else None, and it is held."""
+        if self.held is not None:
+            out, self.held = self.held.merge(out), None
+        if out.finished or not self.started or len(out.token_ids) >= self.interval:
+            self.started = True
+            return out
+        self.held = out
+        return None
+
+
 class AsyncLLM:
     def __init__(
         self,
@@ -36,7 +62,9 @@ class AsyncLLM:
         on_finished: Callable[[RequestOutput], None] | None = None,
     ):
         self.on_finished = on_finished  # e.g. metrics: called on the engine thread
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.stream_interval = (args or EngineArgs()).stream_interval
+        self._streams: dict[str, _Stream] = {}
+        self._deliver_lock = threading.Lock()  # the engine thread and abort() both deliver
         self._wake = threading.Event()
         self._stopping = False
         self._error: BaseException | None = None
@@ -58,17 +86,18 @@ class AsyncLLM:
         if self._stopping:
             raise RuntimeError("engine is shutting down")
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._queues:  # checked before touching the live request's queue
+        if request_id in self._streams:  # checked before touching the live request's queue
             raise InvalidRequest("request_id", f"{request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        interval = max(self.stream_interval, (params and params.stream_interval) or 1)
+        self._streams[request_id] = _Stream(asyncio.get_running_loop(), queue, interval)
         try:
             self.engine.add_request(prompt, params, request_id)
             if not self._thread.is_alive():  # the loop ended (shutdown or error) meanwhile
                 self.engine.abort(request_id)
                 raise RuntimeError(f"engine is not running: {self._error!r}")
         except BaseException:
-            self._queues.pop(request_id, None)
+            self._streams.pop(request_id, None)
             raise
         self._wake.set()
         finished = False
@@ -80,7 +109,7 @@ class AsyncLLM:
                 finished = delta.finished
                 yield delta
         finally:
-            self._queues.pop(request_id, None)
+            self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
 
@@ -120,7 +149,7 @@ class AsyncLLM:
         except BaseException as exc:  # surface to every waiting caller instead of hanging them
             log.exception("engine loop failed")
             self._error = exc
-            for request_id in list(self._queues):
+            for request_id in list(self._streams):
                 self._deliver_error(request_id, exc)
 
     def _deliver(self, out: RequestOutput) -> None:
@@ -129,13 +158,15 @@ class AsyncLLM:
                 self.on_finished(out)
             except Exception:  # an observer must not take the engine loop down
                 log.exception("on_finished callback failed")
-        target = self._queues.get(out.request_id)
-        if target is not None:
-            loop, queue = target
-            loop.call_soon_threadsafe(queue.put_nowait, out)
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        with self._deliver_lock:
+            due = stream.due(out)
+        if due is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, due)
 
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
-        target = self._queues.get(request_id)
-        if target is not None:
-            loop, queue = target
-            loop.call_soon_threadsafe(queue.put_nowait, RuntimeError(f"engine loop died: {exc!r}"))
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RuntimeError(f"engine loop died: {exc!r}"))

@@ -228,6 +228,11 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
 @click.option("--no-prefix-caching", is_flag=True, help="Disable prefix caching.")
 @click.option("--backend", type=click.Choice(BACKENDS), default=None, help=BACKEND_HELP)
 @click.option(
+    "--stream-interval",
+    type=click.IntRange(min=1),
+    help="Tokens per streamed response, the first and last at once (default 1); fewer responses cost the server less.",
+)
+@click.option(
     "--openai-port",
     default=DEFAULT_PORT,
     show_default=True,
@@ -271,7 +276,7 @@ def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_po
           max_num_seqs: int | None, max_num_batched_tokens: int | None, num_kv_blocks: int | None,
           max_waiting: int | None, no_prefix_caching: bool, openai_port: int, no_openai: bool, api_key: str | None,
           admin_key: str | None, drain_timeout_s: float, health_interval_s: float, itl_target_ms: float | None,
-          backend: str | None, speculative: SpeculativeFields) -> None:  # fmt: skip
+          backend: str | None, stream_interval: int | None, speculative: SpeculativeFields) -> None:  # fmt: skip
     """Serve an engine with NVIDIA Triton Inference Server (HTTP, gRPC, Prometheus metrics).
 
     Starts the real tritonserver with the trtserve `llm` model, waits until it is ready,
@@ -294,7 +299,7 @@ def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_po
         raise click.ClickException(str(exc)) from None
     params = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
               "num_kv_blocks": num_kv_blocks, "max_waiting": max_waiting, "itl_target_ms": itl_target_ms,
-              "backend": backend}  # fmt: skip
+              "backend": backend, "stream_interval": stream_interval}  # fmt: skip
     engine_params = {k: str(v) for k, v in {**params, **speculative}.items() if v is not None}
     engine_params["enable_prefix_caching"] = "false" if no_prefix_caching else "true"
     config = ServerConfig(engine_dir, triton_host, http_port, grpc_port, metrics_port, engine_params,

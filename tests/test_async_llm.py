@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 
 import pytest
@@ -34,12 +35,14 @@ async def collect(engine: AsyncLLM, prompt, params=GREEDY, request_id=None):
 @contextlib.contextmanager
 def hold_after(engine: AsyncLLM, request_id: str, num_tokens: int):
     """Once `request_id` has `num_tokens` output tokens, the engine loop takes no further step
-    until the block exits (its deltas so far are delivered; the next step waits)."""
+    until the block exits (its deltas so far are delivered; the next step waits). Yields an event
+    set once the loop waits."""
     real_step = engine.engine.step
-    reached, release = threading.Event(), threading.Event()
+    reached, parked, release = threading.Event(), threading.Event(), threading.Event()
 
     def step():
         if reached.is_set():
+            parked.set()
             release.wait(timeout=60)  # bounded: a failing test must not hang the engine thread
         outputs = real_step()
         if any(o.request_id == request_id and o.num_output_tokens >= num_tokens for o in outputs):
@@ -48,7 +51,7 @@ def hold_after(engine: AsyncLLM, request_id: str, num_tokens: int):
 
     engine.engine.step = step
     try:
-        yield
+        yield parked
     finally:
         release.set()
         del engine.engine.step  # the class's method again
@@ -106,6 +109,44 @@ def test_abort_by_id_ends_the_stream(engine):
     with hold_after(engine, "by-id", 2):  # still running when it is aborted
         deltas = asyncio.run(main())
     assert [(d.num_output_tokens, d.finish_reason) for d in deltas] == [(1, None), (2, None), (2, "abort")]
+    assert engine.engine.kv.pool.counts()["used"] == 0
+
+
+def test_a_stream_interval_sends_the_first_token_then_that_many_tokens_a_delta(engine):
+    every_token = asyncio.run(collect(engine, [11, 12, 13], dataclasses.replace(GREEDY, logprobs=1)))
+    deltas = asyncio.run(collect(engine, [11, 12, 13], dataclasses.replace(GREEDY, logprobs=1, stream_interval=5)))
+    assert [len(d.token_ids) for d in every_token] == [1] * 24
+    assert [len(d.token_ids) for d in deltas] == [1, 5, 5, 5, 5, 3]  # the last: what was left at max_tokens
+    assert [d.num_output_tokens for d in deltas] == [1, 6, 11, 16, 21, 24]
+    assert [d.finished for d in deltas] == [False] * 5 + [True]
+    for field in ("token_ids", "logprobs"):  # the same tokens and logprobs, only fewer deltas
+        assert [x for d in deltas for x in getattr(d, field)] == [x for d in every_token for x in getattr(d, field)]
+    assert "".join(d.text for d in deltas) == "".join(d.text for d in every_token)
+
+
+def test_the_servers_stream_interval_is_a_floor_that_a_request_may_raise(llama_engine):
+    llm = AsyncLLM(llama_engine, EngineArgs(stream_interval=4))
+    try:
+        sizes = {ask: [len(d.token_ids) for d in asyncio.run(collect(llm, [5, 6, 7], dataclasses.replace(
+            GREEDY, stream_interval=ask)))] for ask in (None, 2, 10)}  # fmt: skip
+    finally:
+        llm.shutdown()
+    assert sizes == {None: [1, 4, 4, 4, 4, 4, 3], 2: [1, 4, 4, 4, 4, 4, 3], 10: [1, 10, 10, 3]}
+
+
+def test_an_abort_delivers_the_tokens_held_back_by_the_stream_interval(engine):
+    async def main(parked: threading.Event):
+        stream = engine.generate(
+            [9, 9, 9], SamplingParams(max_tokens=200, ignore_eos=True, stream_interval=100), "held"
+        )
+        deltas = [await stream.__anext__()]
+        await asyncio.to_thread(parked.wait, 60)  # 5 tokens made, 4 of them held back
+        assert engine.abort("held")
+        return deltas + [d async for d in stream]
+
+    with hold_after(engine, "held", 5) as parked:
+        deltas = asyncio.run(main(parked))
+    assert [(len(d.token_ids), d.num_output_tokens, d.finish_reason) for d in deltas] == [(1, 1, None), (4, 5, "abort")]
     assert engine.engine.kv.pool.counts()["used"] == 0
 
 

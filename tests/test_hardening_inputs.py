@@ -40,7 +40,8 @@ def declared_inputs(model: str) -> dict[str, str]:
 def test_one_input_table_matches_both_models_configs():
     table = {spec.name: spec.config_type for spec in INPUTS}
     assert declared_inputs("llm") == table
-    assert declared_inputs("llm_infer") == {k: v for k, v in table.items() if k != "stream"}  # forwarded as is
+    streaming = ("stream", "stream_interval")  # llm_infer answers whole; the rest is forwarded as is
+    assert declared_inputs("llm_infer") == {k: v for k, v in table.items() if k not in streaming}
     assert all(spec.datatype == "INT64" for spec in INPUTS if np.issubdtype(spec.dtype, np.integer))
 
 
@@ -154,6 +155,7 @@ def test_a_20_mb_prompt_is_refused_by_name_while_another_stream_runs(triton, eng
         ({"priority": 2**31}, None, "priority: must be in [-2147483648, 2147483647]"),
         ({}, {"max_token": 3}, "max_token: unknown field; allowed: text_input, messages, stream, max_tokens"),
         ({"cache_salt": b""}, None, "cache_salt: must be a non-empty string"),
+        ({"stream_interval": 0}, None, "stream_interval: must be in [1, 2147483647] (got 0)"),
     ],
 )  # fmt: skip
 def test_typed_inputs_are_refused_by_name(triton, values, parameters, says):

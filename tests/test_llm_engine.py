@@ -116,6 +116,7 @@ def test_abort_mid_stream_frees_blocks_at_once(llama_engine):
         (lambda: SamplingParams.from_dict({"max_tokens": 4, "beam_width": 2}), "beam_width"),
         (lambda: SamplingParams(temperature=float("nan")), "temperature"),
         (lambda: SamplingParams(stop=[""]), "stop"),
+        (lambda: SamplingParams(stream_interval=0), "stream_interval"),
     ],
 )
 def test_bad_parameters_are_rejected_with_the_field_named(make, field):
@@ -291,7 +292,9 @@ def test_a_failing_backend_step_fails_only_its_requests(llama_engine, reference)
     assert tokens == reference([8, 9, 10])
 
 
-@pytest.mark.parametrize("field", ["max_num_batched_tokens", "max_num_seqs", "num_kv_blocks", "max_waiting"])
+@pytest.mark.parametrize(
+    "field", ["max_num_batched_tokens", "max_num_seqs", "num_kv_blocks", "max_waiting", "stream_interval"]
+)
 def test_engine_args_must_be_positive(field):
     with pytest.raises(ValueError, match=f"EngineArgs.{field} must be a positive integer"):
         EngineArgs(**{field: 0})

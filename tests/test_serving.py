@@ -69,6 +69,15 @@ def test_generate_stream_concatenates_to_the_whole_answer(server, reference):
     assert events[-1]["finish_reason"] in ("length", "stop")
 
 
+def test_a_stream_interval_streams_the_same_answer_in_fewer_events(server):
+    body = {"text_input": "The quick brown", "max_tokens": 16, "stream": True, "ignore_eos": True}
+    every_token = sse_events(server, body)
+    events = sse_events(server, {**body, "stream_interval": 5})
+    assert [e["completion_tokens"] for e in every_token] == list(range(1, 17))
+    assert [e["completion_tokens"] for e in events] == [1, 6, 11, 16]  # the first token at once, then 5 a response
+    assert "".join(e["text_output"] for e in events) == "".join(e["text_output"] for e in every_token)
+
+
 def test_32_concurrent_grpc_streams(server, reference):
     client, results = grpc_stream(server)
     prompts = {str(i): f"Request number {i} says" for i in range(32)}

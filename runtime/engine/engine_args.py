@@ -64,6 +64,10 @@ class EngineArgs:
     # Below that: speculate only where measured steps with drafts cost less per emitted token than steps
     # without, per batch size (runtime/engine/spec/governor.py); False: always.
     speculative_adaptive: bool = True
+    # Streamed responses carry this many tokens (the first token and the last response go at once), as
+    # vLLM's --stream-interval: each response costs the server a hand-off, a Triton response and an SSE
+    # event, paid per token when 1. A request may ask for a longer interval, not a shorter one.
+    stream_interval: int = 1
 
     @property
     def disable_batch_size(self) -> int:
@@ -75,7 +79,7 @@ class EngineArgs:
     def __post_init__(self) -> None:
         names = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "threads",
                  "min_prefill_tokens", "num_speculative_tokens", "ngram_prompt_lookup_min", "ngram_prompt_lookup_max",
-                 "speculative_disable_batch_size")  # fmt: skip
+                 "speculative_disable_batch_size", "stream_interval")  # fmt: skip
         for name in names:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypedDict
 
 from runtime.engine.sampler import TokenLogprobs
@@ -39,6 +39,14 @@ class RequestOutput:
     num_output_tokens: int = 0
     stats: RequestStats | None = None  # per-request timing, on the final output
     error: str | None = None  # why, when finish_reason is "error" (the engine failed the step)
+
+    def merge(self, later: RequestOutput) -> RequestOutput:
+        """This delta followed by `later` (of the same request), as one delta."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = (self.logprobs or []) + (later.logprobs or [])
+        token_ids = self.token_ids + later.token_ids
+        return replace(later, text=self.text + later.text, token_ids=token_ids, logprobs=logprobs)
 
 
 @dataclass

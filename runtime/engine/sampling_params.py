@@ -47,6 +47,8 @@ class SamplingParams:
     # Prefix-cache isolation: only requests with the same salt share cached blocks (the gateway
     # sets one per tenant; None shares with every other unsalted request).
     cache_salt: str | None = None
+    # Tokens per streamed delta (None: the server's EngineArgs.stream_interval; the larger of the two applies).
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,6 +88,8 @@ class SamplingParams:
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         _int("priority", self.priority, lo=-(2**31), hi=2**31 - 1)
+        if self.stream_interval is not None:
+            _int("stream_interval", self.stream_interval, lo=1, hi=2**31 - 1)
         for name in ("deadline_s", "ttft_target_s", "itl_target_s"):
             if getattr(self, name) is not None:
                 _num(name, getattr(self, name), lo=0.0, lo_open=True)

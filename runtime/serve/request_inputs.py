@@ -63,6 +63,7 @@ INPUTS: tuple[InputSpec, ...] = (
     InputSpec("ttft_target_s", "FP32", np.float32, "ttft_target_s"),
     InputSpec("itl_target_s", "FP32", np.float32, "itl_target_s"),
     InputSpec("cache_salt", "BYTES", np.object_, "cache_salt"),  # prefix-cache isolation (one per tenant)
+    InputSpec("stream_interval", "INT64", np.int64, "stream_interval", 1, INT32_MAX),  # tokens per streamed response
 )
 INPUT = {spec.name: spec for spec in INPUTS}
 # Inputs holding one number or flag -> their SamplingParams field.

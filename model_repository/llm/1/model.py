@@ -10,7 +10,8 @@ On unload, in-flight requests are drained (up to a timeout) before the engine st
 config.pbtxt parameters: `engine_dir` (required); the EngineArgs `max_num_seqs`,
 `max_num_batched_tokens`, `num_kv_blocks`, `max_waiting`, `min_prefill_tokens` (empty: the
 engine's default), `itl_target_ms` (empty: the engine's DEFAULT_ITL_TARGET_MS, 200; "0": no
-target, the fixed token budget) and `enable_prefix_caching` ("true"/"false"); `cancel_poll_s`,
+target, the fixed token budget), `stream_interval` (tokens per streamed response; empty: 1) and
+`enable_prefix_caching` ("true"/"false"); `cancel_poll_s`,
 the seconds between a request's `is_cancelled()` checks (empty: CANCEL_POLL_S = 0.5; "0": before
 every response is sent, one IPC round trip per token, which tests use so that a cancel is seen by
 the next token).
@@ -40,7 +41,8 @@ CANCEL_POLL_S = 0.5  # default of the `cancel_poll_s` parameter
 METRICS_INTERVAL_S = 0.5
 LIMIT_ARGS = ("max_prompt_chars", "max_messages", "max_stop_strings", "max_stop_chars")  # request_inputs.Limits
 INT_ARGS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_waiting", "min_prefill_tokens",
-            "num_speculative_tokens", "speculative_disable_batch_size", "draft_prompt_lookup_min")  # fmt: skip
+            "num_speculative_tokens", "speculative_disable_batch_size", "draft_prompt_lookup_min",
+            "stream_interval")  # fmt: skip
 STR_ARGS = ("backend", "speculative")  # EngineArgs strings (empty: the engine's default)
 
 
