@@ -64,7 +64,7 @@ class AsyncLLM:
         self.on_finished = on_finished  # e.g. metrics: called on the engine thread
         self.stream_interval = (args or EngineArgs()).stream_interval
         self._streams: dict[str, _Stream] = {}
-        self._deliver_lock = threading.Lock()  # the engine thread and abort() both deliver
+        self._deliver_lock = threading.Lock()  # the engine thread and abort() (any thread) both deliver
         self._wake = threading.Event()
         self._stopping = False
         self._error: BaseException | None = None
@@ -161,10 +161,10 @@ class AsyncLLM:
         stream = self._streams.get(out.request_id)
         if stream is None:
             return
-        with self._deliver_lock:
+        with self._deliver_lock:  # posted under the lock too: deltas reach the queue in the order merged
             due = stream.due(out)
-        if due is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, due)
+            if due is not None:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, due)
 
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.get(request_id)
