@@ -111,3 +111,11 @@ def configurations_report(p: dict, title: str, each_in: str, columns: list[Colum
         cells = [label, f"{med:.0f} ({min(tok):.0f}–{max(tok):.0f})", *(cell(runs) for _, cell in columns)]
         lines.append("| " + " | ".join([*cells, f"{med / base:.2f}x"]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def write_configurations(name: str, command: str, workload: str, runs: dict[str, list[dict]], repetitions: int,
+                         render: Callable[[dict], str]) -> Path:  # fmt: skip
+    """Write a configurations comparison (the payload configurations_report reads); returns the markdown's path."""
+    payload = {"command": command, "workload": workload, "repetitions": repetitions, "runs": runs}
+    md, _ = write_report(name, payload, render)
+    return md

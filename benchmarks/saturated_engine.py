@@ -24,7 +24,7 @@ from unittest import mock
 import click
 
 from benchmarks.cpu import alternate
-from benchmarks.report import configurations_report, median_cell, write_report
+from benchmarks.report import configurations_report, median_cell, write_configurations
 
 
 def run_config(engine_dir: Path, backend: str, k: int, outstanding: int, warmup: int, steps: int,
@@ -113,15 +113,12 @@ def main(engine_dir: Path, backend: str, ngram: str, outstanding: int, warmup: i
     configurations = {f"n-gram speculation, k = {k}" if k else "speculation off": functools.partial(in_own_process, k)
                       for k in ks}  # fmt: skip
     runs = alternate(configurations, repetitions, lambda s: click.echo(s, err=True))
-    payload = {
-        "command": f"python -m benchmarks.saturated_engine --engine {engine_dir} --backend {backend} --ngram {ngram} "
-        f"--outstanding {outstanding} --steps {steps} --repetitions {repetitions}",
-        "workload": f"benchmarks.datasets.mixed closed-loop, {outstanding} requests in flight, greedy, EOS ignored; "
-        f"32 sequences, 512-token steps, prefix caching on, backend {backend}; {warmup} warm-up steps then {steps}",
-        "repetitions": repetitions,
-        "runs": runs,
-    }
-    md, _ = write_report(name, payload, render)
+    command = (f"python -m benchmarks.saturated_engine --engine {engine_dir} --backend {backend} --ngram {ngram} "
+               f"--outstanding {outstanding} --steps {steps} --repetitions {repetitions}")  # fmt: skip
+    workload = (f"benchmarks.datasets.mixed closed-loop, {outstanding} requests in flight, greedy, EOS ignored; "
+                f"32 sequences, 512-token steps, prefix caching on, backend {backend}; {warmup} warm-up steps then "
+                f"{steps}")  # fmt: skip
+    md = write_configurations(name, command, workload, runs, repetitions, render)
     click.echo(md.read_text())
 
 

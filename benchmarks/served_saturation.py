@@ -26,7 +26,7 @@ import click
 from benchmarks import client, datasets, prometheus, servers
 from benchmarks.cpu import alternate
 from benchmarks.mixed import TrtserveRun
-from benchmarks.report import configurations_report, median_cell, write_report
+from benchmarks.report import configurations_report, median_cell, write_configurations
 from runtime.engine.tokenizer import load_tokenizer
 
 CONFIGS = {  # label -> (streamed, n-gram speculation, stream interval)
@@ -115,17 +115,13 @@ def main(engine_dir: Path, backend: str, configs: str, concurrency: int, window_
     configurations = {label: functools.partial(run_config, engine_dir, backend, *CONFIGS[label], concurrency,
                                                window_start, window) for label in labels}  # fmt: skip
     runs = alternate(configurations, repetitions, lambda s: click.echo(s, err=True))
-    payload = {
-        "command": f"python -m benchmarks.served_saturation --engine {engine_dir} --backend {backend} --configs "
-        f"{configs} --concurrency {concurrency} --window-start {window_start:g} --window {window:g} "
-        f"--repetitions {repetitions}",
-        "workload": f"benchmarks.datasets.mixed closed-loop, {concurrency} requests in flight, greedy, EOS ignored; "
-        f"32 sequences, 512-token steps, prefix caching on, backend {backend}; /metrics over {window:g} s from "
-        f"{window_start:g} s after the load started",
-        "repetitions": repetitions,
-        "runs": runs,
-    }
-    md, _ = write_report(name, payload, render)
+    command = (f"python -m benchmarks.served_saturation --engine {engine_dir} --backend {backend} --configs {configs} "
+               f"--concurrency {concurrency} --window-start {window_start:g} --window {window:g} "
+               f"--repetitions {repetitions}")  # fmt: skip
+    workload = (f"benchmarks.datasets.mixed closed-loop, {concurrency} requests in flight, greedy, EOS ignored; "
+                f"32 sequences, 512-token steps, prefix caching on, backend {backend}; /metrics over {window:g} s from "
+                f"{window_start:g} s after the load started")  # fmt: skip
+    md = write_configurations(name, command, workload, runs, repetitions, render)
     click.echo(md.read_text())
 
 
