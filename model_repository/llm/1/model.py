@@ -25,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import faulthandler
 import json
+import sys
 import threading
 from pathlib import Path
 
@@ -39,6 +41,7 @@ from runtime.serve.request_inputs import INPUTS, Limits, parse_request, prompt_c
 
 CANCEL_POLL_S = 0.5  # default of the `cancel_poll_s` parameter
 METRICS_INTERVAL_S = 0.5
+OUTPUTS = frozenset({"text_output", "finish_reason", "prompt_tokens", "completion_tokens", "logprobs"})
 LIMIT_ARGS = ("max_prompt_chars", "max_messages", "max_stop_strings", "max_stop_chars")  # request_inputs.Limits
 INT_ARGS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_waiting", "min_prefill_tokens",
             "num_speculative_tokens", "speculative_disable_batch_size", "draft_prompt_lookup_min",
@@ -48,6 +51,8 @@ STR_ARGS = ("backend", "speculative")  # EngineArgs strings (empty: the engine's
 
 class TritonPythonModel:
     def initialize(self, args):
+        # A fatal signal in the stub prints every thread's Python stack into the server's log.
+        faulthandler.enable(file=sys.stderr, all_threads=True)
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         if not params.get("engine_dir"):
@@ -97,7 +102,8 @@ class TritonPythonModel:
         return None
 
     async def _serve(self, request) -> None:
-        sender = request.get_response_sender()
+        responder = _Responder(request)
+        sender = responder.sender
         try:
             inputs = {}
             for spec in INPUTS:
@@ -121,15 +127,11 @@ class TritonPythonModel:
                         _send_error(sender, f"engine error: {delta.error}", pb_utils.TritonError.INTERNAL)
                         return
                     if parsed.stream:
-                        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if delta.finished else 0
-                        sender.send(_response(delta.text, delta, texts=texts), flags=flags)
+                        responder.send(delta.text, delta, texts=texts, final=delta.finished)
                     else:
                         whole.add(delta)
                         if delta.finished:
-                            sender.send(
-                                _response(whole.text, delta, whole.logprobs or [], texts),
-                                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-                            )
+                            responder.send(whole.text, delta, whole.logprobs or [], texts, final=True)
             if not finished:  # cancelled by the client: close the stream without data
                 sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except InvalidRequest as exc:
@@ -270,22 +272,35 @@ def _logprobs_json(logprobs, texts) -> str:
     return json.dumps([texts.entry(lp) for lp in logprobs or []])
 
 
-def _response(text: str, delta, logprobs=None, texts=None):
-    return pb_utils.InferenceResponse(
-        output_tensors=[
-            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-            pb_utils.Tensor("finish_reason", np.array([(delta.finish_reason or "").encode()], dtype=np.object_)),
-            pb_utils.Tensor("prompt_tokens", np.array([delta.num_prompt_tokens], dtype=np.int32)),
-            pb_utils.Tensor("completion_tokens", np.array([delta.num_output_tokens], dtype=np.int32)),
-            pb_utils.Tensor(
-                "logprobs",
-                np.array(
-                    [_logprobs_json(logprobs if logprobs is not None else delta.logprobs, texts).encode()],
-                    dtype=np.object_,
-                ),
+class _Responder:
+    """Sends a request's responses with only the outputs its client asked for.
+
+    The Python backend (2.51, and upstream still) drops unrequested output tensors inside
+    `ResponseSender.send` after releasing the GIL; a dropped tensor that nothing else holds is freed
+    there, its numpy arrays decref'd without the GIL, which corrupted the stub's heap under load
+    (the gateway asks for four outputs, not `logprobs`). So a response carries only requested
+    outputs (unrequested ones are not even computed), and the tensors are held here until `send`
+    returns, so that no Python object is ever released by the backend's GIL-free code."""
+
+    def __init__(self, request) -> None:
+        self.sender = request.get_response_sender()
+        self.outputs = frozenset(request.requested_output_names()) or OUTPUTS
+
+    def send(self, text: str, delta, logprobs=None, texts=None, final: bool = False) -> None:
+        values = {
+            "text_output": lambda: np.array([text.encode("utf-8")], dtype=np.object_),
+            "finish_reason": lambda: np.array([(delta.finish_reason or "").encode()], dtype=np.object_),
+            "prompt_tokens": lambda: np.array([delta.num_prompt_tokens], dtype=np.int32),
+            "completion_tokens": lambda: np.array([delta.num_output_tokens], dtype=np.int32),
+            "logprobs": lambda: np.array(
+                [_logprobs_json(logprobs if logprobs is not None else delta.logprobs, texts).encode()],
+                dtype=np.object_,
             ),
-        ]
-    )
+        }
+        tensors = [pb_utils.Tensor(name, value()) for name, value in values.items() if name in self.outputs]
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
+        del tensors  # released here, holding the GIL (see the class docstring)
 
 
 def _send_error(sender, message: str, code) -> None:
