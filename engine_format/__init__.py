@@ -2,6 +2,7 @@
 
 A leaf package (it imports no other trtserve package): file names (files.py), the decoder
 spec (model_spec.py), the manifest schema with its version and TensorRT limits (config.py),
+the serving-time check of the files against the manifest's digests (verify.py, digests.py),
 and the step interface every graph and backend implements (INTERFACE.md).
 """
 
@@ -14,6 +15,7 @@ from engine_format.config import (
     TensorRTLimits,
     ceil_div,
 )
+from engine_format.errors import EngineIntegrityError
 from engine_format.model_spec import ModelSpec
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "FORMAT_VERSION",
     "TARGETS",
     "EngineConfig",
+    "EngineIntegrityError",
     "EngineLoadError",
     "ModelSpec",
     "TensorRTLimits",

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine_format.errors import EngineLoadError
 from engine_format.files import GRAPH_FILE, MANIFEST, PLUGIN_GRAPH_FILE, WEIGHTS_FILE, segment_file
 from engine_format.kv_cache import QUANTIZED_KV_DTYPES, check_kv_cache, pool_dtype
 from engine_format.model_spec import ModelSpec
+from engine_format.verify import verify_engine_files
 
 FORMAT = "trtserve-engine"
 # 2: CPU segments take tokens as [tokens, 1]. 3: the graphs take `logit_rows` and return logits
@@ -29,10 +31,6 @@ MAX_LOGIT_ROWS_PER_SEQ = 8  # a TensorRT plan's logits buffer: up to 7 speculati
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-
-
-class EngineLoadError(Exception):
-    """The engine directory is missing, incomplete or from an incompatible build."""
 
 
 @dataclass(frozen=True)
@@ -123,7 +121,12 @@ class EngineConfig:
         return fields
 
     @classmethod
-    def load(cls, engine_dir: str | Path) -> EngineConfig:
+    def load(cls, engine_dir: str | Path, *, verify: bool = False) -> EngineConfig:
+        """The engine's config from its manifest; EngineLoadError when it cannot be used.
+
+        `verify`: also check every file against the manifest's SHA-256 digests (engine_format/verify.py;
+        TRTSERVE_VERIFY=fast|full|off), as serving does (LLMEngine). Off by default for readers that
+        only inspect an engine, or that damage a copy on purpose (the quality gate's corruption tests)."""
         engine_dir = Path(engine_dir)
         path = engine_dir / MANIFEST
         if not path.is_file():
@@ -164,6 +167,8 @@ class EngineConfig:
             raise EngineLoadError(f"{path}: target {config.target!r} is not one of {', '.join(TARGETS)}; rebuild")
         if problem := check_kv_cache(config.kv_cache_dtype, config.kv_scales, config.model.num_layers):
             raise EngineLoadError(f"{path}: {problem}; rebuild")
+        if verify:
+            verify_engine_files(engine_dir, manifest)
         if not (engine_dir / config.graph_file).is_file():
             raise EngineLoadError(f"{engine_dir}: graph file {config.graph_file} is missing; rebuild")
         return config

@@ -11,6 +11,14 @@ PLAN_FILE = "model.plan"  # the compiled TensorRT engine
 SOURCE_CONFIG_FILE = "source_config.json"  # the checkpoint's Hugging Face config
 GATE_REPORT_JSON = "gate_report.json"  # quantized engines: the quality gate's verdict
 GATE_REPORT_MD = "gate_report.md"
+# Listed in the manifest's files_sha256 but rewritten in place by `trtserve calibrate`
+# (calibration/job.py) without updating the manifest; the runtime never reads them, so the
+# serving-time hash check (verify.py) skips them.
+REWRITABLE_FILES = frozenset({GATE_REPORT_JSON, GATE_REPORT_MD})
+# Files the runtime may load as a graph, its external weights or a compiled plan. Graphs are loaded
+# by the names the manifest gives and an ONNX graph pulls external data from any file beside it,
+# so verify.py refuses one that files_sha256 does not list.
+GRAPH_SUFFIXES = (".onnx", ".data", ".plan")
 
 
 def segment_file(index: int) -> str:

@@ -57,7 +57,7 @@ class LLMEngine:
         self.clock = clock
         self.cost_model = cost_model or OnlineStepCost()
         self.itl_target_s = None if args.itl_target_ms is None else args.itl_target_ms / 1000
-        self.config = config = EngineConfig.load(engine_dir)
+        self.config = config = EngineConfig.load(engine_dir, verify=True)  # serving: files against the manifest
         # The backend before the tokenizer: the tokenizer loads transformers and with it torch's
         # libgomp, which must come after the attention kernel sets its OpenMP wait policy.
         self.backend = backend or create_backend(
