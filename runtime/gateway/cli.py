@@ -77,6 +77,23 @@ API_KEY_ENV = "TRTSERVE_API_KEY"
     help="Requests upstream at once for one tenant (user field, API key or client address).",
 )
 @click.option(
+    "--header-timeout",
+    "header_timeout_s",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds a client has to send a request's head (from connecting, or from its first byte); then 408 "
+    "and the connection closes (slow clients must not hold connections).",
+)
+@click.option(
+    "--body-timeout",
+    "body_timeout_s",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds a client has to send a request's body once its head is complete; then 408 and close.",
+)
+@click.option(
     "--nice",
     default=0,
     show_default=True,
@@ -92,7 +109,8 @@ API_KEY_ENV = "TRTSERVE_API_KEY"
 )
 def gateway(triton_urls: tuple[str, ...], metrics_urls: tuple[str, ...], model_name: str, config_path: Path | None,
             routing: ReplicaPolicy | None, host: str, port: int, api_key: str | None, max_queued: int,
-            max_concurrent: int, per_key_concurrency: int, nice: int, log_level: str) -> None:  # fmt: skip
+            max_concurrent: int, per_key_concurrency: int, header_timeout_s: float, body_timeout_s: float, nice: int,
+            log_level: str) -> None:  # fmt: skip
     """Serve OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models) over tritonserver's gRPC.
 
     Also GET /health (200 while a backend is ready), GET /metrics (Prometheus) and, with an API key,
@@ -108,6 +126,7 @@ def gateway(triton_urls: tuple[str, ...], metrics_urls: tuple[str, ...], model_n
     from runtime.gateway.replica_config import Replica
     from runtime.gateway.routing import Backend, GatewayConfig
     from runtime.gateway.service import Gateway, GatewaySettings
+    from runtime.gateway.timeouts import ReadTimeouts, timed_protocol
 
     if metrics_urls and len(metrics_urls) != len(triton_urls):
         raise click.UsageError(f"{len(metrics_urls)} --metrics-url for {len(triton_urls)} --triton-url")
@@ -124,4 +143,5 @@ def gateway(triton_urls: tuple[str, ...], metrics_urls: tuple[str, ...], model_n
         raise click.ClickException(f"gateway config: {exc}") from None
     settings = GatewaySettings(api_key or None, max_queued, max_concurrent, per_key_concurrency, routing)
     app = create_app(Gateway(config, settings))
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+    http = timed_protocol(ReadTimeouts(header_timeout_s, body_timeout_s))
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10, http=http)

@@ -17,13 +17,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from runtime.gateway import responses
 from runtime.gateway.errors import GatewayError, from_validation
-from runtime.gateway.exchange import Event, Exchange
+from runtime.gateway.exchange import Event, Exchange, client_gone
 from runtime.gateway.fair_queue import QueueFull
 from runtime.gateway.protocol import (
     MAX_BODY_BYTES,
@@ -120,11 +120,14 @@ async def _body(http: Request) -> bytes:
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise too_large
     chunks, size = [], 0
-    async for chunk in http.stream():  # read no further than the limit, whatever the header said
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async for chunk in http.stream():  # read no further than the limit, whatever the header said
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone, or cut by the body timeout (runtime.gateway.timeouts)
+        raise client_gone() from None
     return b"".join(chunks)
 
 
