@@ -40,8 +40,11 @@ def client(gateway_url: str, api_key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gateway_url}/v1", api_key=api_key, max_retries=0, timeout=120)
 
 
-def gateway_metrics(gateway: GatewayProcess) -> dict[str, float]:
-    text = urllib.request.urlopen(f"{gateway.url}/metrics", timeout=10).read().decode()
+def gateway_metrics(gateway: GatewayProcess, path: str = "/metrics", api_key: str | None = None) -> dict[str, float]:
+    """The gateway's series: the public page, or (path="/admin/metrics", an admin key) the per-tenant one."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    request = urllib.request.Request(f"{gateway.url}{path}", headers=headers)
+    text = urllib.request.urlopen(request, timeout=10).read().decode()
     values = {}
     for line in text.splitlines():
         match = re.match(r"^(trtserve_gateway_\w+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)

@@ -154,10 +154,11 @@ def test_gateway_queue_full_is_429_and_a_queued_client_leaving_frees_its_place(t
         running.close()
     assert "queue is full" in caught.value.message and caught.value.code == "overloaded"
     assert int(caught.value.response.headers["Retry-After"]) >= 1
-    values = gateway_metrics(strict_gw)
+    values, tenants = gateway_metrics(strict_gw), gateway_metrics(strict_gw, "/admin/metrics", KEY)
     tenant = "key:" + hashlib.sha256(KEY.encode()).hexdigest()[:12]  # the fairness key: a digest of the API key
-    assert values[f'trtserve_gateway_queue_rejections_total{{key="{tenant}"}}'] == 1
-    assert not any(KEY in name for name in values)  # the key itself never becomes a label
+    assert tenants[f'trtserve_gateway_queue_rejections_total{{key="{tenant}"}}'] == 1
+    assert not any("key=" in name for name in values)  # per-tenant series stay off the public page
+    assert not any(KEY in name for name in [*values, *tenants])  # the key itself never becomes a label
     # The engine saw one request, the running one (aborted); the queued one never reached it.
     assert wait_for(lambda: metrics(triton).get(ABORTED, 0) == before.get(ABORTED, 0) + 1)
     assert wait_for(lambda: metric(metrics(triton), "trtserve_num_requests_running") == 0)

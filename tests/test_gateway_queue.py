@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 from prometheus_client import CollectorRegistry
 
-from runtime.gateway.fair_queue import DEFAULT_SERVICE_S, RETRY_AFTER_MAX_S, FairQueue, QueueFull
+from runtime.gateway.fair_queue import DEFAULT_SERVICE_S, RETRY_AFTER_MAX_S, FairQueue, KeyLimits, QueueFull
 
 
 @dataclass
@@ -174,6 +174,39 @@ def test_per_key_limit_holds_back_a_key_while_global_slots_are_free() -> None:
         await h.drain(5)
 
     run(scenario)
+
+
+def test_a_keys_own_limits_replace_the_defaults_and_bound_its_queue() -> None:
+    """A tenant's limits (runtime.gateway.tenants): "small" may hold 1 slot and queue 1 request; "big" has
+    the defaults (3 slots, queued up to the global bound)."""
+
+    async def scenario() -> None:
+        q = FairQueue(max_queued=10, max_concurrent=8, per_key_concurrency=3, key_limits={"small": KeyLimits(1, 1)})
+        h = Harness(q.slot)
+        h.submit("small", "S0")
+        h.submit("small", "S1")
+        await until(lambda: q.depth == 1)
+        assert h.started == ["S0"] and q.concurrency("small") == 1
+        await refused(q, "small")  # its one queue place is taken, though the queue and the slots have room
+        for i in range(5):
+            h.submit("big", f"B{i}")
+        await until(lambda: q.depth == 3)
+        assert (h.started, q.per_key_in_flight) == (["S0", "B0", "B1", "B2"], {"small": 1, "big": 3})
+        await h.finish("S0")
+        await until(lambda: "S1" in h.started)
+        h.submit("small", "S2")  # queued, not refused: S1 left the queue
+        await until(lambda: q.depth == 3)
+        await h.drain(len(h.tasks))
+        assert h.peak["small"] == 1 and h.peak["big"] == 3
+
+    run(scenario)
+
+
+def test_bad_key_limits_are_refused() -> None:
+    with pytest.raises(ValueError, match="max_concurrent"):
+        KeyLimits(0)
+    with pytest.raises(ValueError, match="max_queued"):
+        KeyLimits(1, -1)
 
 
 def test_queue_full_rejects_at_exactly_max_queued() -> None:

@@ -3,10 +3,12 @@
     GET    /admin/replicas                              every backend's policy and replicas, with their state
     POST   /admin/backends/{backend}/replicas           {"url": "host:port", "metrics_url": "http://..."} -> 201
     DELETE /admin/backends/{backend}/replicas/{url}     open requests there finish; new ones go elsewhere
+    GET    /admin/metrics                               the per-tenant series (Prometheus text), kept off /metrics
 
-Authenticated with the gateway's API key (constant-time comparison); refused (403) when the gateway runs
-without one, since these endpoints decide where traffic (and prompts) go. Changes are not written back to
-the config file: a restarted gateway starts from its config again.
+Authenticated with an admin tenant's key (runtime.gateway.tenants; the --api-key shorthand's is one;
+constant-time comparison); refused (403) when the gateway runs without keys, since these endpoints decide
+where traffic (and prompts) go, and to other tenants. Changes are not written back to the config file: a
+restarted gateway starts from its config again.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import json
 from typing import Any
 
 from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from runtime.gateway.errors import GatewayError, from_validation
 from runtime.gateway.replica_config import Replica, check_replica
@@ -31,6 +34,11 @@ class NewReplica(BaseModel):
 
 
 def add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
+    @app.get("/admin/metrics")
+    async def tenant_metrics(request: Request) -> Response:
+        gateway.authorize(request, admin=True)
+        return Response(generate_latest(gateway.tenant_registry), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/admin/replicas")
     async def list_replicas(request: Request) -> dict[str, Any]:
         gateway.authorize(request, admin=True)

@@ -1,4 +1,8 @@
-"""The gateway's ASGI app: OpenAI's /v1 endpoints over tritonserver, plus /health, /metrics and /admin."""
+"""The gateway's ASGI app: OpenAI's /v1 endpoints over tritonserver, plus /health, /metrics and /admin.
+
+/health and /metrics are public (probes and Prometheus carry no keys); /metrics holds no per-tenant series
+(runtime.gateway.tenants): those are at /admin/metrics.
+"""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ FastAPI or gRPC.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -50,6 +51,14 @@ API_KEY_ENV = "TRTSERVE_API_KEY"
     default=None,
     help="How a replica is chosen, for every backend (overrides the config; default: prefix).",
 )
+@click.option(
+    "--ready-wait",
+    "ready_wait_s",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Seconds a request that has produced nothing waits for a replica to be ready again when none is "
+    "(a restarting tritonserver); 0: 503 at once (overrides the config; default 30).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=DEFAULT_PORT, show_default=True, type=click.IntRange(1, 65535))
 @click.option(
@@ -57,7 +66,8 @@ API_KEY_ENV = "TRTSERVE_API_KEY"
     envvar=API_KEY_ENV,
     show_envvar=True,
     default=None,
-    help="Require 'Authorization: Bearer <key>' on /v1 endpoints; also enables the /admin replica endpoints.",
+    help="Require 'Authorization: Bearer <key>' on /v1 endpoints; also enables the /admin endpoints. The "
+    "one-tenant shorthand of the config's `tenants:` section (several keys, each with its limits).",
 )
 @click.option(
     "--max-queued",
@@ -108,9 +118,9 @@ API_KEY_ENV = "TRTSERVE_API_KEY"
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
 )
 def gateway(triton_urls: tuple[str, ...], metrics_urls: tuple[str, ...], model_name: str, config_path: Path | None,
-            routing: ReplicaPolicy | None, host: str, port: int, api_key: str | None, max_queued: int,
-            max_concurrent: int, per_key_concurrency: int, header_timeout_s: float, body_timeout_s: float, nice: int,
-            log_level: str) -> None:  # fmt: skip
+            routing: ReplicaPolicy | None, ready_wait_s: float | None, host: str, port: int, api_key: str | None,
+            max_queued: int, max_concurrent: int, per_key_concurrency: int, header_timeout_s: float,
+            body_timeout_s: float, nice: int, log_level: str) -> None:  # fmt: skip
     """Serve OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models) over tritonserver's gRPC.
 
     Also GET /health (200 while a backend is ready), GET /metrics (Prometheus) and, with an API key,
@@ -139,9 +149,12 @@ def gateway(triton_urls: tuple[str, ...], metrics_urls: tuple[str, ...], model_n
             metrics: list[str | None] = list(metrics_urls) or [None] * len(triton_urls)
             replicas = tuple(Replica(url, m) for url, m in zip(triton_urls, metrics, strict=True))
             config = GatewayConfig({model_name: Backend(model_name, replicas=replicas)})
+        if ready_wait_s is not None:
+            config = replace(config, routing=replace(config.routing, ready_wait_s=ready_wait_s))
+        settings = GatewaySettings(api_key or None, max_queued, max_concurrent, per_key_concurrency, routing)
+        service = Gateway(config, settings)
     except (OSError, ValueError) as exc:
         raise click.ClickException(f"gateway config: {exc}") from None
-    settings = GatewaySettings(api_key or None, max_queued, max_concurrent, per_key_concurrency, routing)
-    app = create_app(Gateway(config, settings))
+    app = create_app(service)
     http = timed_protocol(ReadTimeouts(header_timeout_s, body_timeout_s))
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10, http=http)

@@ -21,6 +21,8 @@ UNSUPPORTED = frozenset({
     "web_search_options",
 })  # fmt: skip
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+# Retry-After of a 503: a tritonserver that died is restarted by `trtserve serve`'s supervisor within seconds.
+UNAVAILABLE_RETRY_AFTER_S = 5.0
 
 
 @dataclass
@@ -44,8 +46,10 @@ class GatewayError(Exception):
         return cls(429, message, "rate_limit_error", code="overloaded", retry_after_s=retry_after_s)
 
     @classmethod
-    def unavailable(cls, message: str) -> GatewayError:
-        return cls(503, message, "service_unavailable", code="no_healthy_backend")
+    def unavailable(cls, message: str, code: str = "no_healthy_backend",
+                    retry_after_s: float = UNAVAILABLE_RETRY_AFTER_S) -> GatewayError:  # fmt: skip
+        """503: no replica can serve now (down, restarting, draining); always with Retry-After."""
+        return cls(503, message, "service_unavailable", code=code, retry_after_s=retry_after_s)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -60,6 +64,11 @@ class GatewayError(Exception):
     def sse(self) -> str:
         """The error as a server-sent event, for failures after a stream's 200 went out."""
         return f"data: {json.dumps(self.body())}\n\n"
+
+
+def client_gone() -> GatewayError:
+    """The client left before its answer (never sent: there is nobody to send it to; counted as 499)."""
+    return GatewayError(499, "the client closed the request", "client_closed")
 
 
 def from_validation(exc: ValidationError) -> GatewayError:

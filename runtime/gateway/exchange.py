@@ -11,7 +11,10 @@ Each upstream generation goes to a replica its backend's pool picks. When that r
 not ready, its engine overloaded, the stream cut) before the generation produced anything, it is retried
 on another replica, up to `max_attempts` replicas; once a delta has been passed on, the failure is the
 client's (a stream gets an error event). Non-streaming generations produce their one delta at the end,
-so they are retried whenever their replica fails.
+so they are retried whenever their replica fails. When no replica is healthy at all and the backend has
+served before (a tritonserver restarting: `trtserve serve`'s supervisor brings it back on its address), a
+generation that has produced nothing waits up to the routing's `ready_wait_s` (from its first such wait)
+for one to be ready again, then is tried again there (restarted replicas included); past it, a 503.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, replace
 
-from runtime.gateway.errors import GatewayError
+from runtime.gateway.errors import GatewayError, client_gone
 from runtime.gateway.replicas import ReplicaPool
 from runtime.gateway.routing import RouteDecision, Router
 from runtime.gateway.wire import Delta, GenerateRequest
@@ -31,10 +34,6 @@ from runtime.gateway.wire import Delta, GenerateRequest
 RETRYABLE = frozenset({429, 502, 503})  # overloaded engine, stream cut, replica unreachable or not ready
 
 log = logging.getLogger(__name__)
-
-
-def client_gone() -> GatewayError:
-    return GatewayError(499, "the client closed the request", "client_closed")
 
 
 @dataclass(frozen=True)
@@ -173,13 +172,21 @@ class Exchange:
         hashes = pool.prefix_key(request)
         tried: set[str] = set()
         failed: GatewayError | None = None
+        deadline: float | None = None  # of the wait for a replica to come back
         while True:
             try:  # no await between the pick and its lease: concurrent picks see each other's counts
                 pick = pool.pick(hashes, frozenset(tried))
-            except GatewayError:
-                if failed is not None:
-                    raise failed from None  # no other replica: the failed one's own error (e.g. 429)
-                raise
+            except GatewayError as none_left:
+                if pool.healthy or not pool.ever_healthy:  # the others were tried, or it never served
+                    raise (failed or none_left) from None  # e.g. the failed one's own 429
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + pool.settings.ready_wait_s if deadline is None else deadline
+                if not await pool.wait_healthy(deadline - loop.time()):
+                    last = f" (last failure: {failed.message})" if failed is not None else ""
+                    raise GatewayError.unavailable(f"no replica of backend {backend!r} was ready again within "
+                                                   f"{pool.settings.ready_wait_s:g} s{last}") from None  # fmt: skip
+                tried.clear()  # back (restarted, perhaps): every replica may be tried again
+                continue
             tried.add(pick.replica.url)
             started = False
             try:
@@ -193,5 +200,5 @@ class Exchange:
                     raise
                 failed = exc
                 pool.metrics.replica_retries.labels(backend, pick.replica.url).inc()
-                log.warning("replica %s of %s failed before its first token (%s); retrying elsewhere",
+                log.warning("replica %s of %s failed before its first token (%s); retrying",
                             pick.replica.url, backend, exc.message)  # fmt: skip

@@ -5,7 +5,11 @@ directly to the next waiter on release, so a newcomer can never barge ahead of a
 is never lost. The invariant kept after every change: no queued waiter is eligible while capacity remains,
 so an arrival that is eligible right away may start at once without overtaking anyone.
 
-Keys appear as Prometheus label values: pass a tenant name, never a raw API key.
+A key may have its own limits (KeyLimits: a tenant's, runtime.gateway.tenants): its concurrency replaces
+per_key_concurrency, and its max_queued bounds how many of its requests wait (on top of the global bound).
+
+Keys appear as Prometheus label values: pass a tenant name, never a raw API key. The per-key series go
+to `key_registry` (the gateway keeps them off its public /metrics: who is busy is a tenant's business).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -37,6 +41,20 @@ class QueueFull(Exception):
         self.retry_after_s = retry_after_s
 
 
+@dataclass(frozen=True)
+class KeyLimits:
+    """One key's own limits (a tenant's); None: the queue's defaults."""
+
+    max_concurrent: int | None = None  # requests holding a slot at once (default: per_key_concurrency)
+    max_queued: int | None = None  # requests waiting for a slot (default: only the global max_queued)
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent is not None and self.max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1, got {self.max_concurrent}")
+        if self.max_queued is not None and self.max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
+
+
 @dataclass(eq=False)  # identity equality: deque.remove must find this waiter, not an equal one
 class _Waiter:
     key: str
@@ -54,7 +72,7 @@ class _Metrics:
     rejections: Counter
 
     @classmethod
-    def create(cls, registry: CollectorRegistry) -> _Metrics:
+    def create(cls, registry: CollectorRegistry, key_registry: CollectorRegistry) -> _Metrics:
         return cls(
             depth=Gauge("trtserve_gateway_queue_depth", "Requests waiting for an upstream slot", registry=registry),
             in_flight=Gauge("trtserve_gateway_in_flight", "Requests holding an upstream slot", registry=registry),
@@ -62,7 +80,7 @@ class _Metrics:
                 "trtserve_gateway_key_in_flight",
                 "Requests holding an upstream slot, per key",
                 ["key"],
-                registry=registry,
+                registry=key_registry,
             ),
             wait=Histogram(
                 "trtserve_gateway_queue_wait_seconds",
@@ -72,9 +90,9 @@ class _Metrics:
             ),
             rejections=Counter(
                 "trtserve_gateway_queue_rejections",
-                "Requests refused because the queue was full",
+                "Requests refused because the queue was full (globally, or for their key)",
                 ["key"],
-                registry=registry,
+                registry=key_registry,
             ),
         )
 
@@ -83,7 +101,8 @@ class FairQueue:
     """Admission control in front of the upstreams; see `slot`.
 
     registry: where the `trtserve_gateway_*` metrics register; None gives a private registry (counted, not
-    exported), so several queues can coexist in one process.
+    exported), so several queues can coexist in one process. key_registry: where the per-key series go
+    (default: `registry`). key_limits: keys with limits of their own.
     """
 
     def __init__(
@@ -93,6 +112,8 @@ class FairQueue:
         per_key_concurrency: int,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
+        key_limits: Mapping[str, KeyLimits] | None = None,
+        key_registry: CollectorRegistry | None = None,
     ) -> None:
         if max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {max_queued}")
@@ -104,7 +125,9 @@ class FairQueue:
         self.max_concurrent = max_concurrent
         self.per_key_concurrency = per_key_concurrency
         self._clock = clock
-        self._metrics = _Metrics.create(registry if registry is not None else CollectorRegistry())
+        self.key_limits = dict(key_limits or {})
+        registry = registry if registry is not None else CollectorRegistry()
+        self._metrics = _Metrics.create(registry, key_registry if key_registry is not None else registry)
         # Waiters per key, FIFO within a key; dict order = order keys started waiting (round-robin tie-break).
         self._waiting: dict[str, deque[_Waiter]] = {}
         self._depth = 0
@@ -156,7 +179,7 @@ class FairQueue:
         arrived = self._clock()
         if self._eligible(key):
             self._grant(key)
-        elif self._depth >= self.max_queued:
+        elif self._depth >= self.max_queued or self._key_queue_full(key):
             retry_after = self.retry_after_s
             self._metrics.rejections.labels(key).inc()
             raise QueueFull(key, self._depth, retry_after)
@@ -170,8 +193,18 @@ class FairQueue:
         finally:
             self._release(key, self._clock() - granted_at)
 
+    def concurrency(self, key: str) -> int:
+        """Slots `key` may hold at once."""
+        limits = self.key_limits.get(key)
+        return limits.max_concurrent if limits and limits.max_concurrent is not None else self.per_key_concurrency
+
+    def _key_queue_full(self, key: str) -> bool:
+        limits = self.key_limits.get(key)
+        return limits is not None and limits.max_queued is not None and (
+            len(self._waiting.get(key, ())) >= limits.max_queued)  # fmt: skip
+
     def _eligible(self, key: str) -> bool:
-        return self._in_flight < self.max_concurrent and self._per_key.get(key, 0) < self.per_key_concurrency
+        return self._in_flight < self.max_concurrent and self._per_key.get(key, 0) < self.concurrency(key)
 
     def _grant(self, key: str) -> None:
         self._in_flight += 1
@@ -222,7 +255,7 @@ class FairQueue:
     def _dispatch(self) -> None:
         """Hand free slots to waiters, least recently granted eligible key first."""
         while self._in_flight < self.max_concurrent:
-            ready = [k for k in self._waiting if self._per_key.get(k, 0) < self.per_key_concurrency]
+            ready = [k for k in self._waiting if self._per_key.get(k, 0) < self.concurrency(k)]
             if not ready:
                 return
             key = min(ready, key=lambda k: self._last_grant.get(k, 0))  # min keeps dict order on ties

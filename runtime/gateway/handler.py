@@ -11,31 +11,25 @@ handler is waiting on then; the stream's own cleanup covers Starlette cancelling
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from runtime.gateway import responses
+from runtime.gateway.body import read_json
 from runtime.gateway.errors import GatewayError, from_validation
-from runtime.gateway.exchange import Event, Exchange, client_gone
+from runtime.gateway.exchange import Event, Exchange
 from runtime.gateway.fair_queue import QueueFull
-from runtime.gateway.protocol import (
-    MAX_BODY_BYTES,
-    MAX_JSON_DEPTH,
-    ChatCompletionRequest,
-    CompletionRequest,
-    Generation,
-)
+from runtime.gateway.protocol import ChatCompletionRequest, CompletionRequest, Generation
 from runtime.gateway.responses import Choice, Header, Kind
 from runtime.gateway.routing import UnknownModel
 from runtime.gateway.service import Gateway
-from runtime.serve.request_inputs import json_depth_exceeds
+from runtime.gateway.tenants import Tenant
 
 ENDPOINTS: dict[Kind, str] = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
 DONE = responses.DONE.encode()
@@ -75,10 +69,10 @@ async def generate(gateway: Gateway, http: Request, kind: Kind) -> Response:
     call = Call(gateway, http, kind)
     model = "-"  # the label for requests naming no served model (client strings would grow the label set)
     try:
-        gateway.authorize(http)
+        tenant = gateway.authorize(http)
         body = await _parse(http, ChatCompletionRequest if kind == "chat" else CompletionRequest)
         model = body.model if body.model in gateway.model_ids else model
-        response = await call.run(body)
+        response = await call.run(body, tenant)
     except GatewayError as exc:
         gateway.metrics.requests.labels(call.endpoint, model, str(exc.status)).inc()
         return exc.response()
@@ -87,48 +81,12 @@ async def generate(gateway: Gateway, http: Request, kind: Kind) -> Response:
 
 
 async def _parse(http: Request, schema: type[Generation]) -> Generation:
-    """The body, bounded before it is parsed: its size (413), then its nesting (json.loads recurses once a
-    level; a deep document must be a 400, not a RecursionError). A declared non-JSON content type is a 415
-    (curl's --data default, form-urlencoded, is what crashes Triton's own HTTP parser at a few MB)."""
-    raw = await _body(http)  # read first (bounded): a client still sending would see a reset, not the answer
-    content_type = http.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    if content_type != "application/json":
-        raise GatewayError(415, f"Content-Type must be application/json (got {content_type!r})",
-                           "invalid_request_error", code="unsupported_media_type")  # fmt: skip
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise GatewayError.invalid(f"the body is not valid UTF-8: {exc}") from None
-    if json_depth_exceeds(text, MAX_JSON_DEPTH):
-        raise GatewayError.invalid(f"the body nests more than {MAX_JSON_DEPTH} levels deep", code="too_deep")
-    try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise GatewayError.invalid(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise GatewayError.invalid("the body must be a JSON object")
+    """The body (runtime.gateway.body: bounded, JSON), validated as the endpoint's request (400 naming the field)."""
+    data = await read_json(http)
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
         raise from_validation(exc) from None
-
-
-async def _body(http: Request) -> bytes:
-    too_large = GatewayError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", "invalid_request_error",
-                             code="request_too_large")  # fmt: skip
-    declared = http.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise too_large
-    chunks, size = [], 0
-    try:
-        async for chunk in http.stream():  # read no further than the limit, whatever the header said
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise too_large
-            chunks.append(chunk)
-    except ClientDisconnect:  # gone, or cut by the body timeout (runtime.gateway.timeouts)
-        raise client_gone() from None
-    return b"".join(chunks)
 
 
 @dataclass
@@ -142,22 +100,22 @@ class Call:
     def endpoint(self) -> str:
         return ENDPOINTS[self.kind]
 
-    async def run(self, body: Generation) -> Response:
+    async def run(self, body: Generation, tenant: Tenant | None) -> Response:
         gateway = self.gateway
         try:
             decision = gateway.router.route(body.model, body.prompt_chars, body.stream)
         except UnknownModel:
             raise unknown_model(body.model, gateway.model_ids) from None
         await gateway.check_health(decision)
-        requests = body.upstream_requests(gateway.cache_salt(body.cache_salt))
+        requests = body.upstream_requests(gateway.cache_salt(tenant, body.cache_salt))
         exchange = Exchange(decision, gateway.pools, gateway.router, requests, body.stream,
                             body.logprobs_n is not None, self._client_left)  # fmt: skip
         watcher = asyncio.create_task(self._close_on_disconnect(exchange))
         committed = False
         try:
             try:
-                tenant = gateway.tenant(self.http, body.user)
-                await exchange.start(gateway.queue.slot(tenant), immediate=gateway.queue.can_start(tenant))
+                key = gateway.queue_key(self.http, tenant, body.user)
+                await exchange.start(gateway.queue.slot(key), immediate=gateway.queue.can_start(key))
             except QueueFull as exc:
                 raise GatewayError.overloaded(str(exc), exc.retry_after_s) from None
             choices = [Choice(i, i // body.n) for i in range(len(exchange.requests))]  # n per prompt, in order

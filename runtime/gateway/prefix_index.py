@@ -10,6 +10,10 @@ computed the first. Hashing fixed-size character chunks chained the same way mak
 replica's index" mean "this whole k-chunk prefix was sent there", so matched chunks grow with the blocks
 that replica can reuse. Only full chunks are hashed, as the engine caches only full blocks.
 
+Prefixes are keyed by the request's cache salt too (the tenant's, runtime.gateway.tenants), as the engine
+keys its blocks: a prompt matches only prompts sent under the same salt, so neither routing nor the
+`prefix_match` pick counter on the public /metrics can tell one tenant whether another sent a prompt.
+
 Chat requests are keyed by their messages in order: the engine renders them with the model's chat
 template, which is prefix-stable (equal leading messages render to equal leading text), so a shared
 conversation head is a shared rendered prefix.
@@ -33,11 +37,12 @@ def prompt_text(request: GenerateRequest) -> str:
     return "".join(f"{m['role']}{ROLE_END}{m['content']}{MESSAGE_END}" for m in request.messages)
 
 
-def chunk_hashes(text: str, chunk_chars: int, max_chunks: int) -> list[bytes]:
+def chunk_hashes(text: str, chunk_chars: int, max_chunks: int, salt: str | None = None) -> list[bytes]:
     """Chained hashes of the first full `chunk_chars`-character chunks of `text` (at most `max_chunks`):
-    hash k covers chunks 0..k, so equal hashes mean equal whole prefixes."""
+    hash k covers chunks 0..k, so equal hashes mean equal whole prefixes. The chain starts from the
+    request's cache salt, as the engine's block hashes do: prompts match only under the same salt."""
     hashes: list[bytes] = []
-    parent = b""
+    parent = b"" if salt is None else hashlib.blake2b(b"salt\0" + salt.encode(), digest_size=16).digest()
     for start in range(0, min(len(text) // chunk_chars, max_chunks) * chunk_chars, chunk_chars):
         chunk = text[start : start + chunk_chars].encode("utf-8", "surrogatepass")  # JSON allows lone surrogates
         parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()

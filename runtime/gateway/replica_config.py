@@ -50,13 +50,17 @@ class RoutingSettings:
     health_interval_s: float = 2.0  # readiness probes (and DNS discovery)
     metrics_interval_s: float = 1.0  # load scrapes; a scrape older than 3 intervals is ignored
     max_attempts: int = 3  # replicas tried for a request that fails before its first token
+    # How long a request that has produced nothing waits for a replica to be ready again when none is (a
+    # restarting tritonserver comes back on its address within seconds); 0: fail at once. Below clients'
+    # timeouts (the openai SDK's: 600 s).
+    ready_wait_s: float = 30.0
 
 
 # field -> (lowest allowed value, whether the value is an integer)
 _LIMITS: dict[str, tuple[float, bool]] = {
     "chunk_chars": (1, True), "max_prefix_chunks": (1, True), "index_chunks": (1, True), "balance_abs": (1, True),
     "balance_rel": (1.0, False), "kv_usage_limit": (0.0, False), "health_interval_s": (0.01, False),
-    "metrics_interval_s": (0.01, False), "max_attempts": (1, True),
+    "metrics_interval_s": (0.01, False), "max_attempts": (1, True), "ready_wait_s": (0.0, False),
 }  # fmt: skip
 
 

@@ -15,7 +15,8 @@ Policies (RoutingSettings.policy, or a backend's `routing`):
 Load = max(requests this gateway has open to the replica, the engine's running + waiting as last scraped):
 the gateway's count is exact and immediate, the scrape adds other clients' work (other gateways, direct
 traffic) and is ignored once older than 3 scrape intervals. Unhealthy replicas are never picked; one that
-goes down loses its index (it may come back restarted, with an empty KV cache).
+goes down loses its index (it may come back restarted, with an empty KV cache). While none is healthy,
+`wait_healthy` lets a request wait for one to come back (the monitor's probes find it).
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ class ReplicaPool:
         # Each replica's in-flight and index-size gauges, looked up once (labels() costs microseconds per call,
         # and every request sets both twice); dropped with the replica, whose series forget_replica removes.
         self._gauges: dict[str, tuple[Gauge, Gauge]] = {}
+        self.ever_healthy = False  # a replica has been seen serving: none healthy now means a restart
+        self._recovery: set[asyncio.Future[None]] = set()  # wait_healthy's waiters, woken by publish_health
         for replica in replicas:
             self.add(replica)
 
@@ -126,13 +129,36 @@ class ReplicaPool:
 
     @property
     def healthy(self) -> list[ReplicaState]:
-        return [r for r in self.replicas.values() if r.sync_health()]
+        replicas = [r for r in self.replicas.values() if r.sync_health()]
+        if replicas:
+            self.ever_healthy = True
+        return replicas
+
+    async def wait_healthy(self, timeout_s: float) -> bool:
+        """Whether a replica is healthy within `timeout_s` (at once if one is): woken by publish_health."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.healthy:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            waiter = loop.create_future()
+            self._recovery.add(waiter)
+            try:
+                await asyncio.wait_for(waiter, remaining)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._recovery.discard(waiter)
+        return True
 
     def prefix_key(self, request: GenerateRequest) -> list[bytes]:
-        """The request's chunk hashes: what `pick` matches and `lease` indexes (none unless routing by prefix)."""
+        """The request's chunk hashes under its cache salt: what `pick` matches and `lease` indexes (none unless
+        routing by prefix)."""
         if self.policy != "prefix":
             return []
-        return chunk_hashes(prompt_text(request), self.settings.chunk_chars, self.settings.max_prefix_chunks)
+        return chunk_hashes(prompt_text(request), self.settings.chunk_chars, self.settings.max_prefix_chunks,
+                            request.cache_salt)  # fmt: skip
 
     def load(self, replica: ReplicaState) -> float:
         engine = self._fresh(replica)
@@ -194,7 +220,12 @@ class ReplicaPool:
         for replica in self.replicas.values():
             self.metrics.replica_healthy.labels(self.name, replica.url).set(1 if replica.sync_health() else 0)
             self._publish(replica)
-        self.metrics.backend_healthy.labels(self.name).set(1 if self.healthy else 0)
+        healthy = bool(self.healthy)
+        self.metrics.backend_healthy.labels(self.name).set(1 if healthy else 0)
+        if healthy:
+            for waiter in self._recovery:
+                if not waiter.done():
+                    waiter.set_result(None)
 
     def _publish(self, replica: ReplicaState) -> None:
         in_flight, index_chunks = self._gauges[replica.url]

@@ -38,6 +38,7 @@ from runtime.gateway.replica_config import (
     replicas_from,
     routing_from,
 )
+from runtime.gateway.tenants import Tenant, tenants_from
 
 Policy = Literal["explicit", "prompt_length", "cascade"]
 POLICIES: tuple[str, ...] = get_args(Policy)
@@ -105,6 +106,7 @@ class GatewayConfig:
     backends: dict[str, Backend]
     virtual: dict[str, VirtualModel] = field(default_factory=dict)
     routing: RoutingSettings = field(default_factory=RoutingSettings)
+    tenants: tuple[Tenant, ...] = ()  # none: one key (--api-key) or none (runtime.gateway.tenants)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -138,11 +140,11 @@ class GatewayConfig:
     @classmethod
     def from_dict(cls, data: object) -> GatewayConfig:
         """Build from parsed YAML/TOML: {"backends": {name: {...}}, "virtual_models": {name: {...}},
-        "routing": {...}}."""
+        "routing": {...}, "tenants": {name: {...}}}."""
         top = _mapping("config", {} if data is None else data)
-        unknown = sorted(set(top) - {*SECTIONS, "routing"})
+        unknown = sorted(set(top) - {*SECTIONS, "routing", "tenants"})
         if unknown:
-            raise ValueError(f"{unknown[0]}: unknown section (expected {', '.join(SECTIONS)}, routing)")
+            raise ValueError(f"{unknown[0]}: unknown section (expected {', '.join(SECTIONS)}, routing, tenants)")
         built: dict[str, dict[str, Any]] = {}
         for section, kind in SECTIONS.items():
             entries = _mapping(section, top.get(section, {}))
@@ -150,7 +152,8 @@ class GatewayConfig:
                 name: kind(name=name, **_entry(f"{section}.{name}", entry, kind)) for name, entry in entries.items()
             }
         routing = routing_from("routing", top["routing"]) if "routing" in top else RoutingSettings()
-        return cls(built["backends"], built["virtual_models"], routing)
+        tenants = tenants_from("tenants", top["tenants"]) if "tenants" in top else ()
+        return cls(built["backends"], built["virtual_models"], routing, tenants)
 
 
 class Router:

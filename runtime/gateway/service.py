@@ -1,10 +1,12 @@
-"""The gateway's shared state: settings, router, admission queue, replica pools, health, auth, accounting."""
+"""The gateway's shared state: settings, router, admission queue, replica pools, health, tenants, accounting.
+
+Who a request is for, its limits and its cache salt: runtime.gateway.tenants. Two metric registries: the
+public one (/metrics: aggregates, no per-tenant series) and the tenants' (/admin/metrics, admin keys only).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import time
 from dataclasses import dataclass
@@ -21,13 +23,14 @@ from runtime.gateway.replica_config import Replica, ReplicaPolicy
 from runtime.gateway.replicas import ReplicaPool, ReplicaState
 from runtime.gateway.responses import Choice
 from runtime.gateway.routing import ESCALATED, GatewayConfig, RouteDecision, Router
+from runtime.gateway.tenants import Tenant, find, shorthand, tenant_cache_salt
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class GatewaySettings:
-    api_key: str | None = None  # clients must send "Authorization: Bearer <api_key>"
+    api_key: str | None = None  # the one-tenant shorthand: clients must send "Authorization: Bearer <api_key>"
     max_queued: int = 1024  # waiting for a slot; beyond it: 429
     max_concurrent: int = 256  # requests upstream at once, all tenants
     per_key_concurrency: int = 64  # requests upstream at once, one tenant
@@ -37,11 +40,16 @@ class GatewaySettings:
 class Gateway:
     def __init__(self, config: GatewayConfig, settings: GatewaySettings,
                  registry: CollectorRegistry | None = None) -> None:  # fmt: skip
+        if config.tenants and settings.api_key:
+            raise ValueError("give an API key or a tenants section, not both")
         self.settings = settings
+        self.tenants = config.tenants or ((shorthand(settings.api_key),) if settings.api_key else ())
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.tenant_registry = CollectorRegistry()  # per-tenant series: /admin/metrics, not the public /metrics
         self.router = Router(config, self.registry)
         self.queue = FairQueue(settings.max_queued, settings.max_concurrent, settings.per_key_concurrency,
-                               self.registry)  # fmt: skip
+                               self.registry, key_limits={t.name: t.limits for t in self.tenants},
+                               key_registry=self.tenant_registry)  # fmt: skip
         self.metrics = GatewayMetrics.create(self.registry)
         self.routing = config.routing
         self.pools = {
@@ -67,12 +75,13 @@ class Gateway:
             await replica.upstream.close()
 
     async def check_health(self, decision: RouteDecision) -> None:
-        """503 unless a replica of the decision's backend answers (all probed again now if none did)."""
+        """503 unless a replica of the decision's backend answers (all probed again now if none did), or
+        it has served before and may wait for one to come back (runtime.gateway.exchange)."""
         pool = self.pools[decision.model]
         if not pool.healthy:
             await asyncio.gather(*(r.upstream.probe() for r in pool.replicas.values()))
             pool.publish_health()
-            if not pool.healthy:
+            if not pool.healthy and not (pool.ever_healthy and pool.settings.ready_wait_s > 0):
                 raise GatewayError.unavailable(f"no healthy backend for model {decision.model!r} "
                                                f"(none of its {len(pool.replicas)} replicas is ready)")  # fmt: skip
 
@@ -100,30 +109,34 @@ class Gateway:
         self._closing[task] = state
         task.add_done_callback(lambda done: self._closing.pop(done, None))
 
-    def authorize(self, request: Request, admin: bool = False) -> None:
-        """401 unless the request carries the API key; `admin` endpoints are refused (403) without one set:
-        they change where traffic goes."""
-        expected = self.settings.api_key
-        if expected is None:
+    def authorize(self, request: Request, admin: bool = False) -> Tenant | None:
+        """The tenant whose key the request carries (None: the gateway has no keys); 401 for a missing or
+        unknown key. `admin` endpoints are refused (403) without keys (they change where traffic, and
+        prompts, go) and to tenants that are not admins."""
+        if not self.tenants:
             if admin:
                 raise GatewayError(403, "the admin API needs the gateway started with an API key",
                                    "permission_error", code="admin_disabled")  # fmt: skip
-            return
+            return None
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):
+        tenant = find(self.tenants, given.strip()) if scheme.lower() == "bearer" else None
+        if tenant is None:
             raise GatewayError(401, "Incorrect API key provided", "invalid_request_error", code="invalid_api_key")
+        if admin and not tenant.admin:
+            raise GatewayError(403, "this API key may not use the admin API", "permission_error", code="not_admin")
+        return tenant
 
-    def tenant(self, request: Request, user: str | None) -> str:
-        """The fairness key: OpenAI's `user` (the end user a client names), else the API key (as a digest:
-        keys become metric labels), else the client's address."""
+    def queue_key(self, request: Request, tenant: Tenant | None, user: str | None) -> str:
+        """The fairness key: the tenant; without tenants, OpenAI's `user` (the end user a client names),
+        else the client's address."""
+        if tenant is not None:
+            return tenant.name
         if user:
             return f"user:{user}"
-        if self.settings.api_key is not None:
-            return "key:" + hashlib.sha256(self.settings.api_key.encode()).hexdigest()[:12]
         return f"addr:{request.client.host if request.client else 'unknown'}"
 
-    def cache_salt(self, client_salt: str | None) -> str | None:
-        return tenant_cache_salt(self.settings.api_key, client_salt)
+    def cache_salt(self, tenant: Tenant | None, client_salt: str | None) -> str | None:
+        return tenant_cache_salt(tenant.key if tenant is not None else None, client_salt)
 
     def account(self, exchange: Exchange, choices: list[Choice]) -> None:
         """A request answered in full: the router's record and token counters."""
@@ -134,13 +147,3 @@ class Gateway:
         for kind, count in exchange.discarded_tokens.items():
             if count:
                 self.metrics.tokens.labels(decision.model, kind).inc(count)
-
-
-def tenant_cache_salt(api_key: str | None, client_salt: str | None) -> str | None:
-    """The prefix-cache salt sent upstream: the tenant's, from the API key (hashed: the key never leaves
-    the gateway), mixed with the client's own `cache_salt`, so a client can split its tenant's cache but
-    never pick another tenant's salt. None (the shared cache) without a key or a client salt."""
-    if api_key is None and client_salt is None:
-        return None
-    material = f"trtserve-cache-salt\0{api_key or ''}\0{client_salt or ''}"
-    return hashlib.sha256(material.encode()).hexdigest()

@@ -5,6 +5,17 @@ Each generation gets its own bidirectional stream carrying one request: cancelli
 `is_cancelled()` poll aborts it and frees its KV blocks. The request side half-closes after
 the request; Triton ends the stream after the final response. The stub is tritonclient's generated
 one on a grpc.aio channel; messages are built and read by runtime.gateway.wire.
+
+A replica whose model process (the Python backend's stub) died is not seen by Triton's readiness: it
+keeps answering "ready", fails each new request with "Stub process '<instance>' is not healthy." (after
+about a second) and keeps the streams of the requests that were running open, forever, until
+tritonserver itself is stopped (`trtserve serve`'s supervisor does after three failed health probes,
+about 9 s). So `probe()` asks the model too (the health request of runtime.serve.lifecycle, answered by
+the model's loop without the engine's queue), and the first sign of a dead stub, from a probe or from any
+request's answer, fails every request open on that replica at once (their gRPC calls are cancelled; the
+exchange retries those that produced nothing, the others end with an error event) and marks it
+unhealthy until probes find it serving again. A slow probe is no such sign: it proves nothing, and a
+false one would cut healthy streams.
 """
 
 from __future__ import annotations
@@ -20,15 +31,29 @@ from tritonclient.grpc import service_pb2_grpc
 
 from runtime.gateway.errors import GatewayError
 from runtime.gateway.wire import Delta, GenerateRequest, build_request, parse_response
+from runtime.serve.lifecycle import HEALTH_PARAMETER
 
 log = logging.getLogger(__name__)
 
 # Triton input -> the OpenAI parameter a client knows it by, for errors the engine reports.
 CLIENT_PARAM = {"text_input": "prompt", "messages": "messages", "logprobs": "logprobs"}
 PROBE_TIMEOUT_S = 2.0
+MODEL_PROBE_TIMEOUT_S = 5.0  # a dead stub answers in ~1 s (Triton's own wait for it); slower proves nothing
 MAX_MESSAGE_BYTES = 2**31 - 1  # as tritonclient's channels: a prompt may be large
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]  # fmt: skip
+
+
+# In an error message, Triton's or the model's words for "this replica cannot serve now" (503: retried on
+# another replica, or once it is back): no such model (yet), draining (runtime.serve.lifecycle), the model's
+# process or engine loop gone. The last two also mean the requests open there will never finish.
+UNAVAILABLE = ("unknown model", "is not ready", "is not healthy", "engine loop stopped")
+DEAD = ("is not healthy", "engine loop stopped")
+
+
+def model_died(message: str) -> bool:
+    """Whether an error message says the replica's model process (or its engine loop) is gone."""
+    return any(marker in message for marker in DEAD)
 
 
 def classify(message: str, backend: str) -> GatewayError:
@@ -37,8 +62,9 @@ def classify(message: str, backend: str) -> GatewayError:
         return GatewayError.overloaded(f"backend {backend!r} is overloaded: {message}")
     if message.startswith(("engine error", "internal error")):
         return GatewayError(500, f"backend {backend!r} failed: {message}", "server_error", code="upstream_error")
-    if "unknown model" in message or "is not ready" in message:  # Triton's own, before the model ran
-        return GatewayError.unavailable(f"backend {backend!r} is not serving its model: {message}")
+    if any(marker in message for marker in UNAVAILABLE):  # Triton's own, or the model's drain
+        return GatewayError.unavailable(f"backend {backend!r} is not serving its model: {message}",
+                                        code="backend_unavailable")  # fmt: skip
     field_name, sep, _ = message.partition(":")  # runtime.engine InvalidRequest: "<field>: <problem>"
     param = CLIENT_PARAM.get(field_name, field_name) if sep and field_name.isidentifier() else None
     return GatewayError.invalid(message, param)
@@ -52,6 +78,7 @@ class Upstream:
         self.healthy = False
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
+        self._open: dict[Any, str | None] = {}  # open generation calls -> why they were failed (None: not)
 
     @property
     def stub(self) -> Any:
@@ -62,17 +89,54 @@ class Upstream:
         return self._stub
 
     async def probe(self) -> bool:
+        """Ready by Triton, and its model answers the health request (see the module's docstring)."""
         try:
             answer = await self.stub.ModelReady(pb.ModelReadyRequest(name=self.model), timeout=PROBE_TIMEOUT_S)
-            self.healthy = bool(answer.ready)
-        except (grpc.RpcError, OSError):
-            self.healthy = False
+            problem = await self._ask_model() if answer.ready else "not ready"
+        except (grpc.RpcError, OSError) as exc:
+            problem = _rpc_message(exc) if isinstance(exc, grpc.RpcError) else str(exc)
+        if problem is not None and model_died(problem):
+            self.fail_open(problem)
+        self.healthy = problem is None
         return self.healthy
+
+    async def _ask_model(self) -> str | None:
+        """None unless the model's answer to a health request says it cannot serve (the message).
+        A model without health requests answers something else (a result, or an invalid-input error): serving."""
+        request = pb.ModelInferRequest(model_name=self.model)
+        request.parameters[HEALTH_PARAMETER].bool_param = True
+        call = self.stub.ModelStreamInfer(timeout=MODEL_PROBE_TIMEOUT_S)
+        try:
+            await call.write(request)
+            await call.done_writing()
+            response = await call.read()
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return None  # slow (busy): proves nothing; ModelReady said ready
+            raise
+        finally:
+            call.cancel()
+        if response is grpc.aio.EOF or not response.error_message:
+            return None
+        message: str = response.error_message
+        return message if classify(message, self.name).status == 503 else None
+
+    def fail_open(self, why: str) -> None:
+        """End every request open on this replica with a 503 (its model is gone: they would never finish)."""
+        self.healthy = False
+        for call, failed in self._open.items():
+            if failed is None:
+                self._open[call] = why
+                call.cancel()
+        if self._open:
+            log.warning("backend %s at %s: its model died (%s); failing %d open requests", self.name, self.url,
+                        why, len(self._open))  # fmt: skip
 
     async def generate(self, request: GenerateRequest, stream: bool) -> AsyncIterator[Delta]:
         """Deltas of one generation; raises GatewayError. Closing or cancelling the iterator
         before the last delta cancels the upstream request."""
         call = self.stub.ModelStreamInfer()
+        self._open[call] = None
         finished = False
         try:
             await call.write(build_request(self.model, request, stream))
@@ -83,6 +147,8 @@ class Upstream:
                     failure = classify(response.error_message, self.name)
                     if failure.status == 503:  # Triton answers but its model is not ready: out until a probe
                         self.healthy = False
+                    if model_died(response.error_message):
+                        self.fail_open(response.error_message)
                     raise failure
                 try:
                     delta = parse_response(response.infer_response)
@@ -97,7 +163,15 @@ class Upstream:
         except grpc.RpcError as exc:
             self.healthy = False
             raise GatewayError.unavailable(f"backend {self.name!r} is unreachable: {_rpc_message(exc)}") from None
+        except (asyncio.CancelledError, asyncio.InvalidStateError):
+            why = self._open.get(call)
+            if why is None or _cancelling():  # this task is cancelled (the client left): not our abort
+                raise
+            finished = True
+            raise GatewayError.unavailable(f"backend {self.name!r} failed during the request, which is lost: "
+                                           f"{why}", code="backend_failed") from None  # fmt: skip
         finally:
+            self._open.pop(call, None)
             if not finished:
                 call.cancel()  # the client left (or we failed): Triton cancels the request
 
@@ -108,6 +182,13 @@ class Upstream:
                 await channel.close()
             except (asyncio.CancelledError, grpc.RpcError):  # closing during shutdown
                 log.debug("closing the gRPC channel to %s failed", self.url)
+
+
+def _cancelling() -> bool:
+    """Whether the current task is being cancelled (Python 3.10 cannot tell: there, never)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling()) if cancelling is not None else False
 
 
 def _rpc_message(exc: Exception) -> str:
