@@ -1,7 +1,8 @@
 """The gateway's ASGI app: OpenAI's /v1 endpoints over tritonserver, plus /health, /metrics and /admin.
 
 /health and /metrics are public (probes and Prometheus carry no keys); /metrics holds no per-tenant series
-(runtime.gateway.tenants): those are at /admin/metrics.
+(runtime.gateway.tenants): those are at /admin/metrics. With a Triton HTTP URL, Triton's KServe v2 routes
+too (runtime.gateway.triton_http).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from runtime.gateway.errors import GatewayError
 from runtime.gateway.handler import ENDPOINTS, generate, unknown_model
 from runtime.gateway.responses import Kind
 from runtime.gateway.service import Gateway
+from runtime.gateway.triton_http import TritonHTTP, add_triton_routes
 
 log = logging.getLogger(__name__)
 GENERATION_PATHS: dict[str, Kind] = {path: kind for kind, path in ENDPOINTS.items()}
@@ -53,6 +55,8 @@ class GenerationFastPath:
 
 
 def create_app(gateway: Gateway) -> GenerationFastPath:
+    triton = TritonHTTP(gateway.settings.triton_http_url) if gateway.settings.triton_http_url else None
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gateway.start()
@@ -60,6 +64,8 @@ def create_app(gateway: Gateway) -> GenerationFastPath:
             yield
         finally:
             await gateway.stop()
+            if triton is not None:
+                await triton.close()
 
     app = FastAPI(title="trtserve OpenAI gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = gateway
@@ -77,6 +83,8 @@ def create_app(gateway: Gateway) -> GenerationFastPath:
         return GatewayError.invalid(str(exc.errors()[0].get("msg", exc))).response()
 
     add_admin_routes(app, gateway)
+    if triton is not None:
+        add_triton_routes(app, gateway, triton)
 
     @app.get("/health")
     async def health() -> Response:

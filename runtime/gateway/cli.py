@@ -27,6 +27,12 @@ API_KEY_ENV = "TRTSERVE_API_KEY"
     help="gRPC address of a tritonserver serving the trtserve `llm` model; repeat for replicas.",
 )
 @click.option(
+    "--triton-http-url",
+    default=None,
+    help="tritonserver's HTTP endpoint (http://host:port): the gateway then serves Triton's KServe v2 routes "
+    "(/v2/health, /v2/models/M[/config|/infer|/generate|/generate_stream]) with its own checks.",
+)
+@click.option(
     "--metrics-url",
     "metrics_urls",
     multiple=True,
@@ -44,6 +50,13 @@ API_KEY_ENV = "TRTSERVE_API_KEY"
     "config_path",
     type=click.Path(path_type=Path, exists=True, dir_okay=False),
     help="Gateway config file (several backends, virtual models, cascades); replaces --triton-url/--model.",
+)
+@click.option(
+    "--tenants",
+    "tenants_path",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    help="A .yaml/.toml file with only a `tenants:` section (API keys and their limits), beside --triton-url "
+    "(or a --config without one).",
 )
 @click.option(
     "--routing",
@@ -117,14 +130,15 @@ API_KEY_ENV = "TRTSERVE_API_KEY"
     show_default=True,
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
 )
-def gateway(triton_urls: tuple[str, ...], metrics_urls: tuple[str, ...], model_name: str, config_path: Path | None,
-            routing: ReplicaPolicy | None, ready_wait_s: float | None, host: str, port: int, api_key: str | None,
-            max_queued: int, max_concurrent: int, per_key_concurrency: int, header_timeout_s: float,
-            body_timeout_s: float, nice: int, log_level: str) -> None:  # fmt: skip
+def gateway(triton_urls: tuple[str, ...], triton_http_url: str | None, metrics_urls: tuple[str, ...], model_name: str,
+            config_path: Path | None, tenants_path: Path | None, routing: ReplicaPolicy | None,
+            ready_wait_s: float | None, host: str, port: int, api_key: str | None, max_queued: int,
+            max_concurrent: int, per_key_concurrency: int, header_timeout_s: float, body_timeout_s: float, nice: int,
+            log_level: str) -> None:  # fmt: skip
     """Serve OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models) over tritonserver's gRPC.
 
-    Also GET /health (200 while a backend is ready), GET /metrics (Prometheus) and, with an API key,
-    /admin/replicas (list, add and remove replicas at run time).
+    Also GET /health (200 while a backend is ready), GET /metrics (Prometheus), with an admin key /admin
+    (replicas at run time, per-tenant metrics), and with --triton-http-url Triton's KServe v2 HTTP routes.
     """
     import os
 
@@ -133,9 +147,10 @@ def gateway(triton_urls: tuple[str, ...], metrics_urls: tuple[str, ...], model_n
     import uvicorn
 
     from runtime.gateway.app import create_app
-    from runtime.gateway.replica_config import Replica
+    from runtime.gateway.replica_config import Replica, check_http_url
     from runtime.gateway.routing import Backend, GatewayConfig
     from runtime.gateway.service import Gateway, GatewaySettings
+    from runtime.gateway.tenants import tenants_file
     from runtime.gateway.timeouts import ReadTimeouts, timed_protocol
 
     if metrics_urls and len(metrics_urls) != len(triton_urls):
@@ -151,7 +166,12 @@ def gateway(triton_urls: tuple[str, ...], metrics_urls: tuple[str, ...], model_n
             config = GatewayConfig({model_name: Backend(model_name, replicas=replicas)})
         if ready_wait_s is not None:
             config = replace(config, routing=replace(config.routing, ready_wait_s=ready_wait_s))
-        settings = GatewaySettings(api_key or None, max_queued, max_concurrent, per_key_concurrency, routing)
+        if tenants_path is not None:
+            config = config.with_tenants(tenants_file(tenants_path))
+        if triton_http_url is not None:
+            check_http_url("--triton-http-url", triton_http_url)
+        settings = GatewaySettings(api_key or None, max_queued, max_concurrent, per_key_concurrency, routing,
+                                   triton_http_url)  # fmt: skip
         service = Gateway(config, settings)
     except (OSError, ValueError) as exc:
         raise click.ClickException(f"gateway config: {exc}") from None

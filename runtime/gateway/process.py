@@ -93,12 +93,16 @@ class GatewayProcess:
         self.stop()
 
 
-def start_beside_triton(grpc_address: str, model: str, host: str, port: int, api_key: str | None) -> GatewayProcess:
-    """The gateway `trtserve serve` runs next to its tritonserver (at `grpc_address`), ready to serve."""
-    triton_host, _, grpc_port = grpc_address.rpartition(":")
-    if triton_host in ("0.0.0.0", "::", "[::]", ""):  # listening everywhere: reach it on loopback
-        triton_host = "127.0.0.1"
-    args = ["--triton-url", f"{triton_host}:{grpc_port}", "--model", model, "--nice", str(BESIDE_ENGINE_NICE)]
+def start_beside_triton(grpc_address: str, model: str, host: str, port: int, api_key: str | None,
+                        http_address: str | None = None, tenants: Path | None = None) -> GatewayProcess:  # fmt: skip
+    """The gateway `trtserve serve` runs next to its tritonserver (at `grpc_address`), ready to serve.
+    `http_address`: tritonserver's HTTP host:port, whose KServe routes the gateway then serves (the safe door:
+    Triton's own HTTP port stays on loopback); `tenants`: a file with a `tenants:` section (instead of `api_key`)."""
+    args = ["--triton-url", _reachable(grpc_address), "--model", model, "--nice", str(BESIDE_ENGINE_NICE)]
+    if http_address is not None:
+        args += ["--triton-http-url", f"http://{_reachable(http_address)}"]
+    if tenants is not None:
+        args += ["--tenants", str(tenants)]
     gateway = GatewayProcess(args, host, port, api_key)
     try:
         gateway.wait_ready()
@@ -106,3 +110,11 @@ def start_beside_triton(grpc_address: str, model: str, host: str, port: int, api
         gateway.stop()
         raise
     return gateway
+
+
+def _reachable(address: str) -> str:
+    """host:port as a client reaches it: a server listening everywhere is reached on loopback."""
+    host, _, port = address.rpartition(":")
+    if host in ("0.0.0.0", "::", "[::]", ""):
+        host = "127.0.0.1"
+    return f"{host}:{port}"

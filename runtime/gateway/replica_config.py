@@ -132,11 +132,14 @@ def check_sources(path: str, url: str, replicas: tuple[Replica, ...], discover: 
 
 def check_replica(path: str, replica: Replica) -> None:
     check_grpc_url(f"{path}.url", replica.url)
-    metrics = replica.metrics_url
-    if metrics is not None:
-        parts = urlsplit(metrics) if isinstance(metrics, str) else None
-        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"{path}.metrics_url: expected an http(s):// URL, got {metrics!r}")
+    if replica.metrics_url is not None:
+        check_http_url(f"{path}.metrics_url", replica.metrics_url)
+
+
+def check_http_url(path: str, url: object) -> None:
+    parts = urlsplit(url) if isinstance(url, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{path}: expected an http(s):// URL, got {url!r}")
 
 
 def check_discovery(path: str, discovery: Discovery) -> None:

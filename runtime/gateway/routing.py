@@ -18,14 +18,13 @@ the backend's replica pool (runtime/gateway/replicas.py) picks the tritonserver.
 from __future__ import annotations
 
 import math
-import sys
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-import yaml
 from prometheus_client import CollectorRegistry, Counter
 
+from runtime.gateway.config_file import read_file
 from runtime.gateway.replica_config import (
     Discovery,
     Replica,
@@ -124,18 +123,13 @@ class GatewayConfig:
     @classmethod
     def load(cls, path: str | Path) -> GatewayConfig:
         """Read a .yaml/.yml or .toml file; ValueError (prefixed with the path) names what is wrong."""
-        path = Path(path)
-        suffix = path.suffix.lower()
-        if suffix not in (".yaml", ".yml", ".toml"):
-            raise ValueError(f"{path}: unknown config format {suffix!r} (expected .yaml, .yml or .toml)")
-        text = path.read_text(encoding="utf-8")
-        try:
-            data = _parse_toml(text) if suffix == ".toml" else yaml.load(text, Loader=_UniqueKeyLoader)
-            return cls.from_dict(data)
-        except yaml.YAMLError as exc:
-            raise ValueError(f"{path}: invalid YAML: {exc}") from None
-        except ValueError as exc:  # includes tomllib.TOMLDecodeError
-            raise ValueError(f"{path}: {exc}") from None
+        return read_file(path, cls.from_dict)
+
+    def with_tenants(self, tenants: tuple[Tenant, ...]) -> GatewayConfig:
+        """This config with tenants from elsewhere (`trtserve gateway --tenants`); ValueError if it has its own."""
+        if self.tenants:
+            raise ValueError("tenants are listed in the config already")
+        return replace(self, tenants=tenants)
 
     @classmethod
     def from_dict(cls, data: object) -> GatewayConfig:
@@ -206,29 +200,6 @@ class Router:
     def record(self, model: str, reason: str, virtual_model: str | None = None) -> None:
         """Count one upstream answer from `model`; `virtual_model` is the name requested (default: `model`)."""
         self._decisions.labels(virtual_model or model, model, reason).inc()
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate mapping keys (PyYAML keeps the last one silently)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[object] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, str) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping", node.start_mark, f"found duplicate key {key!r}", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-def _parse_toml(text: str) -> object:
-    if sys.version_info >= (3, 11):
-        import tomllib
-
-        return tomllib.loads(text)
-    raise ValueError("TOML configs need Python >= 3.11 (tomllib); use a .yaml config")
 
 
 def _mapping(path: str, value: object) -> dict[str, object]:

@@ -35,6 +35,7 @@ class GatewaySettings:
     max_concurrent: int = 256  # requests upstream at once, all tenants
     per_key_concurrency: int = 64  # requests upstream at once, one tenant
     routing: ReplicaPolicy | None = None  # every backend's replica policy (--routing); None: as configured
+    triton_http_url: str | None = None  # tritonserver's HTTP endpoint: the KServe routes' door (triton_http)
 
 
 class Gateway:

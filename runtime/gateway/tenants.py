@@ -11,9 +11,11 @@ requests upstream at once, requests waiting) and its own prefix-cache salt. The 
         max_queued: 64          # its requests waiting for a slot (default: bounded by --max-queued only)
         admin: true             # may use /admin (replicas, per-tenant metrics); default false
 
-`--api-key K` is the one-tenant shorthand (an admin tenant named `key:<digest of K>`, limits from the
-flags). With neither, the gateway is open: no key is asked for, /admin is refused, fairness keys come from
-OpenAI's `user` field or the client's address, and only a client's own `cache_salt` separates caches.
+The same section alone in a file of its own is `trtserve gateway --tenants FILE` (beside --triton-url and
+--model, as `trtserve serve` starts the gateway). `--api-key K` is the one-tenant shorthand (an admin
+tenant named `key:<digest of K>`, limits from the flags). With neither, the gateway is open: no key is
+asked for, /admin is refused, fairness keys come from OpenAI's `user` field or the client's address, and
+only a client's own `cache_salt` separates caches.
 
 With tenants, a request's fairness key is its tenant (a client-chosen `user` would let one tenant spread
 over many keys and past its limits). Its cache salt is `tenant_cache_salt(tenant key, client salt)`: the
@@ -35,7 +37,9 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from runtime.gateway.config_file import read_file
 from runtime.gateway.fair_queue import KeyLimits
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")  # a Prometheus label value an operator can read
@@ -103,6 +107,19 @@ def tenants_from(path: str, value: object, environ: Mapping[str, str] = os.envir
             raise ValueError(f"{where}.admin: expected true or false, got {admin!r}")
         tenants.append(Tenant(name, key, limits, admin))
     return tuple(tenants)
+
+
+def tenants_file(path: str | Path) -> tuple[Tenant, ...]:
+    """A .yaml/.toml file holding only a `tenants:` section (`trtserve gateway --tenants`, beside
+    --triton-url/--model: what `trtserve serve` passes)."""
+
+    def only_tenants(data: object) -> tuple[Tenant, ...]:
+        if not isinstance(data, dict) or set(data) != {"tenants"}:
+            found = ", ".join(sorted(map(str, data))) if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"expected only a tenants section, got {found or 'nothing'}")
+        return tenants_from("tenants", data["tenants"])
+
+    return read_file(path, only_tenants)
 
 
 def _key(where: str, entry: dict, environ: Mapping[str, str]) -> str:
