@@ -27,6 +27,7 @@ from runtime.engine.errors import InvalidRequest
 from runtime.engine.llm_engine import EngineArgs, LLMEngine
 from runtime.engine.outputs import RequestOutput
 from runtime.engine.sampling_params import SamplingParams
+from runtime.engine.stats import EngineProgress
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,12 @@ class AsyncLLM:
         if out is not None:
             self._deliver(out)
         return out is not None
+
+    def progress(self) -> EngineProgress:
+        """Steps run, requests unfinished, and why the engine loop stopped (None while it runs); cheap,
+        without the engine's lock (plain reads), for a supervisor's heartbeat."""
+        problem = None if self._thread.is_alive() else f"engine loop stopped: {self._error!r}"
+        return EngineProgress(self.engine.counters.steps, len(self.engine.requests), problem)
 
     def shutdown(self, drain_timeout_s: float = 30.0) -> None:
         """Stop accepting requests, let running ones finish (up to the timeout), stop the loop."""

@@ -41,6 +41,16 @@ class Histogram:
 
 
 @dataclass(frozen=True)
+class EngineProgress:
+    """Whether an engine loop is moving, cheaply: `steps` run so far, requests `unfinished`, and why
+    the loop stopped (None while it runs). A supervisor watches it to tell a busy engine from a stuck one."""
+
+    steps: int
+    unfinished: int
+    problem: str | None = None
+
+
+@dataclass(frozen=True)
 class StepRecord:
     """One engine step as it ran."""
 

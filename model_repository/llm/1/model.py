@@ -5,7 +5,7 @@ response per delta) or whole, the last one flagged FINAL. An asyncio loop runs o
 thread; the engine loop runs on another (inside AsyncLLM). A request whose client cancels
 (`is_cancelled()`, asked every `cancel_poll_s` seconds) is aborted and its KV blocks freed.
 On unload, in-flight requests are drained (up to a timeout) before the engine stops.
-`trtserve serve` probes its health and drains it through files (runtime.serve.lifecycle).
+`trtserve serve` probes its health, reads its heartbeat and drains it through files (runtime.serve.lifecycle).
 
 config.pbtxt parameters: `engine_dir` (required); the EngineArgs `max_num_seqs`,
 `max_num_batched_tokens`, `num_kv_blocks`, `max_waiting`, `min_prefill_tokens` (empty: the
@@ -85,14 +85,16 @@ class TritonPythonModel:
         self.loop_thread = threading.Thread(target=self.loop.run_forever, name="trtserve-asyncio", daemon=True)
         self.loop_thread.start()
         # `trtserve serve` drains through files in this model's directory (runtime.serve.lifecycle).
-        self.drain = lifecycle.Drain(Path(args["model_repository"]), self.loop, self.in_flight)
+        self.lifecycle = lifecycle.ModelLifecycle(
+            Path(args["model_repository"]), self.loop, self.in_flight, self.engine.progress
+        )
         self.stopping = threading.Event()
         self.metrics_thread = threading.Thread(target=self._publish_metrics, name="trtserve-metrics", daemon=True)
         self.metrics_thread.start()
 
     def execute(self, requests):
         for request in requests:
-            if self.drain.requested.is_set():
+            if self.lifecycle.requested.is_set():
                 _send_error(request.get_response_sender(), lifecycle.REFUSED_MESSAGE, pb_utils.TritonError.UNAVAILABLE)
                 continue
             serve = self._health if lifecycle.is_health_probe(request) else self._serve
@@ -139,7 +141,7 @@ class TritonPythonModel:
         except Overloaded as exc:
             _send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
         except asyncio.CancelledError:  # cut by the drain deadline: the client gets a final error
-            self.drain.count_cut()
+            self.lifecycle.count_cut()
             _send_error(sender, lifecycle.CUT_MESSAGE, pb_utils.TritonError.UNAVAILABLE)
         except Exception as exc:  # never leave a client hanging
             _send_error(sender, f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
@@ -147,7 +149,7 @@ class TritonPythonModel:
     async def _health(self, request) -> None:
         """Answer `trtserve serve`'s health probe from the loop, without the engine's queue."""
         sender = request.get_response_sender()
-        problem = lifecycle.engine_problem(self.engine)
+        problem = self.engine.progress().problem
         if problem is not None:
             _send_error(sender, problem, pb_utils.TritonError.INTERNAL)
             return
@@ -163,11 +165,17 @@ class TritonPythonModel:
         self.metrics.update(engine.stats(), engine.take_step_records())
 
     def finalize(self):
+        """Every thread of ours ends here, joined: the stub tears down the backend's objects (response
+        senders, metrics) after this returns, and a thread still using one would crash it at exit."""
         self.engine.shutdown(drain_timeout_s=30.0)
         concurrent.futures.wait(list(self.in_flight), timeout=5)  # let final responses go out
         self.stopping.set()
-        self.drain.stop()
+        self.metrics_thread.join()
+        self.lifecycle.stop()
         self._update_metrics()
+        executor = asyncio.run_coroutine_threadsafe(self.loop.shutdown_default_executor(), self.loop)
+        with contextlib.suppress(concurrent.futures.TimeoutError):
+            executor.result(timeout=5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.loop_thread.join(timeout=5)
 
