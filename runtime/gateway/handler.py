@@ -1,11 +1,13 @@
 """One generation request, end to end: checks, admission, upstream, the answer (whole or streamed).
 
-Order of checks: API key (401), body (413 size, 415 content type, 400), model (404), backend health (503), admission
-queue (429), then upstream, whose errors keep their meaning (400 invalid, 429 overloaded,
-503 unreachable). A stream commits to 200 only once every choice has produced its first
-delta, so failures before that still get their status. A disconnect watcher closes the
-exchange (cancelling the upstream requests) as soon as the client leaves, whatever the
-handler is waiting on then; the stream's own cleanup covers Starlette cancelling it.
+Order of checks: API key (401: the tenant, runtime.gateway.tenants), body (runtime.gateway.body: 413 size, 415
+content type, 400), model (404), backend health (503, unless it has served before: then the request waits
+for a replica to come back, runtime.gateway.exchange), admission queue (429, the tenant's limits), then
+upstream, whose errors keep their meaning (400 invalid, 429 overloaded, 503 unreachable or restarting).
+A stream commits to 200 only once every choice has produced its first delta, so failures before that
+still get their status. A disconnect watcher closes the exchange (cancelling the upstream requests) as
+soon as the client leaves, whatever the handler is waiting on then; the stream's own cleanup covers
+Starlette cancelling it.
 """
 
 from __future__ import annotations
