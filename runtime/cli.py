@@ -269,30 +269,51 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
     default=2.0,
     show_default=True,
     type=click.FloatRange(min=0.1),
-    help="Seconds between health probes of the model; three failures in a row stop the server (exit code 3).",
+    help="Seconds between health probes of the model.",
+)
+@click.option(
+    "--max-restarts",
+    default=5,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Restarts of a dead or stuck tritonserver or gateway allowed per minute; past them (or at the first "
+    "failure with 0) the server stops with exit code 3.",
+)
+@click.option(
+    "--stall-timeout",
+    "stall_timeout_s",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(min=1),
+    help="Seconds the model may show no progress (no engine step with requests unfinished, no heartbeat) "
+    "before tritonserver is restarted.",
 )
 @speculative_options
 def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_port: int, metrics_port: int,
           max_num_seqs: int | None, max_num_batched_tokens: int | None, num_kv_blocks: int | None,
           max_waiting: int | None, no_prefix_caching: bool, openai_port: int, no_openai: bool, api_key: str | None,
-          admin_key: str | None, drain_timeout_s: float, health_interval_s: float, itl_target_ms: float | None,
+          admin_key: str | None, drain_timeout_s: float, health_interval_s: float, stall_timeout_s: float,
+          max_restarts: int, itl_target_ms: float | None,
           backend: str | None, stream_interval: int | None, speculative: SpeculativeFields) -> None:  # fmt: skip
     """Serve an engine with NVIDIA Triton Inference Server (HTTP, gRPC, Prometheus metrics).
 
     Starts the real tritonserver with the trtserve `llm` model, waits until it is ready,
-    starts the OpenAI endpoint next to it (model name: the engine directory's), prints the
-    endpoints, and probes the model's health every --health-interval seconds: a model that
-    cannot serve stops the server with exit code 3 (for an orchestrator to restart it).
-    On Ctrl-C or SIGTERM it stops admitting requests, lets running ones finish within
-    --drain-timeout, ends the rest with an error, and exits with code 4 if any had to be cut.
+    starts the OpenAI endpoint next to it (model name: the engine directory's; it also serves
+    Triton's KServe HTTP routes with bounded bodies), prints the endpoints, and watches the
+    model (health probes every --health-interval seconds, its heartbeat): a dead or stuck model,
+    tritonserver or gateway is restarted, with backoff; past 5 restarts a minute the server
+    stops with exit code 3 (for an orchestrator to decide). On Ctrl-C or SIGTERM it stops
+    admitting requests, lets running ones finish within --drain-timeout, ends the rest with an
+    error, and exits with code 4 if any had to be cut (5 if the model crashed while stopping).
     """
     from runtime.engine.spec.draft import check_draft_vocabulary
     from runtime.gateway.process import GatewayProcess, GatewayProcessError, start_beside_triton
     from runtime.serve.launcher import ServerConfig, ServerError, TritonServer
+    from runtime.serve.restarts import RestartBudget
     from runtime.serve.serve_loop import run_serve
 
     try:
-        target = EngineConfig.load(engine_dir)
+        target = EngineConfig.load(engine_dir, verify=True)
         if "draft_engine" in speculative:  # refused here, not in tritonserver's log
             check_draft_vocabulary(speculative["draft_engine"], target)
     except EngineLoadError as exc:
@@ -312,8 +333,10 @@ def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_po
         raise click.ClickException(str(exc)) from None
     served_name = engine_dir.resolve().name
 
-    def start_gateway(grpc_address: str) -> GatewayProcess:
-        return start_beside_triton(grpc_address, served_name, host, openai_port, api_key)
+    def start_gateway(grpc_address: str, http_address: str) -> GatewayProcess:
+        return start_beside_triton(grpc_address, served_name, host, openai_port, api_key, http_address)
 
     starter = None if no_openai else start_gateway
-    sys.exit(run_serve(server, starter, served_name, health_interval_s, (GatewayProcessError,)))
+    budget = RestartBudget(max_per_window=max_restarts)
+    sys.exit(run_serve(server, starter, served_name, health_interval_s, (GatewayProcessError,), stall_timeout_s,
+                       budget))  # fmt: skip

@@ -49,11 +49,14 @@ REQUEST = GenerateRequest("hi", None, {})
 # --- error mapping ---
 
 
-@pytest.mark.parametrize("message", [DEAD_STUB, "engine loop stopped: RuntimeError('boom')",
-                                     "server shutting down: model 'llm' is not ready for new requests"])  # fmt: skip
-def test_a_replica_that_cannot_serve_is_503_with_retry_after_never_400(message):
+@pytest.mark.parametrize(("message", "code"), [
+    (DEAD_STUB, "backend_unavailable"),
+    ("engine loop stopped: RuntimeError('boom')", "backend_unavailable"),
+    ("server shutting down: model 'llm' is not ready for new requests", "backend_draining"),  # not waited for
+])  # fmt: skip
+def test_a_replica_that_cannot_serve_is_503_with_retry_after_never_400(message, code):
     error = classify(message, "b")
-    assert (error.status, error.type, error.code) == (503, "service_unavailable", "backend_unavailable")
+    assert (error.status, error.type, error.code) == (503, "service_unavailable", code)
     assert message in error.message
     response = error.response()
     assert response.headers["Retry-After"] == "5" and response.headers["retry-after-ms"] == "5000"

@@ -14,7 +14,8 @@ client's (a stream gets an error event). Non-streaming generations produce their
 so they are retried whenever their replica fails. When no replica is healthy at all and the backend has
 served before (a tritonserver restarting: `trtserve serve`'s supervisor brings it back on its address), a
 generation that has produced nothing waits up to the routing's `ready_wait_s` (from its first such wait)
-for one to be ready again, then is tried again there (restarted replicas included); past it, a 503.
+for one to be ready again, then is tried again there (restarted replicas included); past it, a 503. A
+replica that refused because it is shutting down (its drain) is not waited for: 503 at once.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass, replace
 from runtime.gateway.errors import GatewayError, client_gone
 from runtime.gateway.replicas import ReplicaPool
 from runtime.gateway.routing import RouteDecision, Router
+from runtime.gateway.upstream import DRAINING_CODE
 from runtime.gateway.wire import Delta, GenerateRequest
 
 RETRYABLE = frozenset({429, 502, 503})  # overloaded engine, stream cut, replica unreachable or not ready
@@ -177,7 +179,8 @@ class Exchange:
             try:  # no await between the pick and its lease: concurrent picks see each other's counts
                 pick = pool.pick(hashes, frozenset(tried))
             except GatewayError as none_left:
-                if pool.healthy or not pool.ever_healthy:  # the others were tried, or it never served
+                draining = failed is not None and failed.code == DRAINING_CODE  # shutting down: not coming back
+                if pool.healthy or not pool.ever_healthy or draining:  # the others were tried, or it never served
                     raise (failed or none_left) from None  # e.g. the failed one's own 429
                 loop = asyncio.get_running_loop()
                 deadline = loop.time() + pool.settings.ready_wait_s if deadline is None else deadline

@@ -49,6 +49,8 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 # process or engine loop gone. The last two also mean the requests open there will never finish.
 UNAVAILABLE = ("unknown model", "is not ready", "is not healthy", "engine loop stopped")
 DEAD = ("is not healthy", "engine loop stopped")
+DRAINING = "server shutting down"  # the model's drain (runtime.serve.lifecycle): it will not come back
+DRAINING_CODE = "backend_draining"
 
 
 def model_died(message: str) -> bool:
@@ -63,8 +65,8 @@ def classify(message: str, backend: str) -> GatewayError:
     if message.startswith(("engine error", "internal error")):
         return GatewayError(500, f"backend {backend!r} failed: {message}", "server_error", code="upstream_error")
     if any(marker in message for marker in UNAVAILABLE):  # Triton's own, or the model's drain
-        return GatewayError.unavailable(f"backend {backend!r} is not serving its model: {message}",
-                                        code="backend_unavailable")  # fmt: skip
+        code = DRAINING_CODE if DRAINING in message else "backend_unavailable"
+        return GatewayError.unavailable(f"backend {backend!r} is not serving its model: {message}", code=code)
     field_name, sep, _ = message.partition(":")  # runtime.engine InvalidRequest: "<field>: <problem>"
     param = CLIENT_PARAM.get(field_name, field_name) if sep and field_name.isidentifier() else None
     return GatewayError.invalid(message, param)

@@ -143,10 +143,13 @@ class TritonMetrics:
         }
         self._last: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()
+        self._closed = False
 
     def observe_finished(self, out: RequestOutput) -> None:
         stats = out.stats
         with self._lock:
+            if self._closed:
+                return
             if stats is not None:
                 for name, value in (
                     ("trtserve_time_to_first_token_seconds", stats.get("ttft_s")),
@@ -163,6 +166,8 @@ class TritonMetrics:
     def update(self, stats: EngineStats, steps: Sequence[StepRecord] = ()) -> None:
         """Refresh gauges and counters from `stats`; observe `steps` (LLMEngine.take_step_records())."""
         with self._lock:
+            if self._closed:
+                return
             for step in steps:
                 self.histograms["trtserve_step_duration_seconds"].observe(step.seconds)
                 self.histograms["trtserve_prefill_tokens_per_step"].observe(step.prefill_tokens)
@@ -176,6 +181,16 @@ class TritonMetrics:
                     if value_label not in metrics:
                         metrics[value_label] = fam.Metric(labels={**self._labels, label: value_label})
                     self._advance(metrics[value_label], (name, value_label), float(value))
+
+    def close(self) -> None:
+        """Release every metric, then every family, now: their destructors message Triton through the stub's
+        shared memory, which is gone by the time the interpreter would free them (the stub segfaulted at exit
+        in Metric::SaveToSharedMemory). Observations after this are dropped."""
+        with self._lock:
+            self._closed = True
+            for metrics in (self.gauges, self.counters, self.histograms, self.finished, *self.labelled.values()):
+                metrics.clear()
+            self._families.clear()
 
     def _advance(self, counter: Any, key: tuple[str, str], value: float) -> None:
         """Increment `counter` to the engine's running total `value` (Triton counters only go up)."""

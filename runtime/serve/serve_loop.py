@@ -1,8 +1,15 @@
-"""The life of `trtserve serve` once its tritonserver is started: ready, gateway, supervise, drain, stop.
+"""The life of `trtserve serve` once its tritonserver is started: ready, gateway, supervise, restart, drain, stop.
 
-Exit codes: 0 after a clean shutdown; 1 when the server could not start; EXIT_UNSERVABLE when the
-model (or tritonserver, or the gateway) stopped serving; EXIT_CUT when the shutdown had to cut
-requests at the drain deadline.
+A child that cannot serve is restarted, not the whole server stopped: a dead or stuck model (or a dead
+tritonserver) means a new tritonserver on the same ports with the engine loaded again (killing the old
+one closes its connections, so in-flight requests end with an error at once and the gateway retries those
+that had produced nothing); a dead gateway is started again on its port. Restarts back off and are
+capped per minute (runtime.serve.restarts); past the cap the server stops with EXIT_UNSERVABLE for an
+orchestrator to decide.
+
+Exit codes: 0 after a clean shutdown; 1 when the server could not start; EXIT_UNSERVABLE when a child kept
+failing past the restart budget; EXIT_CUT when the shutdown had to cut requests at the drain deadline;
+EXIT_CRASHED when the model's stub crashed while stopping (its Python stacks are in the log).
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -17,11 +25,15 @@ from typing import Protocol
 import click
 
 from runtime.serve.launcher import MODEL_NAME, ServerError, TritonServer
-from runtime.serve.supervisor import STOP_TIMEOUT_S, Supervisor
+from runtime.serve.restarts import RestartBudget
+from runtime.serve.supervisor import STOP_TIMEOUT_S, TRITON, Failure, Supervisor
 
 ADMIN_KEY_ENV = "TRTSERVE_ADMIN_KEY"
 EXIT_UNSERVABLE = 3
 EXIT_CUT = 4
+EXIT_CRASHED = 5
+GATEWAY = "the OpenAI gateway"  # Failure.child for the gateway
+CRASH_MARKER = "Fatal Python error"  # what the stub's faulthandler writes into the log on a fatal signal
 
 
 class Gateway(Protocol):
@@ -39,62 +51,140 @@ class Gateway(Protocol):
     def stop(self) -> int: ...
 
 
-# Starts the gateway beside tritonserver (given its gRPC address), ready to serve.
-GatewayStarter = Callable[[str], Gateway]
+# Starts the gateway beside tritonserver (given its gRPC and HTTP addresses), ready to serve.
+GatewayStarter = Callable[[str, str], Gateway]
+
+
+class _Children:
+    """The running tritonserver and gateway, replaced when they die."""
+
+    def __init__(self, server: TritonServer, start_gateway: GatewayStarter | None) -> None:
+        self.server, self.start_gateway = server, start_gateway
+        self.gateway: Gateway | None = None
+        self.crash_logs: list[Path] = []  # logs of tritonservers whose stub crashed
+        self.crashed_at_exit = False
+
+    @property
+    def triton_addresses(self) -> tuple[str, str]:
+        config = self.server.config
+        return f"{config.host}:{config.grpc_port}", f"{config.host}:{config.http_port}"
+
+    def others(self) -> dict[str, subprocess.Popen[bytes]]:
+        return {GATEWAY: self.gateway.process} if self.gateway is not None else {}
+
+    def start(self) -> None:
+        self.server.wait_ready()
+        if self.start_gateway is not None:
+            self.gateway = self.start_gateway(*self.triton_addresses)
+
+    def restart(self, child: str) -> None:
+        if child == TRITON:
+            self.server.kill()  # a dead model never finishes its requests: closing the connections ends them now
+            self._note_crash(self.server)
+            self.server.stop(timeout_s=0)
+            self.server = TritonServer(self.server.config)
+            self.server.wait_ready()
+        elif self.start_gateway is not None:
+            if self.gateway is not None:
+                self.gateway.stop()
+            self.gateway = self.start_gateway(*self.triton_addresses)
+
+    def stop(self) -> None:
+        if self.gateway is not None:
+            click.echo("stopping the OpenAI gateway ...", err=True)
+            self.gateway.stop()
+        click.echo("stopping tritonserver ...", err=True)
+        running = self.server.process.poll() is None
+        if self.server.stop(timeout_s=STOP_TIMEOUT_S) == -signal.SIGKILL and running:
+            # Triton 2.51 can hang in shutdown (e.g. after a gRPC stream it rejected was cancelled); its shared
+            # memory regions are removed all the same.
+            click.echo(f"tritonserver did not exit within {STOP_TIMEOUT_S:g} s: killed", err=True)
+        self.crashed_at_exit = self._note_crash(self.server)
+
+    def _note_crash(self, server: TritonServer) -> bool:
+        crashed = CRASH_MARKER in server.log_path.read_text(errors="replace")
+        if crashed:
+            self.crash_logs.append(server.log_path)
+        return crashed
 
 
 def run_serve(server: TritonServer, start_gateway: GatewayStarter | None, served_name: str, health_interval_s: float,
-              startup_errors: tuple[type[Exception], ...] = ()) -> int:  # fmt: skip
-    """Returns the exit code. `startup_errors`: the gateway's start-up failures, reported like the server's."""
+              startup_errors: tuple[type[Exception], ...] = (), stall_s: float = 60.0,
+              budget: RestartBudget | None = None) -> int:  # fmt: skip
+    """Returns the exit code. `startup_errors`: the gateway's start-up failures, reported like the server's;
+    `stall_s`: how long a model may show no progress with work unfinished before it is restarted."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    config, supervisor = server.config, Supervisor(server, probe_interval_s=health_interval_s)
-    openai: Gateway | None = None
+    children, budget = _Children(server, start_gateway), budget or RestartBudget()
     errors: tuple[type[Exception], ...] = (ServerError, *startup_errors)
     try:
         click.echo(f"starting tritonserver (log: {server.log_path}) ...", err=True)
-        server.wait_ready()
-        if start_gateway is not None:
-            openai = start_gateway(f"{config.host}:{config.grpc_port}")
-        triton = f"{config.host}:{config.http_port}"
-        click.echo(f"ready: model '{MODEL_NAME}'\n"
-                   f"  HTTP     http://{triton}/v2/models/{MODEL_NAME}/generate (and generate_stream)\n"
-                   f"  gRPC     {config.host}:{config.grpc_port}\n"
-                   f"  metrics  http://{config.host}:{config.metrics_port}/metrics")  # fmt: skip
-        if openai is not None:
-            click.echo(f"  OpenAI   {openai.url}/v1 (model '{served_name}'; log: {openai.log_path})")
-        others = {"the OpenAI gateway": openai.process} if openai is not None else {}
-        failure = supervisor.watch(stop, others)
+        children.start()
+        _print_endpoints(children, served_name)
+        failure = _supervise(children, stop, budget, errors, health_interval_s, stall_s)
     except errors as exc:
         click.echo(f"Error: {exc}", err=True)
-        _stop(server, openai)
+        children.stop()
         return 1
     except BaseException:  # a bug of ours must not leave tritonserver (in its own session) running
-        _stop(server, openai)
+        children.stop()
         raise
     if failure is not None:
-        click.echo(f"Error: {failure}\nstopping: the server cannot serve", err=True)
-        server.kill()  # a dead model never finishes its requests: closing the connections ends them now
-        _stop(server, openai)
+        click.echo(f"Error: {failure.child} failed {budget.recent} times within {budget.window_s:g} s; last: "
+                   f"{failure.reason}\nstopping: the server cannot serve", err=True)  # fmt: skip
+        children.server.kill()
+        children.stop()
         return EXIT_UNSERVABLE
+    config = children.server.config
     click.echo(f"draining: new requests are refused; running ones have {config.drain_timeout_s:g} s", err=True)
-    result = supervisor.drain(config.drain_timeout_s)
-    _stop(server, openai)
+    result = Supervisor(children.server).drain(config.drain_timeout_s)
+    children.stop()
+    if children.crash_logs:
+        logs = ", ".join(str(path) for path in children.crash_logs)
+        click.echo(f"Error: the model's stub crashed (its Python stacks are in {logs})", err=True)
     if not result.clean:
         what = f"{result.cut} request(s)" if result.complete else "requests (the model stopped reporting)"
         click.echo(f"Error: the shutdown cut {what} at the drain deadline", err=True)
         return EXIT_CUT
-    return 0
+    return EXIT_CRASHED if children.crashed_at_exit else 0
 
 
-def _stop(server: TritonServer, openai: Gateway | None) -> None:
-    if openai is not None:
-        click.echo("stopping the OpenAI gateway ...", err=True)
-        openai.stop()
-    click.echo("stopping tritonserver ...", err=True)
-    running = server.process.poll() is None
-    if server.stop(timeout_s=STOP_TIMEOUT_S) == -signal.SIGKILL and running:
-        # Triton 2.51 can hang in shutdown (e.g. after a gRPC stream it rejected was cancelled); its shared
-        # memory regions are removed all the same.
-        click.echo(f"tritonserver did not exit within {STOP_TIMEOUT_S:g} s: killed", err=True)
+def _supervise(children: _Children, stop: threading.Event, budget: RestartBudget, errors: tuple[type[Exception], ...],
+               health_interval_s: float, stall_s: float) -> Failure | None:  # fmt: skip
+    """Watch the children, restarting each that fails, until `stop` (None) or the budget is spent (the
+    last failure)."""
+    while True:
+        supervisor = Supervisor(children.server, probe_interval_s=health_interval_s, stall_s=stall_s,
+                                report=lambda message: click.echo(f"warning: {message}", err=True))  # fmt: skip
+        failure = supervisor.watch(stop, children.others())
+        while failure is not None:
+            seen = time.monotonic()
+            delay = budget.delay(seen)
+            if delay is None:
+                return failure
+            click.echo(f"Error: {failure.reason}\nrestarting {failure.child} in {delay:g} s", err=True)
+            if stop.wait(delay):
+                return None
+            budget.record(time.monotonic())
+            try:
+                children.restart(failure.child)
+            except errors as exc:
+                failure = Failure(failure.child, f"restart failed: {exc}")
+                continue
+            click.echo(f"{failure.child} restarted: serving again {time.monotonic() - seen:.1f} s after the "
+                       "failure was seen", err=True)  # fmt: skip
+            failure = None
+        if stop.is_set():
+            return None
+
+
+def _print_endpoints(children: _Children, served_name: str) -> None:
+    config = children.server.config
+    triton = f"{config.host}:{config.http_port}"
+    click.echo(f"ready: model '{MODEL_NAME}'\n"
+               f"  HTTP     http://{triton}/v2/models/{MODEL_NAME}/generate (and generate_stream)\n"
+               f"  gRPC     {config.host}:{config.grpc_port}\n"
+               f"  metrics  http://{config.host}:{config.metrics_port}/metrics")  # fmt: skip
+    if children.gateway is not None:
+        click.echo(f"  OpenAI   {children.gateway.url}/v1 (model '{served_name}'; log: {children.gateway.log_path})")

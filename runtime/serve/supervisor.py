@@ -1,13 +1,13 @@
-"""`trtserve serve`'s watch over its tritonserver (and gateway): health probes and the graceful drain.
+"""`trtserve serve`'s watch over its tritonserver (and gateway): health probes, heartbeat, the graceful drain.
 
 Triton keeps answering "ready" after the `llm` stub process dies (every request then fails with "Stub
 process is not healthy", in-flight ones never end), so readiness cannot come from Triton: every
 `probe_interval_s` the supervisor sends the model a health probe (runtime.serve.lifecycle) through
-Triton's HTTP generate endpoint. After `max_failures` failures in a row the model cannot serve:
-`watch()` returns the reason and the caller kills tritonserver (its clients' connections close at once,
-so in-flight requests end with an error and the gateway marks the replica unhealthy) and exits non-zero
-for an orchestrator to restart it. A reload through Triton's model-control API was not chosen: unloading
-the dead model waits for its in-flight requests, which a dead stub never finishes.
+Triton's HTTP generate endpoint and reads the model's heartbeat; runtime.serve.liveness tells a dead
+model from a busy one. `watch()` returns the first child that cannot serve (tritonserver, its model, or
+another child such as the gateway) and why; the caller restarts it (runtime.serve.serve_loop). A reload
+through Triton's model-control API was not chosen: unloading the dead model waits for its in-flight
+requests, which a dead stub never finishes; a new tritonserver starts in seconds.
 
 `drain()` is the shutdown: new requests are refused at once, running ones go on until the drain
 deadline, the rest are cut with a final error; only then is Triton stopped, well inside its own exit
@@ -21,21 +21,29 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 from runtime.serve.launcher import MODEL_NAME, TritonServer
-from runtime.serve.lifecycle import HEALTH_PARAMETER, drain_state, request_drain
+from runtime.serve.lifecycle import HEALTH_PARAMETER, drain_state, read_heartbeat, request_drain
+from runtime.serve.liveness import Liveness
 
 STOP_TIMEOUT_S = 15.0  # Triton's own shutdown once nothing is in flight
 REPORT_GRACE_S = 10.0  # how long past the deadline the model may take to report its last request done
+TRITON = "tritonserver"  # Failure.child for tritonserver and its model
 
 
 class Child(Protocol):
     """The gateway process (runtime.gateway.process.GatewayProcess), as far as supervision needs it."""
 
     def poll(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class Failure:
+    child: str  # TRITON, or the name of another child
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -50,9 +58,13 @@ class DrainResult:
 
 class Supervisor:
     def __init__(self, server: TritonServer, probe_interval_s: float = 2.0, probe_timeout_s: float = 5.0,
-                 max_failures: int = 3) -> None:  # fmt: skip
+                 max_failures: int = 3, stall_s: float = 60.0, clock: Callable[[], float] = time.time,
+                 report: Callable[[str], None] = lambda message: None) -> None:  # fmt: skip
+        """`stall_s`: how long the model may show no progress with work unfinished (runtime.serve.liveness);
+        `report`: told when probes fail but the model is busy, not dead (once per episode)."""
         self.server = server
-        self.probe_interval_s, self.probe_timeout_s, self.max_failures = probe_interval_s, probe_timeout_s, max_failures
+        self.probe_interval_s, self.probe_timeout_s = probe_interval_s, probe_timeout_s
+        self.max_failures, self.stall_s, self.clock, self.report = max_failures, stall_s, clock, report
 
     def probe(self) -> str | None:
         """None when the model answered the health probe, else what went wrong."""
@@ -68,20 +80,23 @@ class Supervisor:
             return f"{type(exc).__name__}: {exc}"
         return None if answer.get("text_output") == "ok" else f"unexpected answer {answer!r}"
 
-    def watch(self, stop: threading.Event, others: Mapping[str, Child] | None = None) -> str | None:
-        """Until `stop` is set (None) or something cannot serve (the reason): tritonserver or another
-        child (`others`: name -> process) exited, or the model failed `max_failures` probes in a row."""
-        failures = 0
+    def watch(self, stop: threading.Event, others: Mapping[str, Child] | None = None) -> Failure | None:
+        """Until `stop` is set (None) or a child cannot serve: tritonserver or another child (`others`:
+        name -> process) exited, or the model is dead (runtime.serve.liveness)."""
+        liveness = Liveness(self.max_failures, self.stall_s)
+        reported = ""
         while not stop.wait(self.probe_interval_s):
             if (code := self.server.process.poll()) is not None:
-                return f"tritonserver exited (code {code}):\n{self.server.log_tail()}"
+                return Failure(TRITON, f"tritonserver exited (code {code}):\n{self.server.log_tail()}")
             for name, child in (others or {}).items():
                 if (code := child.poll()) is not None:
-                    return f"{name} exited (code {code})"
-            problem = self.probe()
-            failures = failures + 1 if problem else 0
-            if problem and failures >= self.max_failures and not stop.is_set():
-                return f"model '{MODEL_NAME}' failed {failures} health probes in a row; last: {problem}"
+                    return Failure(name, f"{name} exited (code {code})")
+            verdict = liveness.observe(self.probe(), read_heartbeat(self.server.model_dir), self.clock())
+            if verdict.dead and not stop.is_set():
+                return Failure(TRITON, verdict.reason)
+            if verdict.reason and not reported:
+                self.report(verdict.reason)
+            reported = verdict.reason
         return None
 
     def drain(self, timeout_s: float) -> DrainResult:

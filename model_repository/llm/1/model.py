@@ -173,6 +173,7 @@ class TritonPythonModel:
         self.metrics_thread.join()
         self.lifecycle.stop()
         self._update_metrics()
+        self.metrics.close()
         executor = asyncio.run_coroutine_threadsafe(self.loop.shutdown_default_executor(), self.loop)
         with contextlib.suppress(concurrent.futures.TimeoutError):
             executor.result(timeout=5)

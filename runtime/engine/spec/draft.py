@@ -134,7 +134,7 @@ def check_draft_vocabulary(draft_dir: str | Path, target: EngineConfig) -> Engin
     from the target's: its drafts would be other tokens. `trtserve serve` checks before starting Triton."""
     from runtime.engine.tokenizer import load_tokenizer
 
-    draft = EngineConfig.load(draft_dir)
+    draft = EngineConfig.load(draft_dir, verify=True)  # served: its files against its manifest
     ours, theirs = load_tokenizer(draft_dir).get_vocab(), load_tokenizer(target.engine_dir).get_vocab()
     if draft.model.vocab_size != target.model.vocab_size or ours != theirs:
         raise EngineLoadError(

@@ -1,0 +1,114 @@
+"""The supervisor's verdicts (runtime.serve.liveness) and restart budget (runtime.serve.restarts), round by
+round on an explicit clock: a busy model is never condemned, a dead or stuck one is, as early as the
+evidence allows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runtime.serve.lifecycle import HEARTBEAT_FILE, Heartbeat, read_heartbeat
+from runtime.serve.liveness import Liveness, Verdict
+from runtime.serve.restarts import RestartBudget
+
+TIMEOUT = "TimeoutError: timed out"
+STUB_DEAD = 'HTTP 400: {"error":"Stub process \'llm_0_0\' is not healthy."}'
+
+
+def beat(now: float, steps: int, unfinished: int, loop_tick: float | None = None, problem: str | None = None):
+    return Heartbeat(now, now if loop_tick is None else loop_tick, steps, unfinished, problem)
+
+
+def test_answered_probes_are_alive():
+    liveness = Liveness(max_failures=3, stall_s=60)
+    for t in range(10):
+        assert liveness.observe(None, beat(t, steps=t, unfinished=2), now=t) == Verdict(False)
+
+
+def test_failed_probes_of_a_stepping_engine_are_slow_not_dead():
+    liveness = Liveness(max_failures=3, stall_s=60)
+    verdicts = [liveness.observe(TIMEOUT, beat(t, steps=10 * t, unfinished=40), now=t) for t in range(8)]
+    assert [v.dead for v in verdicts] == [False] * 8
+    assert [bool(v.reason) for v in verdicts] == [False, False, True, True, True, True, True, True]
+    assert (
+        verdicts[-1].reason.startswith("slow: 8 health probes failed in a row") and "40 requests" in verdicts[-1].reason
+    )
+
+
+def test_failed_probes_without_a_heartbeat_or_work_are_dead_after_max_failures():
+    for heartbeat in (None, beat(0, steps=5, unfinished=0)):
+        liveness = Liveness(max_failures=3, stall_s=60)
+        assert [liveness.observe(TIMEOUT, heartbeat, now=t).dead for t in range(3)] == [False, False, True]
+
+
+def test_a_probe_answer_resets_the_failure_count():
+    liveness = Liveness(max_failures=3, stall_s=60)
+    probes = [TIMEOUT, TIMEOUT, None, TIMEOUT, TIMEOUT, TIMEOUT]
+    assert [liveness.observe(p, None, now=t).dead for t, p in enumerate(probes)] == [False] * 5 + [True]
+
+
+@pytest.mark.parametrize("answer", [STUB_DEAD, "HTTP 400: engine loop stopped: RuntimeError('x')"])
+def test_a_dead_stub_or_engine_loop_is_dead_at_the_first_probe(answer):
+    verdict = Liveness(max_failures=3, stall_s=60).observe(answer, beat(0, steps=1, unfinished=1), now=0)
+    assert verdict.dead and answer in verdict.reason
+
+
+def test_a_heartbeat_reporting_a_stopped_engine_is_dead():
+    verdict = Liveness().observe(None, beat(0, 1, 0, problem="engine loop stopped: MemoryError()"), now=0)
+    assert verdict == Verdict(True, "the model's engine loop stopped: MemoryError()")
+
+
+def test_a_stale_heartbeat_is_dead_after_stall_s_even_if_probes_pass():
+    liveness = Liveness(max_failures=3, stall_s=60)
+    last = beat(100, steps=5, unfinished=0)
+    assert not liveness.observe(None, last, now=160).dead
+    verdict = liveness.observe(None, last, now=161)
+    assert verdict.dead and "heartbeat stopped 61 s ago" in verdict.reason
+
+
+def test_a_wedged_event_loop_is_dead():
+    liveness = Liveness(max_failures=3, stall_s=60)
+    assert not liveness.observe(None, beat(160, 5, 0, loop_tick=100), now=160).dead
+    assert liveness.observe(None, beat(161, 5, 0, loop_tick=100), now=161).reason == (
+        "the model's event loop has run nothing for 61 s"
+    )
+
+
+def test_unfinished_work_with_no_step_for_stall_s_is_dead_an_idle_engine_is_not():
+    stuck, idle = Liveness(stall_s=60), Liveness(stall_s=60)
+    for t in range(0, 61, 10):
+        assert not stuck.observe(None, beat(t, steps=7, unfinished=3), now=t).dead
+        assert not idle.observe(None, beat(t, steps=7, unfinished=0), now=t).dead
+    verdict = stuck.observe(None, beat(61, steps=7, unfinished=3), now=61)
+    assert verdict.dead and verdict.reason == "the engine ran no step for 61 s with 3 requests unfinished"
+    assert not idle.observe(None, beat(61, steps=7, unfinished=0), now=61).dead
+    # a step resets the clock
+    moving = Liveness(stall_s=60)
+    for t in range(0, 200, 30):
+        assert not moving.observe(None, beat(t, steps=t // 60, unfinished=3), now=t).dead
+
+
+def test_heartbeat_file_round_trip_and_malformed_files(tmp_path: Path):
+    assert read_heartbeat(tmp_path) is None
+    (tmp_path / HEARTBEAT_FILE).write_text('{"time": 1.5, "loop_tick": 1.0, "steps": 3, "unfinished": 2}')
+    assert read_heartbeat(tmp_path) == Heartbeat(1.5, 1.0, 3, 2, None)
+    for bad in ("{", "[]", '{"time": 1}', '{"time": "x", "loop_tick": 1, "steps": 1, "unfinished": 0}'):
+        (tmp_path / HEARTBEAT_FILE).write_text(bad)
+        assert read_heartbeat(tmp_path) is None, bad
+
+
+def test_restart_budget_backs_off_and_caps_restarts_per_window():
+    budget = RestartBudget(max_per_window=3, window_s=60, base_s=0.5, max_s=1.5)
+    delays = []
+    for now in (0.0, 1.0, 2.0):
+        delays.append(budget.delay(now))
+        budget.record(now)
+    assert delays == [0.5, 1.0, 1.5]  # doubling, capped at max_s
+    assert budget.delay(30.0) is None  # a fourth within the minute: give up
+    assert budget.delay(60.5) == 1.5 and budget.recent == 2  # the first left the window
+    assert budget.delay(62.5) == 0.5 and budget.recent == 0
+
+
+def test_a_zero_budget_never_restarts():
+    assert RestartBudget(max_per_window=0).delay(0.0) is None
