@@ -172,8 +172,9 @@ def test_health_is_public_and_the_rest_needs_a_key_with_kserve_errors(gateway):
 @pytest.mark.serving
 def test_form_and_oversized_bodies_are_refused_and_triton_lives_on(triton, gateway):
     form = b"a=" + b"b" * 5_000_000  # a few MB of form-urlencoded: what kills Triton's own HTTP frontend
-    status, _, raw = call(gateway.url, "/v2/models/llm/generate", form,
-                          content_type="application/x-www-form-urlencoded")
+    status, _, raw = call(
+        gateway.url, "/v2/models/llm/generate", form, content_type="application/x-www-form-urlencoded"
+    )
     assert status == 415 and "application/json" in json.loads(raw)["error"]
     connection = http.client.HTTPConnection(gateway.host, gateway.port, timeout=60)
     connection.putrequest("POST", "/v2/models/llm/generate")
@@ -186,8 +187,12 @@ def test_form_and_oversized_bodies_are_refused_and_triton_lives_on(triton, gatew
                                                                               f"{MAX_BODY_BYTES} bytes")  # fmt: skip
     connection.close()
     chunked = (b" " * 2**20 for _ in range(MAX_BODY_BYTES // 2**20 + 1))  # no length declared: read to the limit
-    request = urllib.request.Request(f"{gateway.url}/v2/models/llm/generate", data=chunked, method="POST",
-                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    request = urllib.request.Request(
+        f"{gateway.url}/v2/models/llm/generate",
+        data=chunked,
+        method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(request, timeout=120)
     assert caught.value.code == 413
