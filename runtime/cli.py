@@ -248,6 +248,14 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
     help="Require 'Authorization: Bearer <key>' on the OpenAI endpoint.",
 )
 @click.option(
+    "--tenants",
+    "tenants_path",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    default=None,
+    help="A .yaml/.toml file with a `tenants:` section: several API keys, each its own tenant with its own "
+    "limits and prefix cache (runtime/gateway/tenants.py); instead of --api-key.",
+)
+@click.option(
     "--admin-key",
     envvar=ADMIN_KEY_ENV,
     show_envvar=True,
@@ -292,9 +300,9 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
 def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_port: int, metrics_port: int,
           max_num_seqs: int | None, max_num_batched_tokens: int | None, num_kv_blocks: int | None,
           max_waiting: int | None, no_prefix_caching: bool, openai_port: int, no_openai: bool, api_key: str | None,
-          admin_key: str | None, drain_timeout_s: float, health_interval_s: float, stall_timeout_s: float,
-          max_restarts: int, itl_target_ms: float | None,
-          backend: str | None, stream_interval: int | None, speculative: SpeculativeFields) -> None:  # fmt: skip
+          tenants_path: Path | None, admin_key: str | None, drain_timeout_s: float, health_interval_s: float,
+          stall_timeout_s: float, max_restarts: int, itl_target_ms: float | None, backend: str | None,
+          stream_interval: int | None, speculative: SpeculativeFields) -> None:  # fmt: skip
     """Serve an engine with NVIDIA Triton Inference Server (HTTP, gRPC, Prometheus metrics).
 
     Starts the real tritonserver with the trtserve `llm` model, waits until it is ready,
@@ -312,6 +320,8 @@ def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_po
     from runtime.serve.restarts import RestartBudget
     from runtime.serve.serve_loop import run_serve
 
+    if api_key and tenants_path is not None:
+        raise click.UsageError("--api-key and --tenants exclude each other: put the key in the tenants file")
     try:
         target = EngineConfig.load(engine_dir, verify=True)
         if "draft_engine" in speculative:  # refused here, not in tritonserver's log
@@ -334,7 +344,7 @@ def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_po
     served_name = engine_dir.resolve().name
 
     def start_gateway(grpc_address: str, http_address: str) -> GatewayProcess:
-        return start_beside_triton(grpc_address, served_name, host, openai_port, api_key, http_address)
+        return start_beside_triton(grpc_address, served_name, host, openai_port, api_key, http_address, tenants_path)
 
     starter = None if no_openai else start_gateway
     budget = RestartBudget(max_per_window=max_restarts)
