@@ -44,8 +44,8 @@ def time_backend(engine: Path, kind: str, repeats: int) -> dict[str, list[float]
     import numpy as np
 
     from engine_format import EngineConfig, ceil_div
-    from runtime.backends import create_backend
-    from runtime.backends.base import SequenceChunk
+    from executors import create_backend
+    from executors.base import SequenceChunk
 
     config = EngineConfig.load(engine)
     per_seq = ceil_div(max(ctx + new for _, _, ctx, new, _ in SHAPES), config.block_size)

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import click
 
-import runtime.backends.torch_cpu  # noqa: F401 - sets the OpenMP spin policy before torch loads libgomp
+import executors.torch_cpu  # noqa: F401 - sets the OpenMP spin policy before torch loads libgomp
 from benchmarks.cpu import wait_quiet
 from benchmarks.report import write_report
 from engine_format import EngineConfig
-from runtime.backends.cpus import usable_cpus
+from executors.cpus import usable_cpus
 
 import torch  # isort: skip - after the backend module (one libgomp, its policy)
 

@@ -4,7 +4,7 @@
     python -m benchmarks.kv_quant --baseline-kernel old/_paged_attention.so   # + an older kernel build
     python -m benchmarks.kv_quant --serve fp32=engines/smollm2-135m --serve int8=engines/smollm2-135m-kv8
 
-- attention ms per decode step: the CPU paged-attention kernel (runtime/backends/kernels/) over a
+- attention ms per decode step: the CPU paged-attention kernel (executors/kernels/) over a
   pool of `batch` sequences of `context` tokens (K and V separate arrays, blocks in random order),
   one layer timed, x num_layers (every layer reads a pool of the same size). Variants: the kernel's
   AVX-512 loops, its portable loops (simd=False) and, with --baseline-kernel, a build of an older
@@ -37,10 +37,10 @@ import numpy as np
 
 from benchmarks.report import cpu_busy_fraction, write_results
 from engine_format import EngineConfig, ModelSpec
-from runtime.backends import cpu_attention
-from runtime.backends.cpu_attention import AttentionShape, paged_attention
-from runtime.backends.kv_pool import KVPool, blocks_for_budget
-from runtime.backends.kv_quant import KVQuant, encode_fp8, quantize_int8
+from executors import cpu_attention
+from executors.cpu_attention import AttentionShape, paged_attention
+from executors.kv_pool import KVPool, blocks_for_budget
+from executors.kv_quant import KVQuant, encode_fp8, quantize_int8
 
 SMOLLM2 = ModelSpec("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, True, False, "default", 8192, (None,) * 30, 1, (2,))
 KINDS = ("fp32", "int8", "fp8")

@@ -126,7 +126,7 @@ class VllmRun:
 @dataclass(frozen=True)
 class Config:
     engine: Path
-    backend: str | None = None  # the main engine's (runtime.backends.BACKENDS; None: its default)
+    backend: str | None = None  # the main engine's (executors.BACKENDS; None: its default)
     rates: tuple[float, ...] = (1.0, 1.75, 2.5, 3.25)
     arrival_s: float = 60.0  # seconds of arrivals per (rate, repetition)
     repetitions: int = 3

@@ -20,9 +20,9 @@ import click
 
 from benchmarks.report import write_results
 from engine_format import EngineConfig, ceil_div
-from runtime.backends import create_backend
-from runtime.backends.base import EngineBackend
-from runtime.backends.greedy import GreedyStep, greedy_generate, phase_seconds
+from executors import create_backend
+from executors.base import EngineBackend
+from executors.greedy import GreedyStep, greedy_generate, phase_seconds
 from runtime.engine.tokenizer import encode_prompt, load_tokenizer
 
 PROMPT = "Explain how a paged KV cache works in an LLM serving system."

@@ -31,7 +31,7 @@ def run_config(engine_dir: Path, backend: str, k: int, outstanding: int, warmup:
                **workload: object) -> dict:  # fmt: skip
     """One configuration in this process: output tokens per second of wall time in step(), ms per step.
     `workload`: datasets.mixed's shape arguments (a tiny engine's tests take shorter prompts)."""
-    import runtime.backends.torch_cpu as torch_cpu
+    import executors.torch_cpu as torch_cpu
     from benchmarks import datasets
     from runtime import EngineArgs, LLMEngine, SamplingParams
 

@@ -9,7 +9,7 @@ arrivals, exactly `output_len` tokens each, through the gateway's /v1/completion
 prefix-aware, round-robin, least-loaded, and one replica on both cores (twice the KV) for reference.
 Every run starts fresh servers (empty prefix caches) and sends the same requests at the same times.
 Engine threads: the CPU backends size their ORT and OpenMP pools from the process's CPU mask
-(runtime/backends/cpus.py), so a pinned replica runs one thread per core it was given.
+(executors/cpus.py), so a pinned replica runs one thread per core it was given.
 
 KV per pinned replica (`--kv-tokens`, default 2,560) holds ~6 of the 8 system prompts, fewer while
 running requests hold their own blocks: the regime where replica choice matters. With room for every

@@ -19,9 +19,9 @@ import torch
 from benchmarks.report import write_results
 from builder.sources import load_checkpoint, resolve_model
 from engine_format import EngineConfig
-from runtime.backends import create_backend
-from runtime.backends.base import EngineBackend
-from runtime.backends.greedy import GreedyStep, greedy_generate, phase_seconds
+from executors import create_backend
+from executors.base import EngineBackend
+from executors.greedy import GreedyStep, greedy_generate, phase_seconds
 from runtime.engine.tokenizer import encode_prompt, load_tokenizer
 
 PROMPT = "Explain how a paged KV cache works in an LLM serving system."

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from benchmarks import plots, tables
 from benchmarks.report import RESULTS_DIR
 from benchmarks.suite import DEFAULT_SLO
-
-if TYPE_CHECKING:
-    from benchmarks.slo import Config
 
 FIXED = "trtserve, fixed 512-token step budget (itl_target_ms 0)"
 SLO_BUDGET = "trtserve, SLO step budget (itl_target_ms default, 200 ms)"  # engine_args.DEFAULT_ITL_TARGET_MS
@@ -69,28 +64,6 @@ def targets(rows: list[dict]) -> list[dict]:
         out.append({"target": label, "measured": f"{ours['output_tok_s']:.1f} vs {fixed['output_tok_s']:.1f} "
                     f"({r:.0%})", "status": "met" if r >= TOK_S_VS_FIXED else "missed"})  # fmt: skip
     return out
-
-
-def controls(cfg: Config, payload: dict) -> list[str]:
-    s = cfg.settings
-    sat = payload.get("saturation")
-    rates = (f"given (--rates {','.join(f'{r:g}' for r in cfg.rates)})" if cfg.rates else
-             f"{' and '.join(f'{f:g}' for f in cfg.rate_fractions)} x the chat throughput of {sat['system']} "
-             f"in a closed loop at concurrency {sat['concurrency']} ({sat['request_s']} req/s, measured first)"
-             if sat else "-")  # fmt: skip
-    return [
-        f"every server: max {s.max_num_seqs} sequences, KV for {s.kv_tokens} tokens, {s.max_num_batched_tokens}-token "
-        f"step budget, prefix caching {'on' if s.prefix_caching else 'off'}; trtserve through tritonserver "
-        "(generate_stream SSE), vLLM through its OpenAI /v1/completions (token ids), both from benchmarks/client.py",
-        f"fixed workload: {cfg.input_len} -> exactly {cfg.output_len} tokens, closed loop, "
-        + ", ".join(f"c{c}: {cfg.requests(c)} requests" for c in cfg.levels),
-        f"chat workload: Poisson arrivals (seeded), {cfg.arrival_s:g} s of arrivals per rate, no cap on requests "
-        f"in flight (the servers queue); rates: {rates}",
-        f"the same prompts and arrival times for every server; 2 warm-up requests ({cfg.input_len} -> 16) before every "
-        "measured phase; one repetition (percentiles over every request / token gap of the phase)",
-        f"goodput: requests/s meeting TTFT <= {DEFAULT_SLO.ttft_s:g} s and TPOT <= {DEFAULT_SLO.tpot_s * 1000:.0f} ms; "
-        "ITL per token (a k-token chunk counts as k gaps)",
-    ]
 
 
 def render(p: dict) -> str:

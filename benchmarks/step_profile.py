@@ -29,16 +29,16 @@ from unittest.mock import patch
 import click
 import numpy as np
 
-import runtime.backends.ort_cpu as ort_cpu
+import executors.ort_cpu as ort_cpu
 import runtime.engine.llm_engine as llm_engine
 from benchmarks import datasets
 from benchmarks.cpu import wait_quiet
 from benchmarks.datasets import BenchRequest
 from benchmarks.report import write_report
 from engine_format.files import segment_file
+from executors.kv_pool import KVPool
+from executors.ort_session import create_session
 from runtime import EngineArgs, LLMEngine, SamplingParams
-from runtime.backends.kv_pool import KVPool
-from runtime.backends.ort_session import create_session
 from runtime.engine.detokenizer import DetokenizedStream
 
 PARTS = ("ort_first", "ort_layers", "ort_last_lm_head", "attention_kernel", "kv_write", "pack", "schedule",

@@ -28,8 +28,8 @@ from calibration.quantize import QuantConfig, quantize_model
 from engine_format import TARGETS, EngineConfig, ModelSpec, TensorRTLimits, ceil_div
 from engine_format.files import GATE_REPORT_JSON, SOURCE_CONFIG_FILE
 from engine_format.kv_cache import KV_CACHE_DTYPES, QUANTIZED_KV_DTYPES, SCALES_SHAPE, bytes_per_token, pool_dtype
-from runtime.backends import create_backend
-from runtime.backends.base import SequenceChunk
+from executors import create_backend
+from executors.base import SequenceChunk
 
 # Max |logit difference| between the engine and HF eager on the verification prompt, as a
 # fraction of the largest |logit|. fp32 differs only in summation order (measured ~1e-6 on

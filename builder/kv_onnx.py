@@ -1,7 +1,7 @@
 """A quantized KV cache's row encoding and decoding as ONNX nodes.
 
 The formats are engine_format/kv_cache.py's; these nodes compute exactly what the numpy twin
-(runtime/backends/kv_quant.py) computes, op for op in float32 (absmax/127 and 127/absmax, Round
+(executors/kv_quant.py) computes, op for op in float32 (absmax/127 and 127/absmax, Round
 is round-half-to-even like np.rint, fp8 through Cast to FLOAT8E4M3FN after the same +-448 clip),
 so the portable graph, the plugin graph's reference bodies and the CPU backend write the same pool
 bytes for the same rows. They are written once over `NodeWriter`, which both the exporter's
@@ -18,7 +18,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from engine_format.kv_cache import FP8_E4M3_MAX, INT8_MAX
-from runtime.backends.kv_quant import decode_fp8 as decode_fp8_bits
+from executors.kv_quant import decode_fp8 as decode_fp8_bits
 
 # The ONNX element type of each quantized pool. fp8 pools hold E4M3 bit patterns as uint8, as the
 # CPU backend's do: ONNX Runtime's CPU Gather/ScatterND take no FLOAT8E4M3FN tensors.

@@ -9,7 +9,7 @@ is UNVERIFIED (never run, no GPU here), written against the TensorRT 10.x Python
 - strongly typed network (the graph's dtypes are the engine's; no precision flags), aliased
   plugin I/O preview feature, two optimization profiles (decode: step 1; prefill chunks:
   step up to `max_step`), a timing cache kept across builds;
-- `model.plan` plus the manifest's `tensorrt` section, read by runtime/backends/tensorrt.py.
+- `model.plan` plus the manifest's `tensorrt` section, read by executors/tensorrt.py.
 """
 
 from __future__ import annotations

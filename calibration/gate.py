@@ -25,8 +25,8 @@ import numpy as np
 
 from calibration.data import TextSets
 from engine_format import ceil_div
-from runtime.backends.base import SequenceChunk
-from runtime.backends.greedy import greedy_generate
+from executors.base import SequenceChunk
+from executors.greedy import greedy_generate
 
 DEFAULT_GATE_CONFIG = Path(__file__).with_name("gate_v1.json")
 QUESTION_TOKENS = 128  # a question's prompt is cut to this many tokens
@@ -92,7 +92,7 @@ def load_gate_config(path: Path | None = None) -> dict:
 
 def run_gate(reference_config, quantized_config, texts: TextSets, tokenizer, config_path: Path | None = None):
     """Load both engines on the CPU backend (segments + paged-attention kernel) and evaluate."""
-    from runtime.backends import create_backend
+    from executors import create_backend
 
     config = load_gate_config(config_path)
     block = reference_config.block_size

@@ -16,14 +16,14 @@ import numpy as np
 
 from engine_format import EngineConfig, ceil_div
 from engine_format.kv_cache import FP8_E4M3_MAX
-from runtime.backends.base import SequenceChunk
+from executors.base import SequenceChunk
 
 HEADROOM = 1.25
 
 
 def measure_kv_scales(config: EngineConfig, sequences: Sequence[Sequence[int]]) -> tuple[tuple[float, float], ...]:
     """Per layer (k_scale, v_scale) for an fp8 KV cache of the engine `config` describes."""
-    from runtime.backends import create_backend
+    from executors import create_backend
 
     float_kv = dataclasses.replace(config, kv_cache_dtype="auto", kv_scales=None)
     longest = max(len(s) for s in sequences)

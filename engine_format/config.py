@@ -23,7 +23,7 @@ FORMAT = "trtserve-engine"
 # for those rows (several per sequence when speculative drafts are verified), not one per sequence.
 FORMAT_VERSION = 3
 # What an engine is compiled for (the manifest's "backend" key). The runtime's executors are
-# "backends" (runtime.backends.BACKENDS); a target decides which of them can run an engine.
+# "backends" (executors.BACKENDS); a target decides which of them can run an engine.
 TARGETS = ("onnxruntime-cpu", "tensorrt")
 DEFAULT_MAX_STEP = 512  # longest prefill chunk a TensorRT profile accepts
 MAX_LOGIT_ROWS_PER_SEQ = 8  # a TensorRT plan's logits buffer: up to 7 speculative tokens + 1 per sequence

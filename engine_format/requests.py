@@ -19,6 +19,7 @@ Stdlib only: the gateway process imports it without the engine.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -29,6 +30,14 @@ MAX_CHOICES = 16  # OpenAI's `n` (and prompts x n): choice j samples with seed +
 OPENAI_MAX_STRING = 10_485_760  # OpenAI's longest accepted string (prompt or message content), in characters
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # what the engine's chat templates are given
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+
+
+class InvalidRequest(ValueError):
+    """A request parameter or prompt is invalid; `field` names the offending field, the message what is allowed."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
 
 
 class Kind(Enum):
@@ -59,7 +68,9 @@ class Range:
     def __str__(self) -> str:
         lo = "-inf" if self.lo is None else _number(self.lo)
         hi = "inf" if self.hi is None else _number(self.hi)
-        return f"{'(' if self.lo_open or self.lo is None else '['}{lo}, {hi}{')' if self.hi_open or self.hi is None else ']'}"
+        left = "(" if self.lo_open or self.lo is None else "["
+        right = ")" if self.hi_open or self.hi is None else "]"
+        return f"{left}{lo}, {hi}{right}"
 
 
 class _Same:
@@ -89,10 +100,21 @@ class RequestField:
         """The Triton tensor datatype (config.pbtxt: TYPE_<type>, BYTES there is TYPE_STRING)."""
         return TRITON_TYPES[self.kind]
 
+    @property
+    def optional(self) -> bool:
+        """None is a value here: not set (a door's default of None; `max_tokens` None: up to the context)."""
+        return any(self.default_for(door) is None for door in ("engine", "triton", "openai"))
+
     def default_for(self, door: str) -> Any:
         """The default at `door`: "engine", "triton" or "openai"."""
         value = {"engine": self.default, "triton": self.triton_default, "openai": self.openai_default}[door]
         return self.default if value is SAME else value
+
+    def check(self, value: Any) -> None:
+        """InvalidRequest naming this field unless `value` is allowed."""
+        problem = self.problem(value)
+        if problem is not None:
+            raise InvalidRequest(self.name, problem)
 
     def problem(self, value: Any) -> str | None:
         """Why `value` is not allowed here (None: it is), in words naming what is."""
@@ -126,43 +148,45 @@ class RequestField:
         return next((p for p in problems if p is not None), None)
 
 
+# fmt: off
 FIELDS: tuple[RequestField, ...] = (
     RequestField("text_input", Kind.TEXT, "The prompt as text (or give `messages`).", sampling=False),
     RequestField("messages", Kind.TEXT, "The prompt as JSON chat messages, rendered by the model's chat template.",
-                 sampling=False),  # fmt: skip
+                 sampling=False),
     RequestField("stream", Kind.BOOL, "Stream the answer as it is generated.", default=False, sampling=False),
     RequestField("max_tokens", Kind.INT, "Most tokens to generate; unset: up to the end of the context.",
-                 Range(1, INT32_MAX), default=128, triton_default=None, openai_default=None),  # fmt: skip
+                 Range(1, INT32_MAX), default=128, triton_default=None, openai_default=None),
     RequestField("temperature", Kind.FLOAT, "Sampling temperature; 0 is greedy.", Range(0.0, 2.0), default=1.0,
-                 triton_default=0.0),  # fmt: skip
+                 triton_default=0.0),
     RequestField("top_k", Kind.INT, "Sample from the k most likely tokens; 0: all.", Range(0, INT32_MAX), default=0),
     RequestField("top_p", Kind.FLOAT, "Sample from the smallest set of tokens with this much probability.",
-                 Range(0.0, 1.0, lo_open=True), default=1.0),  # fmt: skip
+                 Range(0.0, 1.0, lo_open=True), default=1.0),
     RequestField("min_p", Kind.FLOAT, "Drop tokens less likely than this times the most likely one.",
-                 Range(0.0, 1.0), default=0.0),  # fmt: skip
+                 Range(0.0, 1.0), default=0.0),
     RequestField("repetition_penalty", Kind.FLOAT, "Above 1 discourages tokens already in the prompt or output.",
-                 Range(0.0, None, lo_open=True), default=1.0),  # fmt: skip
+                 Range(0.0, None, lo_open=True), default=1.0),
     RequestField("presence_penalty", Kind.FLOAT, "Subtracted once from a token that appeared in the output.",
-                 Range(-2.0, 2.0), default=0.0),  # fmt: skip
+                 Range(-2.0, 2.0), default=0.0),
     RequestField("frequency_penalty", Kind.FLOAT, "Subtracted per occurrence of a token in the output.",
-                 Range(-2.0, 2.0), default=0.0),  # fmt: skip
+                 Range(-2.0, 2.0), default=0.0),
     RequestField("seed", Kind.INT, "Makes sampling reproducible (choice j of n samples with seed + j).",
-                 Range(0, INT64_MAX - MAX_CHOICES)),  # fmt: skip
+                 Range(0, INT64_MAX - MAX_CHOICES)),
     RequestField("stop", Kind.TEXTS, "Strings that end the answer (not included in it).", Range(1, MAX_STOP_CHARS),
-                 default=(), max_items=MAX_STOP_STRINGS),  # fmt: skip
+                 default=(), max_items=MAX_STOP_STRINGS),
     RequestField("priority", Kind.INT, "Lower runs first; first come, first served within a priority.",
-                 Range(-(2**31), INT32_MAX), default=0),  # fmt: skip
+                 Range(-(2**31), INT32_MAX), default=0),
     RequestField("logprobs", Kind.INT, "Log-probabilities of each token and this many alternatives.", Range(0, 20)),
     RequestField("ignore_eos", Kind.BOOL, "Keep generating past the end-of-sequence token.", default=False),
     RequestField("ttft_target_s", Kind.FLOAT, "Time-to-first-token target: orders prefills, refuses at once if the "
-                 "queue cannot meet it.", Range(0.0, None, lo_open=True)),  # fmt: skip
+                 "queue cannot meet it.", Range(0.0, None, lo_open=True)),
     RequestField("itl_target_s", Kind.FLOAT, "Inter-token latency target: steps carry only the prefill that keeps "
-                 "decodes within it.", Range(0.0, None, lo_open=True)),  # fmt: skip
+                 "decodes within it.", Range(0.0, None, lo_open=True)),
     RequestField("cache_salt", Kind.TEXT, "Only requests with the same salt share prefix-cache blocks.",
-                 Range(1, 256)),  # fmt: skip
+                 Range(1, 256)),
     RequestField("stream_interval", Kind.INT, "Tokens per streamed response (at least the server's).",
-                 Range(1, INT32_MAX)),  # fmt: skip
+                 Range(1, INT32_MAX)),
 )
+# fmt: on
 FIELD = {f.name: f for f in FIELDS}
 SAMPLING_FIELDS = tuple(f for f in FIELDS if f.sampling)
 
@@ -209,6 +233,21 @@ class Limits:
     def max_messages_bytes(self) -> int:
         # Each content character is at most 6 bytes of JSON ("\\uXXXX"), plus each message's keys and role.
         return 6 * self.max_prompt_chars + 256 * self.max_messages
+
+
+def json_depth_exceeds(text: str, limit: int) -> bool:
+    """Whether JSON `text` nests deeper than `limit`, found without parsing it (json.loads recurses once a
+    level: a deep document would end in RecursionError). Strings are dropped first."""
+    depth = 0
+    for bracket in _BRACKETS.findall(_STRINGS.sub("", text)):
+        depth += 1 if bracket in "[{" else -1
+        if depth > limit:
+            return True
+    return False
+
+
+_STRINGS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_BRACKETS = re.compile(r"[\[\]{}]")
 
 
 def _number(value: float) -> str:

@@ -1,6 +1,6 @@
 """A quantized KV cache's encodings inside the Triton kernels (formats: engine_format/kv_cache.py).
 
-The writes compute what runtime/backends/kv_quant.py computes, bit for bit: IEEE divisions
+The writes compute what executors/kv_quant.py computes, bit for bit: IEEE divisions
 (`div_rn`; a plain `/` is approximate on the GPU), round half to even, and the kernels that
 quantize are compiled without FMA contraction (a fused x * inverse + rounding constant would
 round once instead of twice). fp8 is encoded and decoded with integer arithmetic on the E4M3

@@ -5,7 +5,7 @@ padding rows write nothing, TensorRT's AOT argument order) with the row quantize
 (plugins_cuda/kv_codec.py): int8 writes each kv head's codes and its float32 scale into the scale
 pool [num_blocks, block_size, kv_heads]; fp8 writes E4M3 bits with the layer's static scales
 kv_scales[LAYER] (float32 [num_layers, 2]: K, V). Compiled without FMA contraction so that the
-stored bytes are numpy's (runtime/backends/kv_quant.py).
+stored bytes are numpy's (executors/kv_quant.py).
 
 Verified here only under TRITON_INTERPRET=1 (CPU); nothing in this file has run on a GPU.
 """

@@ -3,15 +3,28 @@
 from runtime import LLM, SamplingParams
 llm = LLM("engines/smollm2-135m")
 [out] = llm.generate([[{"role": "user", "content": "Hi!"}]], SamplingParams(temperature=0))
+
+The names below load on first use (PEP 562): the gateway and `trtserve serve`'s supervisor are
+subpackages of `runtime` that run in processes of their own, without the engine, and importing
+them must not load it (tests/test_architecture.py checks it).
 """
 
-from runtime.async_llm import AsyncLLM
-from runtime.engine.errors import InvalidRequest, Overloaded
-from runtime.engine.llm_engine import EngineArgs, LLMEngine
-from runtime.engine.outputs import CompletionOutput, RequestOutput
-from runtime.engine.sampling_params import SamplingParams
-from runtime.llm import LLM
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "AsyncLLM": "runtime.async_llm",
+    "CompletionOutput": "runtime.engine.outputs",
+    "EngineArgs": "runtime.engine.engine_args",
+    "InvalidRequest": "runtime.engine.errors",
+    "LLM": "runtime.llm",
+    "LLMEngine": "runtime.engine.llm_engine",
+    "Overloaded": "runtime.engine.errors",
+    "RequestOutput": "runtime.engine.outputs",
+    "SamplingParams": "runtime.engine.sampling_params",
+}
 __all__ = [
     "LLM",
     "AsyncLLM",
@@ -23,3 +36,20 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
 ]
+
+if TYPE_CHECKING:
+    from runtime.async_llm import AsyncLLM
+    from runtime.engine.engine_args import EngineArgs
+    from runtime.engine.errors import InvalidRequest, Overloaded
+    from runtime.engine.llm_engine import LLMEngine
+    from runtime.engine.outputs import CompletionOutput, RequestOutput
+    from runtime.engine.sampling_params import SamplingParams
+    from runtime.llm import LLM
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # once: later lookups skip this function
+    return value

@@ -6,7 +6,8 @@
 
 Leaving the `async for` early (break, cancellation, client disconnect) aborts the request
 and frees its KV blocks at once. Admission errors (InvalidRequest, Overloaded) are raised
-by `generate` before the first delta. A delta carries up to the stream interval's tokens
+by `generate` before the first delta. A text or chat prompt is tokenized off the event loop (a
+long prompt must not stall the other requests' streams). A delta carries up to the stream interval's tokens
 (EngineArgs.stream_interval, or the request's own if longer); the first token and the final
 delta are passed on at once.
 """
@@ -22,12 +23,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine_format.requests import OPENAI_MAX_STRING
 from runtime.engine.admission import Prompt
 from runtime.engine.errors import InvalidRequest
 from runtime.engine.llm_engine import EngineArgs, LLMEngine
 from runtime.engine.outputs import RequestOutput
 from runtime.engine.sampling_params import SamplingParams
-from runtime.engine.stats import EngineProgress
+from runtime.engine.stats import EngineProgress, EngineStats, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +91,15 @@ class AsyncLLM:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:  # checked before touching the live request's queue
             raise InvalidRequest("request_id", f"{request_id!r} is already in use")
+        loop = asyncio.get_running_loop()
+        prompt_ids = await loop.run_in_executor(None, self.engine.tokenize, prompt)
+        if request_id in self._streams:  # taken while this one was tokenized
+            raise InvalidRequest("request_id", f"{request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         interval = max(self.stream_interval, (params and params.stream_interval) or 1)
-        self._streams[request_id] = _Stream(asyncio.get_running_loop(), queue, interval)
+        self._streams[request_id] = _Stream(loop, queue, interval)
         try:
-            self.engine.add_request(prompt, params, request_id)
+            self.engine.add_request(prompt, params, request_id, prompt_ids)
             if not self._thread.is_alive():  # the loop ended (shutdown or error) meanwhile
                 self.engine.abort(request_id)
                 raise RuntimeError(f"engine is not running: {self._error!r}")
@@ -120,6 +126,22 @@ class AsyncLLM:
         if out is not None:
             self._deliver(out)
         return out is not None
+
+    @property
+    def context_tokens(self) -> int:
+        """The most tokens one sequence can hold (prompt and output)."""
+        return self.engine.context_tokens
+
+    def max_prompt_chars(self, cap: int = OPENAI_MAX_STRING) -> int:
+        """The most characters a prompt that could fit the context has (longer ones are refused untokenized)."""
+        return self.engine.admission.max_prompt_chars(self.context_tokens, cap)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def take_step_records(self) -> list[StepRecord]:
+        """The engine steps run since the last call (for metrics that observe each)."""
+        return self.engine.take_step_records()
 
     def progress(self) -> EngineProgress:
         """Steps run, requests unfinished, and why the engine loop stopped (None while it runs); cheap,

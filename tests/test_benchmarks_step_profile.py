@@ -12,8 +12,8 @@ from onnx import numpy_helper
 from benchmarks import step_profile
 from benchmarks.datasets import mixed
 from engine_format.files import segment_file
+from executors.kv_pool import KVPool
 from runtime import EngineArgs, LLMEngine
-from runtime.backends.kv_pool import KVPool
 from runtime.engine.detokenizer import DetokenizedStream
 
 

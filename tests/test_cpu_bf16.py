@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from engine_format import EngineConfig, EngineLoadError
+from executors import create_backend
+from executors.base import SequenceChunk
 from runtime import LLM, SamplingParams
-from runtime.backends import create_backend
-from runtime.backends.base import SequenceChunk
 from tests.helpers import hf_logits, random_prompts
 
 BF16_HEADROOM = 1.5
@@ -111,8 +111,8 @@ def test_refuses_engines_it_cannot_run(llama_engine):
     config = EngineConfig.load(llama_engine)
     with pytest.raises(EngineLoadError, match="float32 engine"):
         create_backend(dataclasses.replace(config, dtype="float16"), kind="cpu-bf16")
-    from runtime.backends.torch.weights import Linear
-    from runtime.backends.torch_cpu import _packed
+    from executors.torch.weights import Linear
+    from executors.torch_cpu import _packed
 
     with pytest.raises(EngineLoadError, match="FP8"):  # an FP8 engine's activation Q/DQ
         _packed(Linear(torch.zeros(8, 8, dtype=torch.bfloat16), input_scale=0.5), rows_hint=8)

@@ -294,7 +294,7 @@ def test_autoscaling_queries_name_metrics_that_are_exported():
     from prometheus_client import CollectorRegistry
 
     from runtime.gateway.fair_queue import FairQueue
-    from runtime.serve.metrics import GAUGES
+    from runtime.triton_model.metrics import GAUGES
 
     registry = CollectorRegistry()
     FairQueue(1, 1, 1, registry)

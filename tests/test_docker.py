@@ -65,7 +65,8 @@ def test_container_tritonserver_command_is_what_the_image_needs(commands, tmp_pa
     """With TRTSERVE_TRITONSERVER_DIR (set in the image) the launcher runs that install's
     tritonserver with its backends, on the ENTRYPOINT's host and the EXPOSEd ports, over a
     model repository holding the `llm` model."""
-    from runtime.serve.launcher import MODEL_NAME, ServerConfig, prepare
+    from engine_format.serving import MODEL_NAME
+    from runtime.serve.launcher import ServerConfig, prepare
 
     env = next(c for c in commands if c.cmd == "ENV").value
     install = env[env.index("TRTSERVE_TRITONSERVER_DIR") + 1]

@@ -15,11 +15,11 @@ import pytest
 
 from builder.sources import load_checkpoint, resolve_model
 from engine_format import EngineConfig
-from runtime.backends import create_backend
-from runtime.backends.base import SequenceChunk
-from runtime.backends.flat_step import FlatStep
-from runtime.backends.greedy import GreedyStep, OutOfBlocks, greedy_generate, phase_seconds
-from runtime.backends.ort_cpu import runs_whole_graph
+from executors import create_backend
+from executors.base import SequenceChunk
+from executors.flat_step import FlatStep
+from executors.greedy import GreedyStep, OutOfBlocks, greedy_generate, phase_seconds
+from executors.ort_cpu import runs_whole_graph
 from tests.conftest import TINY_BLOCK_SIZE
 from tests.helpers import hf_greedy, hf_logits, random_prompts
 

@@ -507,7 +507,7 @@ class FakePbUtils:
 
 def test_the_model_exports_vllm_names_with_trtserve_values():
     from runtime.engine.stats import EngineStats
-    from runtime.serve.metrics import TritonMetrics
+    from runtime.triton_model.metrics import TritonMetrics
 
     metrics = TritonMetrics(FakePbUtils, {"model": "llm", "version": "1"})
     stats = EngineStats(running=2, waiting=5, kv_usage=0.375, kv_blocks={"free": 5, "cached": 0, "used": 3},

@@ -34,7 +34,7 @@ def error_of(schema, body: dict) -> GatewayError:
         ({"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name",
          "unknown_parameter"),
         ({"model": "m", "messages": HI, "stop": ["ok", 3]}, "stop[1]", "invalid_value"),
-        ({"model": "m", "messages": HI, "stop": ""}, "stop", None),
+        ({"model": "m", "messages": HI, "stop": ""}, "stop", "invalid_value"),
         ({"model": "m", "messages": HI, "functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
         ({"model": "m", "messages": HI, "seed": -1}, "seed", "invalid_value"),
         ({"model": "m", "messages": HI, "max_tokens": 4, "max_completion_tokens": 4}, "max_tokens", None),

@@ -13,10 +13,11 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2 as pb
 
+from engine_format.requests import FIELD
 from runtime.gateway.handler import EventStream
 from runtime.gateway.responses import DONE, ChunkFormat, Header, _logprobs, sse
 from runtime.gateway.wire import Delta, GenerateRequest, TokenLogprob, build_request, parse_response
-from runtime.serve.request_inputs import INPUT
+from runtime.triton_model.inputs import NUMPY_TYPES
 
 TRICKY = [
     "plain", 'say "hi"', "back\\slash \\n \\u0041", "line\nbreak\r\ttab", "naïve café ß", "日本語テキスト",
@@ -121,7 +122,7 @@ def test_requests_carry_what_tritonclient_would_send():
         "completion_tokens",
         "logprobs",
     ]
-    numbers = {name: np.array([value], INPUT[name].dtype) for name, value in params.items()}
+    numbers = {name: np.array([value], NUMPY_TYPES[FIELD[name].triton_type]) for name, value in params.items()}
     texts = {
         "messages": [json.dumps(request.messages).encode()],
         "stop": [b"a", "bé".encode()],

@@ -19,9 +19,10 @@ import tritonclient.grpc as grpcclient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine_format.requests import FIELD, FIELDS, Limits, json_depth_exceeds
 from runtime import LLM, SamplingParams
 from runtime.gateway.protocol import MAX_BODY_BYTES
-from runtime.serve.request_inputs import INPUT, INPUTS, Limits, json_depth_exceeds, parse_request
+from runtime.triton_model.inputs import NUMPY_TYPES, config_type, parse_request
 from tests.conftest import TINY_MAX_SEQ_LEN
 from tests.gateway_helpers import client
 from tests.gateway_helpers import running_gateway as gateway_process
@@ -38,11 +39,11 @@ def declared_inputs(model: str) -> dict[str, str]:
 
 
 def test_one_input_table_matches_both_models_configs():
-    table = {spec.name: spec.config_type for spec in INPUTS}
+    table = {field.name: config_type(field) for field in FIELDS}
     assert declared_inputs("llm") == table
     streaming = ("stream", "stream_interval")  # llm_infer answers whole; the rest is forwarded as is
     assert declared_inputs("llm_infer") == {k: v for k, v in table.items() if k not in streaming}
-    assert all(spec.datatype == "INT64" for spec in INPUTS if np.issubdtype(spec.dtype, np.integer))
+    assert all(f.triton_type == "INT64" for f in FIELDS if np.issubdtype(NUMPY_TYPES[f.triton_type], np.integer))
 
 
 def test_parser_bounds_work_before_it_costs_anything():
@@ -83,9 +84,9 @@ def tensors(**values) -> list[grpcclient.InferInput]:
     """Inputs typed by the table (a value of a wrong type or shape goes as given: Triton judges it)."""
     out = []
     for name, value in values.items():
-        spec = INPUT[name]
-        array = np.array(value if isinstance(value, list) else [value], dtype=spec.dtype)
-        tensor = grpcclient.InferInput(name, list(array.shape), spec.datatype)
+        datatype = FIELD[name].triton_type
+        array = np.array(value if isinstance(value, list) else [value], dtype=NUMPY_TYPES[datatype])
+        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
         tensor.set_data_from_numpy(array)
         out.append(tensor)
     return out
@@ -247,15 +248,15 @@ SCALARS = (
 JSON = st.recursive(SCALARS,
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
                     max_leaves=6)  # fmt: skip
-FIELDS = ["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs",
-          "top_logprobs", "cache_salt", "ttft_target_s", "priority", "top_k", "frobnicate"]  # fmt: skip
+BODY_FIELDS = ["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs",
+               "top_logprobs", "cache_salt", "ttft_target_s", "priority", "top_k", "frobnicate"]  # fmt: skip
 SANE = {"model": st.just(MODEL), "max_tokens": st.integers(-2, 4), "n": st.integers(0, 3),
         "messages": st.just([{"role": "user", "content": "hi"}]), "prompt": st.just("hi")}  # fmt: skip
 
 
 @st.composite
 def bodies(draw) -> dict:
-    names = draw(st.lists(st.sampled_from(FIELDS), unique=True, max_size=6))
+    names = draw(st.lists(st.sampled_from(BODY_FIELDS), unique=True, max_size=6))
     body = {"model": MODEL, "max_tokens": 2}
     for name in names:
         body[name] = draw(SANE[name] | JSON if name in SANE else JSON)
@@ -285,13 +286,13 @@ VALUES = {"BYTES": st.binary(max_size=12) | st.just(b'[{"role": "user", "content
 
 
 @FUZZ
-@given(values=st.dictionaries(st.sampled_from([s.name for s in INPUTS]), st.none(), max_size=5).flatmap(
-    lambda names: st.fixed_dictionaries({n: VALUES[INPUT[n].datatype] for n in names})))  # fmt: skip
+@given(values=st.dictionaries(st.sampled_from([f.name for f in FIELDS]), st.none(), max_size=5).flatmap(
+    lambda names: st.fixed_dictionaries({n: VALUES[FIELD[n].triton_type] for n in names})))  # fmt: skip
 def test_fuzzed_triton_inputs_get_a_named_error_or_a_completion(triton, values):
     values.setdefault("max_tokens", 2)
     _, error = grpc_once(triton, tensors(**values))
     if error is not None:
-        assert "internal error" not in error and any(f"{name}: " in error for name in INPUT), error
+        assert "internal error" not in error and any(f"{name}: " in error for name in FIELD), error
     assert triton.process.poll() is None
 
 

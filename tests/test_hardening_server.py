@@ -23,7 +23,7 @@ from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
 from engine_format import EngineConfig
-from runtime.backends.kv_pool import PoolMemoryError, allocate_pool, available_memory
+from executors.kv_pool import PoolMemoryError, allocate_pool, available_memory
 from runtime.serve.launcher import (
     ADMIN_HEADER,
     MODEL_NAME,

@@ -18,12 +18,12 @@ from calibration.data import DataConfig
 from engine_format import EngineConfig, EngineLoadError, ModelSpec
 from engine_format.files import GATE_REPORT_JSON, MANIFEST
 from engine_format.kv_cache import bytes_per_token
+from executors import create_backend
+from executors.base import SequenceChunk
+from executors.greedy import greedy_generate
+from executors.kv_pool import blocks_for_budget, capacity_line
+from executors.kv_quant import decode_fp8, dequantize_int8
 from runtime import EngineArgs, LLMEngine, SamplingParams
-from runtime.backends import create_backend
-from runtime.backends.base import SequenceChunk
-from runtime.backends.greedy import greedy_generate
-from runtime.backends.kv_pool import blocks_for_budget, capacity_line
-from runtime.backends.kv_quant import decode_fp8, dequantize_int8
 from tests.conftest import TINY_BLOCK_SIZE, TINY_MAX_SEQ_LEN
 from tests.helpers import random_prompts, run_with_arrivals
 from tests.test_llm_engine import greedy_ignoring_eos, shared_prefix_prompts

@@ -1,7 +1,7 @@
 """A quantized KV cache (int8/fp8) through the ONNX graphs: the portable graph (`graph` backend) and
 the plugin graph run through its reference bodies (`plugin` backend) quantize this step's rows in
 the graph and read the pool's codes in place, storing exactly the bytes the CPU backend stores.
-Tiny random-weight models; the encodings are checked bit for bit against runtime/backends/kv_quant.py."""
+Tiny random-weight models; the encodings are checked bit for bit against executors/kv_quant.py."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ from builder.plugin_functions_kv import QUANTIZED_OPS
 from calibration.data import DataConfig
 from engine_format import EngineConfig
 from engine_format.files import PLUGIN_GRAPH_FILE
-from runtime.backends import create_backend
-from runtime.backends.base import SequenceChunk
-from runtime.backends.kv_quant import decode_fp8 as np_decode_fp8
-from runtime.backends.kv_quant import encode_fp8 as np_encode_fp8
-from runtime.backends.kv_quant import quantize_int8 as np_quantize_int8
+from executors import create_backend
+from executors.base import SequenceChunk
+from executors.kv_quant import decode_fp8 as np_decode_fp8
+from executors.kv_quant import encode_fp8 as np_encode_fp8
+from executors.kv_quant import quantize_int8 as np_quantize_int8
 from tests.conftest import TINY_BLOCK_SIZE, TINY_MAX_SEQ_LEN
 from tests.helpers import random_prompts
 
@@ -175,7 +175,7 @@ def test_build_refuses_a_quantized_cache_for_tensorrt_naming_why(tmp_path):
 def test_the_tensorrt_backend_refuses_a_quantized_cache_naming_why(kv_engines):
     """Checked before TensorRT is imported (this machine has none)."""
     from engine_format import EngineLoadError
-    from runtime.backends.tensorrt import TrtBackend
+    from executors.tensorrt import TrtBackend
 
     with pytest.raises(EngineLoadError, match="registers only the float-pool PagedKVWrite"):
         TrtBackend(EngineConfig.load(kv_engines["tiny-llama-fp8"]))

@@ -13,9 +13,9 @@ import torch
 
 from engine_format import EngineConfig, ModelSpec
 from engine_format.kv_cache import FP8_E4M3_MAX
-from runtime.backends.cpu_attention import AttentionShape, paged_attention, write_kv
-from runtime.backends.kv_pool import KVPool, pool_rows
-from runtime.backends.kv_quant import KVQuant, decode_fp8, dequantize_int8, encode_fp8, quantize_int8
+from executors.cpu_attention import AttentionShape, paged_attention, write_kv
+from executors.kv_pool import KVPool, pool_rows
+from executors.kv_quant import KVQuant, decode_fp8, dequantize_int8, encode_fp8, quantize_int8
 from tests.test_paged_attention import SHAPES, make_case, reference
 
 SEQS = [(0, 1), (5, 1), (37, 1), (0, 23), (19, 9), (64, 1)]  # decodes, a prefill, a chunk after a prefix

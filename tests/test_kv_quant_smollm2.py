@@ -16,8 +16,8 @@ from calibration.data import DataConfig, load_text_sets
 from calibration.gate import run_gate
 from engine_format import EngineConfig
 from engine_format.files import MANIFEST
-from runtime.backends import create_backend
-from runtime.backends.greedy import greedy_generate
+from executors import create_backend
+from executors.greedy import greedy_generate
 from runtime.engine.tokenizer import encode_prompt, stop_token_ids
 from tests.test_smollm2 import MAX_NEW_TOKENS, PROMPTS
 

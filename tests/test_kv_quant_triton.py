@@ -1,5 +1,5 @@
 """The quantized-pool Triton kernels (plugins_cuda/kv_write_quant.py, paged_attention_quant.py) on
-CPU under Triton's interpreter: the writes store numpy's bytes (runtime/backends/kv_quant.py), the
+CPU under Triton's interpreter: the writes store numpy's bytes (executors/kv_quant.py), the
 attention dequantizing in registers matches the float reference over explicitly dequantized pools
 (decodes, prefill chunks, GQA, a window, a split decode), the plugin ops' ONNX reference bodies
 agree with the kernels, and a corrupted scale is caught. AOT compilation for sm_80/89/90 runs in
@@ -27,10 +27,10 @@ torch = pytest.importorskip("torch")
 from builder.onnx_graph import OPSET  # noqa: E402
 from builder.plugin_functions import DOMAIN, MERGE, merge_function  # noqa: E402
 from builder.plugin_functions_kv import QUANTIZED_OPS, quantized_functions  # noqa: E402
+from executors.cpu_attention import AttentionShape  # noqa: E402
+from executors.kv_quant import decode_fp8, dequantize_int8, encode_fp8, quantize_int8  # noqa: E402
 from plugins_cuda.kv_write_quant import paged_kv_write_fp8, paged_kv_write_int8  # noqa: E402
 from plugins_cuda.paged_attention_quant import paged_attention_padded_quant  # noqa: E402
-from runtime.backends.cpu_attention import AttentionShape  # noqa: E402
-from runtime.backends.kv_quant import decode_fp8, dequantize_int8, encode_fp8, quantize_int8  # noqa: E402
 from tests.test_paged_attention import reference  # noqa: E402
 from tests.test_plugin_kernels import LONG_DECODES, SEQS, padded_case, write_reference  # noqa: E402
 

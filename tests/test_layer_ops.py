@@ -1,4 +1,4 @@
-"""The cpu-bf16 backend's C glue (runtime/backends/layer_ops.py) against torch and float64 references."""
+"""The cpu-bf16 backend's C glue (executors/layer_ops.py) against torch and float64 references."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.backends import layer_ops
-from runtime.backends.torch.model import rms_norm as torch_rms_norm
+from executors import layer_ops
+from executors.torch.model import rms_norm as torch_rms_norm
 
 BF16_ULP = 2.0**-7  # bfloat16's relative spacing: one rounding apart at most
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.serve.lifecycle import HEARTBEAT_FILE, Heartbeat, read_heartbeat
+from engine_format.serving import HEARTBEAT_FILE, Heartbeat, read_heartbeat
 from runtime.serve.liveness import Liveness, Verdict
 from runtime.serve.restarts import RestartBudget
 

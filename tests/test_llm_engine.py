@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from engine_format import EngineConfig
+from executors import create_backend
+from executors.greedy import greedy_generate
 from runtime import LLM, EngineArgs, InvalidRequest, LLMEngine, Overloaded, SamplingParams
-from runtime.backends import create_backend
-from runtime.backends.greedy import greedy_generate
 from runtime.engine.tokenizer import load_tokenizer, stop_token_ids
 from tests.helpers import random_prompts, run_with_arrivals
 
@@ -19,7 +19,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
 @pytest.fixture(scope="module")
 def reference(llama_engine):
-    """Sequential greedy generation, one prompt at a time, straight on the backend (runtime.backends.greedy)."""
+    """Sequential greedy generation, one prompt at a time, straight on the backend (executors.greedy)."""
     config = EngineConfig.load(llama_engine)
     backend = create_backend(config, kind="graph")
     stops = stop_token_ids(load_tokenizer(llama_engine), config)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine_format import ceil_div
-from runtime.backends.cpu_attention import AttentionShape, paged_attention
+from executors.cpu_attention import AttentionShape, paged_attention
 
 
 def reference(q, k_cache, v_cache, tables, seq_of_token, positions, shape, window=None):

@@ -1,4 +1,4 @@
-"""The kernel's AMX tiles (runtime/backends/kernels/attention_amx.h): int8 pools, tiles of several
+"""The kernel's AMX tiles (executors/kernels/attention_amx.h): int8 pools, tiles of several
 tokens (verify rows, prefill). The query and p x value scale are split into two int8 parts each
 (~16 bits), so the tiles match the dequantized float64 reference to AMX_ATOL, not float32 rounding;
 the integer products are exact, so a row's numbers do not depend on its tile mates or the threads."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.backends.cpu_attention import AttentionShape, amx_available, paged_attention
-from runtime.backends.kv_quant import KVQuant
+from executors.cpu_attention import AttentionShape, amx_available, paged_attention
+from executors.kv_quant import KVQuant
 from tests.test_kv_quant_kernel import AMX_ATOL, quantize_pool
 from tests.test_paged_attention import make_case, reference
 

@@ -20,8 +20,8 @@ from builder.plugin_graph import (
 )
 from engine_format import EngineConfig
 from engine_format.files import PLUGIN_GRAPH_FILE
-from runtime.backends import create_backend
-from runtime.backends.base import SequenceChunk
+from executors import create_backend
+from executors.base import SequenceChunk
 
 
 def test_every_layer_is_rewritten(tiny_engine):

@@ -21,9 +21,9 @@ torch = pytest.importorskip("torch")
 from builder.onnx_graph import OPSET  # noqa: E402
 from builder.plugin_functions import ATTENTION, DOMAIN, KV_WRITE, MERGE, reference_functions  # noqa: E402
 from engine_format import ceil_div  # noqa: E402
+from executors.cpu_attention import AttentionShape  # noqa: E402
 from plugins_cuda.attention_launch import AttentionTiles, num_splits, paged_attention_padded  # noqa: E402
 from plugins_cuda.kv_write import paged_kv_write  # noqa: E402
-from runtime.backends.cpu_attention import AttentionShape  # noqa: E402
 from tests.test_paged_attention import reference  # noqa: E402
 
 

@@ -17,8 +17,8 @@ from onnx import TensorProto, numpy_helper
 from builder.build import BuildOptions
 from builder.errors import BuildError
 from engine_format import EngineConfig
+from executors.torch.weights import load_weights
 from runtime import LLM, SamplingParams
-from runtime.backends.torch.weights import load_weights
 from tests.test_quantization import _build_quantized, _nodes, _permissive_gate
 
 BLOCK = 32

@@ -9,11 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine_format.requests import FIELD
 from runtime import EngineArgs, InvalidRequest, SamplingParams
 from runtime.engine.errors import Overloaded
 from runtime.engine.stats import EngineStats, Histogram, StepRecord
-from runtime.serve.metrics import TritonMetrics
-from runtime.serve.request_inputs import SCALAR_PARAMS, parse_request
+from runtime.triton_model.inputs import parse_request
+from runtime.triton_model.metrics import TritonMetrics
+from runtime.triton_model.settings import model_settings
 
 CONFIG = Path(__file__).parent.parent / "model_repository" / "llm" / "config.pbtxt"
 
@@ -21,8 +23,8 @@ CONFIG = Path(__file__).parent.parent / "model_repository" / "llm" / "config.pbt
 @pytest.mark.parametrize(
     ("params", "field", "message"),
     [
-        ({"ttft_target_s": 0}, "ttft_target_s", r"must be in \(0.0, inf\] \(got 0\)"),
-        ({"itl_target_s": -0.1}, "itl_target_s", r"must be in \(0.0, inf\]"),
+        ({"ttft_target_s": 0}, "ttft_target_s", r"must be in \(0, inf\) \(got 0\)"),
+        ({"itl_target_s": -0.1}, "itl_target_s", r"must be in \(0, inf\)"),
         ({"itl_target_s": float("inf")}, "itl_target_s", "must be a finite number"),
         ({"ttft_target_s": "1"}, "ttft_target_s", "must be a finite number"),
         ({"ttft_target_s": 2.0, "deadline_s": 1.0}, "ttft_target_s", r"must not exceed deadline_s \(2.0 > 1.0\)"),
@@ -36,7 +38,8 @@ def test_latency_targets_are_validated_with_the_field_named(params, field, messa
 
 def test_engine_args_itl_target():
     assert EngineArgs().itl_target_ms == 200.0 and EngineArgs(itl_target_ms=None).itl_target_ms is None
-    for bad in (0, -5.0, float("nan"), "150"):
+    assert EngineArgs(itl_target_ms=0).itl_target_ms is None  # 0: no target, as the setting's help says
+    for bad in (-5.0, float("nan"), "150"):
         with pytest.raises(ValueError, match=r"EngineArgs\.itl_target_ms must be a positive number of ms or None"):
             EngineArgs(itl_target_ms=bad)
     with pytest.raises(ValueError, match=r"EngineArgs\.min_prefill_tokens must be a positive integer"):
@@ -55,9 +58,9 @@ def test_triton_inputs_carry_the_targets_and_config_pbtxt_declares_them():
     assert info.value.field == "itl_target_s"
     config = CONFIG.read_text()
     declared = set(re.findall(r'\{ name: "(\w+)", data_type: TYPE_\w+', config))
-    assert set(SCALAR_PARAMS) <= declared
-    for key in ("itl_target_ms", "min_prefill_tokens"):
-        assert f'{{ key: "{key}", value: {{ string_value: "" }} }}' in config
+    assert {"ttft_target_s", "itl_target_s"} <= declared and set(FIELD) <= declared
+    settings = model_settings({"engine_dir": "e", "itl_target_ms": "none", "min_prefill_tokens": "32"})
+    assert (settings.engine.itl_target_ms, settings.engine.min_prefill_tokens) == (None, 32)
 
 
 def test_overloaded_keeps_its_message_prefix_reason_and_hint():

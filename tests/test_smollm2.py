@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from engine_format import EngineConfig, ceil_div
+from executors import create_backend
+from executors.base import SequenceChunk
+from executors.greedy import greedy_generate
 from runtime import LLM, SamplingParams
-from runtime.backends import create_backend
-from runtime.backends.base import SequenceChunk
-from runtime.backends.greedy import greedy_generate
 from runtime.engine.tokenizer import encode_prompt, stop_token_ids
 from tests.helpers import hf_greedy, hf_logits
 

@@ -1,5 +1,5 @@
 """Speculative decoding end to end on the tiny engines: the multi-row step interface against HF
-eager, greedy outputs identical to the plain greedy loop (runtime.backends.greedy, itself checked
+eager, greedy outputs identical to the plain greedy loop (executors.greedy, itself checked
 against HF eager) with prefix caching, chunked prefill and a preemption storm, exact KV rollback,
 the prefix cache never holding a rejected draft, aborts and deadlines with drafts in flight, and the
 acceptance metrics. Scripted proposers (an oracle that knows the reference tokens) make accepted
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from engine_format import EngineConfig
+from executors import create_backend
+from executors.base import SequenceChunk
+from executors.greedy import greedy_generate
 from runtime import EngineArgs, LLMEngine, SamplingParams
-from runtime.backends import create_backend
-from runtime.backends.base import SequenceChunk
-from runtime.backends.greedy import greedy_generate
 from runtime.engine.outputs import CompletionOutput
 from runtime.engine.spec import rejection_sampler as rejection_module
 from runtime.engine.spec.rejection_sampler import VerifyResult
@@ -57,7 +57,7 @@ def test_every_requested_logit_row_matches_hf(tiny_engine, tiny_hf, kind):
 
 
 def test_a_chunk_asking_for_more_rows_than_tokens_is_refused(llama_engine):
-    from runtime.backends import check_chunks
+    from executors import check_chunks
 
     config = EngineConfig.load(llama_engine)
     with pytest.raises(ValueError, match=r"num_logits 3 must be in 1\.\.2"):
@@ -367,7 +367,7 @@ def test_tensorrt_calls_place_verify_rows_and_refuse_too_many(llama_engine):
     """The TensorRT runner's call planning (CPU-checkable): a verify chunk runs in the prefill
     profile, its rows land at its place in the step's output, the profile's row limit is enforced."""
     from engine_format import TensorRTLimits
-    from runtime.backends.tensorrt import STEP_INPUTS, input_capacity, pack_inputs, plan_calls
+    from executors.tensorrt import STEP_INPUTS, input_capacity, pack_inputs, plan_calls
 
     config = EngineConfig.load(llama_engine)
     limits = TensorRTLimits.from_build(config.max_batch_size, config.max_seq_len, config.block_size, max_step=64)

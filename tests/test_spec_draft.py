@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from engine_format import EngineConfig, EngineLoadError
+from executors import create_backend
+from executors.base import SequenceChunk
+from executors.greedy import greedy_generate
 from runtime import EngineArgs, LLMEngine, SamplingParams
-from runtime.backends import create_backend
-from runtime.backends.base import SequenceChunk
-from runtime.backends.greedy import greedy_generate
 from runtime.engine.spec import DraftEngineProposer
 from runtime.engine.spec.draft import top_probability
 from tests.conftest import build_tiny

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from engine_format import EngineConfig
+from executors import create_backend
 from runtime import EngineArgs, LLMEngine, SamplingParams
-from runtime.backends import create_backend
 from runtime.engine.spec import DraftEngineProposer
 from runtime.engine.spec.lookup_first import LookupFirstProposer
 from runtime.engine.spec.ngram import NgramProposer

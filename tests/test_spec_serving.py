@@ -16,12 +16,13 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from benchmarks import prometheus
+from engine_format.serving import MODEL_NAME
 from runtime import LLM, SamplingParams
 from runtime.cli import main as trtserve_cli
 from runtime.engine.stats import SpecDecodeStats
 from runtime.serve import launcher
-from runtime.serve.launcher import MODEL_NAME, ServerConfig, ServerError, TritonServer, prepare
-from runtime.serve.metrics import TritonMetrics
+from runtime.serve.launcher import ServerConfig, ServerError, TritonServer, prepare
+from runtime.triton_model.metrics import TritonMetrics
 from tests.test_slo_serving import FakePbUtils, stats
 from tests.triton_helpers import running_server, sse_events, wait_for
 

@@ -21,9 +21,9 @@ from builder.plugin_graph import DOMAIN
 from builder.tensorrt_build import cuda_device_count, tensorrt_graph
 from engine_format import EngineConfig, EngineLoadError, TensorRTLimits
 from engine_format.files import MANIFEST, PLUGIN_GRAPH_FILE
-from runtime.backends import create_backend
-from runtime.backends.base import SequenceChunk
-from runtime.backends.tensorrt import (
+from executors import create_backend
+from executors.base import SequenceChunk
+from executors.tensorrt import (
     ALIGN,
     STEP_INPUTS,
     ProfileContext,
@@ -78,7 +78,7 @@ def test_a_tensorrt_engine_gives_a_clear_load_error_here(llama_engine, tmp_path)
 
 
 def test_trt_modules_import_without_tensorrt():
-    modules = "plugins_cuda.trt_plugins, builder.tensorrt_build, runtime.backends.tensorrt"
+    modules = "plugins_cuda.trt_plugins, builder.tensorrt_build, executors.tensorrt"
     code = f"import sys, {modules}; print('tensorrt' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""The torch backend (runtime/backends/torch/) against HF eager and the ONNX Runtime backends.
+"""The torch backend (executors/torch/) against HF eager and the ONNX Runtime backends.
 
 Here (no GPU) its Triton kernels run in Triton's interpreter: the same kernel code a GPU
 compiles, on tiny models so that a step takes well under a second. The head_dim-32 variants of
@@ -28,9 +28,9 @@ if not CUDA:
 from builder.build import BuildOptions, build_engine  # noqa: E402
 from builder.sources import load_checkpoint, resolve_model  # noqa: E402
 from engine_format import EngineConfig, EngineLoadError  # noqa: E402
-from runtime.backends import DeviceSampling, create_backend  # noqa: E402
-from runtime.backends.base import SequenceChunk  # noqa: E402
-from runtime.backends.greedy import greedy_generate  # noqa: E402
+from executors import DeviceSampling, create_backend  # noqa: E402
+from executors.base import SequenceChunk  # noqa: E402
+from executors.greedy import greedy_generate  # noqa: E402
 from runtime.engine.engine_args import EngineArgs  # noqa: E402
 from runtime.engine.llm_engine import LLMEngine  # noqa: E402
 from runtime.engine.sampling_params import SamplingParams  # noqa: E402
@@ -79,7 +79,7 @@ def wide(request, tmp_path_factory):
 
 
 def torch_backend(engine: Path, num_blocks: int = 64, **kwargs):
-    from runtime.backends.torch import TorchBackend
+    from executors.torch import TorchBackend
 
     try:
         return TorchBackend(EngineConfig.load(engine), num_blocks, device=DEVICE, **kwargs)
@@ -242,7 +242,7 @@ def test_generate_cli_with_backend_torch(llama_engine):
 def test_default_backend_prefers_torch_on_a_gpu_without_tensorrt(llama_engine, monkeypatch):
     import dataclasses
 
-    import runtime.backends as backends
+    import executors as backends
 
     config = EngineConfig.load(llama_engine)
     engines = (config, dataclasses.replace(config, target="tensorrt"))
@@ -262,7 +262,7 @@ def test_default_backend_prefers_torch_on_a_gpu_without_tensorrt(llama_engine, m
 
 def test_compiled_kernels_on_cpu_are_refused():
     """Kernels imported without TRITON_INTERPRET are GPU code: a CPU backend says so, it does not crash."""
-    code = ("import plugins_cuda.kv_write, torch\nfrom runtime.backends.torch.model import load_kernels\n"
+    code = ("import plugins_cuda.kv_write, torch\nfrom executors.torch.model import load_kernels\n"
             "load_kernels(torch.device('cpu'))")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
@@ -296,7 +296,7 @@ def test_smollm2_on_cuda_matches_hf_eager(smollm2_engine, smollm2_hf, dtype):
     logits are within GPU_TOLERANCE of HF's."""
     import copy
 
-    from runtime.backends.torch import TorchBackend
+    from executors.torch import TorchBackend
     from runtime.engine.tokenizer import encode_prompt, stop_token_ids
 
     model, tokenizer = smollm2_hf

@@ -21,10 +21,10 @@ torch = pytest.importorskip("torch")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from executors.cpu_attention import AttentionShape  # noqa: E402
 from plugins_cuda.attention_launch import AttentionTiles, num_splits, paged_attention  # noqa: E402
 from plugins_cuda.common import row_offsets, slot_offsets  # noqa: E402
 from plugins_cuda.fused_qkv import fused_rmsnorm_qkv_rope  # noqa: E402
-from runtime.backends.cpu_attention import AttentionShape  # noqa: E402
 from tests.test_paged_attention import make_case, reference  # noqa: E402
 
 SMS = 132

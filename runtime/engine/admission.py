@@ -7,13 +7,13 @@ is queued and never disturbs requests already running.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, TypeGuard
 
-from runtime.engine.errors import InvalidRequest
+from engine_format.requests import CHAT_ROLES, OPENAI_MAX_STRING, InvalidRequest
 from runtime.engine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]  # text, token ids, or chat messages
-ROLES = ("system", "user", "assistant", "tool")
 
 
 def _all_messages(prompt: Sequence[object]) -> TypeGuard[Sequence[dict[str, Any]]]:
@@ -50,15 +50,32 @@ class Admission:
 
     def _chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         for i, message in enumerate(messages):
-            if message.get("role") not in ROLES or not isinstance(message.get("content"), str):
-                raise InvalidRequest(f"messages[{i}]", f"needs 'role' (one of {', '.join(ROLES)}) and string 'content'")
+            if message.get("role") not in CHAT_ROLES or not isinstance(message.get("content"), str):
+                raise InvalidRequest(f"messages[{i}]", f"needs 'role' (one of {', '.join(CHAT_ROLES)}) and string "
+                                                       "'content'")  # fmt: skip
         if not self.tokenizer.chat_template:
             raise InvalidRequest("messages", "this model has no chat template; send a text prompt")
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """A request that could never run is rejected now rather than queued forever."""
+    def max_prompt_chars(self, context_tokens: int, cap: int = OPENAI_MAX_STRING) -> int:
+        """The most characters a prompt that fits `context_tokens` can have: no token decodes to more
+        characters than its vocabulary string has (byte-level BPE: one per byte; SentencePiece: '▁' is
+        one space), so a longer prompt can be refused before it is tokenized, never wrongly."""
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        return min(cap, context_tokens * max(1, longest))
+
+    def fit(self, prompt: Prompt, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """`params` with max_tokens None resolved to the room the context leaves (the one place where "no
+        max_tokens means up to the end of the context" is decided, for every door); a request that could
+        never run is rejected now rather than queued forever, naming the field to change."""
+        if params.max_tokens is None:
+            context = min(self.max_seq_len, self.max_tokens_in_pool)
+            if len(prompt_ids) >= context:
+                field = "messages" if isinstance(prompt, Sequence) and prompt and _all_messages(prompt) else "prompt"
+                raise InvalidRequest(field, f"the prompt ({len(prompt_ids)} tokens) exceeds the engine's max sequence "
+                                            f"length ({context} tokens, the first output token included)")  # fmt: skip
+            return replace(params, max_tokens=context - len(prompt_ids))
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_seq_len:
             raise InvalidRequest(
@@ -71,3 +88,4 @@ class Admission:
                 "max_tokens",
                 f"prompt + max_tokens = {total} tokens exceeds the KV cache ({self.max_tokens_in_pool} tokens)",
             )
+        return params

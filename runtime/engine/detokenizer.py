@@ -16,6 +16,25 @@ REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5
 
 
+LOGPROB_CONTEXT_TOKENS = 4  # tokens before a logprob's candidates, decoded with each
+
+
+def candidate_texts(tokenizer: Any, context: Sequence[int], candidates: Sequence[int]) -> dict[int, str]:
+    """Each candidate token's text as it reads after `context` (the few tokens before it): alone, a
+    SentencePiece token would lose its leading space. A multi-byte character split across tokens shows
+    as U+FFFD, as in vLLM; the answer's text is decoded as a whole elsewhere."""
+
+    def decode(ids: Sequence[int]) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    before = decode(context)
+    texts = {}
+    for token_id in candidates:
+        full = decode([*context, token_id])
+        texts[token_id] = full[len(before) :] if full.startswith(before) else decode([token_id])
+    return texts
+
+
 class IncrementalDetokenizer:
     """Turns generated token ids into text deltas (the vLLM / TGI prefix/read-offset scheme).
 

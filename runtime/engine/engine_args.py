@@ -1,9 +1,17 @@
-"""EngineArgs: how an engine is sized and scheduled (validated at construction)."""
+"""EngineArgs: how an engine is sized and scheduled (validated at construction), each setting declared once:
+the Python API takes the dataclass, `trtserve serve`/`generate` derive their options from its fields
+(runtime/cli_options.py), and the Triton model reads them from config.pbtxt parameters of the same names
+(to_parameters / from_parameters)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from executors import BACKENDS
 
 # Inter-token latency target (ms): the longest gap a decoding stream should see; a step that carries
 # decodes takes only the prefill its learned cost keeps within it. 200 = the goodput TPOT objective,
@@ -26,48 +34,74 @@ DEFAULT_DRAFT_PROMPT_LOOKUP_MIN = 3
 # for several requests and its catch-up on each new prompt outweigh the tokens it saves), so it drafts
 # for a lone request only.
 DEFAULT_SPECULATIVE_DISABLE_BATCH_SIZE = {"ngram": 4, "draft": 1}
+SPECULATIVE_METHODS = ("ngram", "draft")
 DISABLE_BATCH_SIZE_DEFAULTS = ", ".join(f"{n} with {m}" for m, n in DEFAULT_SPECULATIVE_DISABLE_BATCH_SIZE.items())
+
+
+def setting(default: Any, help: str, flag: str | None = None, choices: tuple[str, ...] = (), lo: float | None = None,
+            served: bool = True, only_with: str | None = None) -> Any:  # fmt: skip
+    """An EngineArgs field, declared once with what its users need: `help` (the CLI's and config.pbtxt's), the
+    command-line `flag` (default: --the-field-name; a bool: --flag/--no-flag), `choices` for strings, the
+    least value `lo` for numbers, whether `trtserve serve` passes it to its model (`served`), and `only_with`:
+    the setting it means nothing without ("speculative", or "speculative=draft"), so that giving it alone
+    is a usage error rather than silently ignored."""
+    metadata = {"help": help, "flag": flag, "choices": choices, "lo": lo, "served": served, "only_with": only_with}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class EngineArgs:
-    num_kv_blocks: int | None = None  # default: max_batch_size sequences of max_seq_len
-    max_num_seqs: int | None = None  # default (and cap): the engine's max_batch_size
-    max_num_batched_tokens: int = 512  # per-step token budget (decodes + prefill chunks)
-    enable_prefix_caching: bool = True
-    max_waiting: int = 1024  # waiting-queue bound; beyond it requests get Overloaded
-    threads: int | None = None  # backend compute threads (default: all cores)
-    backend: str | None = None  # runtime.backends.BACKENDS: "cpu", "cpu-bf16", "graph", "plugin", "tensorrt", "torch"
-    # While requests decode, a step carries only the prefill its learned cost keeps within this
-    # target (None: the fixed max_num_batched_tokens budget, whatever the decodes wait).
-    itl_target_ms: float | None = DEFAULT_ITL_TARGET_MS
-    min_prefill_tokens: int = DEFAULT_MIN_PREFILL_TOKENS  # per step however busy decoding is
-    # Speculative decoding (runtime/engine/spec/): "ngram" (prompt lookup), "draft" (a second engine
-    # of the same tokenizer, `draft_engine`) or None (off). Each decoding request gets up to
-    # num_speculative_tokens drafts per step, verified in one pass.
-    speculative: str | None = None
-    draft_engine: str | None = None  # engine directory of the draft model ("draft")
-    draft_backend: str | None = None  # its backend (default: as runtime.backends.default_backend picks)
-    num_speculative_tokens: int = 4
-    # A draft engine stops proposing for a request at its first guess below this probability (its own
-    # softmax): a doubted guess is mostly rejected, and each draft step costs a draft forward pass.
-    draft_min_confidence: float = DEFAULT_DRAFT_MIN_CONFIDENCE
-    # "draft": a request whose text ends in this many or more tokens seen earlier in it takes the prompt-lookup
-    # guess (free) instead of the draft model's (a forward pass per token); 0: the draft model always.
-    draft_prompt_lookup_min: int = DEFAULT_DRAFT_PROMPT_LOOKUP_MIN
-    ngram_prompt_lookup_min: int = 1  # shortest suffix the n-gram proposer matches
-    ngram_prompt_lookup_max: int = 4  # longest (tried first)
-    # Speculation pauses while more than this many requests run or wait (None: the method's default,
-    # DEFAULT_SPECULATIVE_DISABLE_BATCH_SIZE): a verify pass costs (k + 1) tokens per sequence, which a
-    # large batch pays in compute rather than hides behind memory-bound decode.
-    speculative_disable_batch_size: int | None = None
-    # Below that: speculate only where measured steps with drafts cost less per emitted token than steps
-    # without, per batch size (runtime/engine/spec/governor.py); False: always.
-    speculative_adaptive: bool = True
-    # Streamed responses carry this many tokens (the first token and the last response go at once), as
-    # vLLM's --stream-interval: each response costs the server a hand-off, a Triton response and an SSE
-    # event, paid per token when 1. A request may ask for a longer interval, not a shorter one.
-    stream_interval: int = 1
+    """How an engine is sized and scheduled. Each field is a setting of the Python API, of `trtserve serve`
+    and `generate` (click options derived from these fields), and of the Triton model (a config.pbtxt
+    parameter of the same name): add one here and every door has it."""
+
+    num_kv_blocks: int | None = setting(None, "KV cache size in blocks (default: max_batch_size sequences of "
+                                        "max_seq_len).", lo=1)  # fmt: skip
+    max_num_seqs: int | None = setting(None, "Most requests batched at once (default and cap: the engine's "
+                                       "max_batch_size).", lo=1)  # fmt: skip
+    max_num_batched_tokens: int = setting(512, "Per-step token budget (decodes + prefill chunks).", lo=1)
+    enable_prefix_caching: bool = setting(True, "Reuse the KV blocks of shared prompt prefixes.",
+                                          flag="--prefix-caching/--no-prefix-caching")  # fmt: skip
+    max_waiting: int = setting(1024, "Waiting-queue bound; beyond it requests are refused as overloaded.", lo=1)
+    threads: int | None = setting(None, "Backend compute threads (default: every usable core).", lo=1, served=False)
+    backend: str | None = setting(None, "Executor (default: TensorRT for TensorRT engines where installed, else torch "
+                                  "on a GPU, else ORT). cpu-bf16: the CPU kernel backend with bfloat16 dense layers "
+                                  "(oneDNN, AMX): faster, HF-bf16 numerics.", choices=BACKENDS)  # fmt: skip
+    itl_target_ms: float | None = setting(DEFAULT_ITL_TARGET_MS, "Inter-token latency target (ms): while requests "
+                                          "decode, a step carries only the prefill its learned cost keeps within it; "
+                                          "0: none (the fixed token budget).", lo=0)  # fmt: skip
+    min_prefill_tokens: int = setting(DEFAULT_MIN_PREFILL_TOKENS, "Prompt tokens every step may carry however busy "
+                                      "decoding is.", lo=1)  # fmt: skip
+    speculative: str | None = setting(None, "Speculative decoding: 'ngram' proposes the tokens that followed the "
+                                      "latest earlier occurrence of the text's last words (prompt lookup); 'draft' "
+                                      "lets --draft-engine (same tokenizer) propose. Greedy output is unchanged; "
+                                      "sampled output keeps the model's distribution.",
+                                      choices=SPECULATIVE_METHODS)  # fmt: skip
+    draft_engine: str | None = setting(None, "Engine directory of the draft model, e.g. an INT4 build of the same "
+                                       "model.", only_with="speculative=draft")  # fmt: skip
+    draft_backend: str | None = setting(None, "The draft engine's executor (default: as for the target).",
+                                        choices=BACKENDS, only_with="speculative=draft")  # fmt: skip
+    num_speculative_tokens: int = setting(4, "Draft tokens verified per step.", lo=1, only_with="speculative")
+    draft_min_confidence: float = setting(DEFAULT_DRAFT_MIN_CONFIDENCE, "A draft engine stops proposing for a "
+                                          "request at its first guess below this probability.", lo=0,
+                                          only_with="speculative=draft")  # fmt: skip
+    draft_prompt_lookup_min: int = setting(DEFAULT_DRAFT_PROMPT_LOOKUP_MIN, "A request whose text ends in this many or "
+                                           "more tokens seen earlier in it takes the prompt-lookup guess, free, "
+                                           "instead of the draft model's; 0: the draft model always.", lo=0,
+                                           only_with="speculative=draft")  # fmt: skip
+    ngram_prompt_lookup_min: int = setting(1, "Shortest suffix the n-gram proposer matches.", lo=1,
+                                           only_with="speculative=ngram")  # fmt: skip
+    ngram_prompt_lookup_max: int = setting(4, "Longest suffix the n-gram proposer matches (tried first).", lo=1,
+                                           only_with="speculative=ngram")  # fmt: skip
+    speculative_disable_batch_size: int | None = setting(None, "Speculation pauses while more requests than this run "
+                                                         f"or wait (default: {DISABLE_BATCH_SIZE_DEFAULTS}, as "
+                                                         "measured).", lo=1, only_with="speculative")  # fmt: skip
+    speculative_adaptive: bool = setting(True, "Speculate only where measured steps with drafts cost less per emitted "
+                                         "token than steps without (per batch size); off: always.",
+                                         flag="--speculative-adaptive/--no-speculative-adaptive",
+                                         only_with="speculative")  # fmt: skip
+    stream_interval: int = setting(1, "Tokens per streamed response, the first and last at once; fewer responses cost "
+                                   "the server less (a request may ask for more).", lo=1)  # fmt: skip
 
     @property
     def disable_batch_size(self) -> int:
@@ -77,6 +111,8 @@ class EngineArgs:
         return DEFAULT_SPECULATIVE_DISABLE_BATCH_SIZE[self.speculative or "ngram"]
 
     def __post_init__(self) -> None:
+        if self.itl_target_ms == 0:  # as the settings say: no target
+            object.__setattr__(self, "itl_target_ms", None)
         names = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "threads",
                  "min_prefill_tokens", "num_speculative_tokens", "ngram_prompt_lookup_min", "ngram_prompt_lookup_max",
                  "speculative_disable_batch_size", "stream_interval")  # fmt: skip
@@ -87,10 +123,16 @@ class EngineArgs:
         target = self.itl_target_ms
         if target is not None and (not isinstance(target, int | float) or not 0 < target < math.inf):
             raise ValueError(f"EngineArgs.itl_target_ms must be a positive number of ms or None (got {target!r})")
-        if self.speculative not in (None, "ngram", "draft"):
+        for name in ("backend", "draft_backend"):
+            if getattr(self, name) not in (None, *BACKENDS):
+                choices = ", ".join(BACKENDS)
+                raise ValueError(f"EngineArgs.{name} must be one of {choices} (got {getattr(self, name)!r})")
+        if self.speculative not in (None, *SPECULATIVE_METHODS):
             raise ValueError(f"EngineArgs.speculative must be 'ngram', 'draft' or None (got {self.speculative!r})")
-        if (self.speculative == "draft") != (self.draft_engine is not None):
-            raise ValueError("EngineArgs.draft_engine names the draft engine of speculative='draft' (and only then)")
+        if self.speculative == "draft" and self.draft_engine is None:
+            raise ValueError("EngineArgs.speculative draft needs EngineArgs.draft_engine (the draft model's engine)")
+        if self.speculative != "draft" and self.draft_engine is not None:
+            raise ValueError("EngineArgs.draft_engine is only used with EngineArgs.speculative draft")
         if not isinstance(self.speculative_adaptive, bool):
             raise ValueError(f"EngineArgs.speculative_adaptive must be a bool (got {self.speculative_adaptive!r})")
         if not isinstance(self.draft_min_confidence, int | float) or not 0 <= self.draft_min_confidence < 1:
@@ -99,6 +141,53 @@ class EngineArgs:
         if not isinstance(lookup, int) or isinstance(lookup, bool) or lookup < 0:
             raise ValueError(f"EngineArgs.draft_prompt_lookup_min must be an integer >= 0 (got {lookup!r})")
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"EngineArgs.num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}")
+            raise ValueError(f"EngineArgs.num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}")
         if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
             raise ValueError("EngineArgs.ngram_prompt_lookup_min must be <= ngram_prompt_lookup_max")
+
+
+def served_settings() -> list[dataclasses.Field[Any]]:
+    """The EngineArgs fields a served model takes as config.pbtxt parameters."""
+    return [f for f in dataclasses.fields(EngineArgs) if f.metadata.get("served", True)]
+
+
+def to_parameters(args: EngineArgs) -> dict[str, str]:
+    """The settings that differ from their defaults, as the Triton model's config parameters (strings)."""
+    params = {}
+    for f in served_settings():
+        value = getattr(args, f.name)
+        if value != f.default:
+            params[f.name] = "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    return params
+
+
+def from_parameters(params: Mapping[str, str]) -> EngineArgs:
+    """EngineArgs from the model's config parameters (strings; empty or absent: the default, "none": None where
+    a setting may be unset); ValueError naming the parameter and what it must be."""
+    values: dict[str, Any] = {}
+    for f in served_settings():
+        text = params.get(f.name, "").strip()
+        if text:
+            values[f.name] = _parse(f, text)
+    try:
+        return EngineArgs(**values)
+    except ValueError as exc:
+        raise ValueError(f"config parameter: {exc}") from None
+
+
+def _parse(setting: dataclasses.Field[Any], text: str) -> Any:
+    kind = str(setting.type)
+    if text.lower() == "none" and "None" in kind:
+        return None
+    try:
+        if kind.startswith("bool"):
+            if text.lower() not in ("true", "false"):
+                raise ValueError
+            return text.lower() == "true"
+        if kind.startswith("int"):
+            return int(text)
+        if kind.startswith("float"):
+            return float(text)
+    except ValueError:
+        raise ValueError(f"config parameter '{setting.name}' must be {kind.split(' ')[0]} (got {text!r})") from None
+    return text

@@ -1,12 +1,9 @@
-"""Request-level errors: each names what is wrong and what is allowed."""
+"""Request-level errors: each names what is wrong and what is allowed. InvalidRequest is the request
+contract's (engine_format/requests.py), raised at every door with the same words."""
 
+from engine_format.requests import InvalidRequest
 
-class InvalidRequest(ValueError):
-    """A request parameter or prompt is invalid; `field` names the offending field."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
+__all__ = ["InvalidRequest", "Overloaded"]
 
 
 class Overloaded(RuntimeError):

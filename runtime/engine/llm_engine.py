@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from engine_format import EngineConfig
-from runtime.backends import DeviceSample, DeviceSampling, create_backend
-from runtime.backends.base import EngineBackend
+from executors import DeviceSample, DeviceSampling, create_backend
+from executors.base import EngineBackend
 from runtime.engine.admission import Admission, Prompt
 from runtime.engine.detokenizer import DetokenizedStream
 from runtime.engine.engine_args import EngineArgs
@@ -85,7 +85,7 @@ class LLMEngine:
         self.streams: dict[str, DetokenizedStream] = {}
         self.counters = EngineCounters()
         self.post = Postprocessor(self.requests, self.streams, self.scheduler, self.kv, self.spec, self.counters,
-                                  self.eos_token_ids, clock, self.itl_target_s)  # fmt: skip
+                                  self.eos_token_ids, clock, self.itl_target_s, self.tokenizer)  # fmt: skip
         self._lock = threading.RLock()
         self._arrivals = itertools.count()
         log.info(
@@ -97,13 +97,15 @@ class LLMEngine:
 
     # ---- requests in and out -------------------------------------------------------------
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Validate and queue a request; raises InvalidRequest or Overloaded at once."""
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    prompt_ids: list[int] | None = None) -> str:  # fmt: skip
+        """Validate and queue a request; raises InvalidRequest or Overloaded at once. `prompt_ids`: the
+        prompt already tokenized (admission.tokenize), e.g. off an event loop by AsyncLLM."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
+        prompt_ids = self.tokenize(prompt) if prompt_ids is None else prompt_ids
         try:
-            prompt_ids = self.admission.tokenize(prompt)
-            self.admission.check_fits(prompt_ids, params)
+            params = self.admission.fit(prompt, prompt_ids, params)
         except InvalidRequest:
             self.counters.rejected_invalid += 1
             raise
@@ -198,6 +200,20 @@ class LLMEngine:
             if r.params.deadline_s is not None and now - r.timing.arrival > r.params.deadline_s
         ]  # fmt: skip
         return [self.post.finish(r, "deadline") for r in expired]
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids (chat messages through the chat template), or InvalidRequest naming the problem.
+        Touches no engine state: any thread may call it."""
+        try:
+            return self.admission.tokenize(prompt)
+        except InvalidRequest:
+            self.counters.rejected_invalid += 1
+            raise
+
+    @property
+    def context_tokens(self) -> int:
+        """The most tokens one sequence can hold: the engine's max_seq_len, or the whole KV cache if smaller."""
+        return min(self.config.max_seq_len, self.kv.capacity_tokens)
 
     # ---- observability ---------------------------------------------------------------------
 

@@ -9,11 +9,13 @@ KV cache manager and counters, and owns nothing but the sampler.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
-from runtime.backends import DeviceSample
-from runtime.engine.detokenizer import DetokenizedStream
+from executors import DeviceSample
+from runtime.engine.detokenizer import LOGPROB_CONTEXT_TOKENS, DetokenizedStream, candidate_texts
 from runtime.engine.kv_cache_manager import KVCacheManager
 from runtime.engine.outputs import RequestOutput, RequestStats
 from runtime.engine.request import Request, RequestStatus
@@ -36,8 +38,11 @@ class Postprocessor:
         eos_token_ids: frozenset[int],
         clock: Callable[[], float],
         itl_target_s: float | None,
+        tokenizer: Any,
     ) -> None:
-        """`requests` / `streams`: the engine's live tables (finished requests leave both here)."""
+        """`requests` / `streams`: the engine's live tables (finished requests leave both here); `tokenizer`:
+        renders logprobs' candidate tokens as text."""
+        self.tokenizer = tokenizer
         self.requests, self.streams, self.scheduler, self.kv, self.spec = requests, streams, scheduler, kv, spec
         self.counters, self.eos_token_ids, self.clock, self.itl_target_s = counters, eos_token_ids, clock, itl_target_s
         self.sampler = Sampler()
@@ -102,6 +107,8 @@ class Postprocessor:
         finishes the request; one output carries them all."""
         timing, params, stream = request.timing, request.params, self.streams[request.request_id]
         text = ""
+        if logprobs is not None:  # each token's candidates as text, before the tokens are appended
+            logprobs = self._with_texts(request, tokens, logprobs)
         for i, token in enumerate(tokens):
             request.append_output_token(token)
             request.sampling.append(token)
@@ -118,9 +125,18 @@ class Postprocessor:
             text += delta
             if stopped:
                 return self.finish(request, "stop", text, kept, lp)
-            if request.num_output_tokens >= params.max_tokens:
+            if request.num_output_tokens >= request.max_tokens:
                 return self.finish(request, "length", text, kept, lp)
         return _output(request, text, tokens, logprobs)
+
+    def _with_texts(self, request: Request, tokens: list[int], logprobs: list[TokenLogprobs]) -> list[TokenLogprobs]:
+        context = request.all_token_ids[-LOGPROB_CONTEXT_TOKENS:]
+        out = []
+        for token, lp in zip(tokens, logprobs, strict=True):
+            texts = candidate_texts(self.tokenizer, context, [lp.token_id, *(t for t, _ in lp.top)])
+            out.append(replace(lp, texts=texts))
+            context = [*context, token][-LOGPROB_CONTEXT_TOKENS:]
+        return out
 
     def finish(
         self,

@@ -104,8 +104,14 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     @property
+    def max_tokens(self) -> int:
+        """The most tokens it may generate (its params' max_tokens, resolved at admission when unset)."""
+        assert self.params.max_tokens is not None, "admission resolves an unset max_tokens"
+        return self.params.max_tokens
+
+    @property
     def max_total_tokens(self) -> int:
-        return self.num_prompt_tokens + self.params.max_tokens
+        return self.num_prompt_tokens + self.max_tokens
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

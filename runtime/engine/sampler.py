@@ -68,6 +68,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float  # of the sampled token
     top: list[tuple[int, float]]  # top-n (token_id, logprob), n = params.logprobs, sorted descending
+    texts: dict[int, str] = field(default_factory=dict)  # the sampled and top tokens' texts (the engine's output)
 
 
 @dataclass(frozen=True)

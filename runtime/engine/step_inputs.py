@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.backends.base import SequenceChunk
+from executors.base import SequenceChunk
 from runtime.engine.request import Request
 
 

@@ -14,9 +14,9 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
+from engine_format.requests import json_depth_exceeds
 from runtime.gateway.errors import GatewayError, client_gone
 from runtime.gateway.protocol import MAX_BODY_BYTES, MAX_JSON_DEPTH
-from runtime.serve.request_inputs import json_depth_exceeds
 
 
 async def read_json(http: Request) -> dict[str, Any]:

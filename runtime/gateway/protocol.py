@@ -2,31 +2,53 @@
 
 Strict types: "5" is not an integer and true is not a number, as in OpenAI's API. Unknown
 fields are errors (errors.from_validation names them; OpenAI parameters this server lacks
-are called unsupported). A field sent as null counts as not sent. Ranges match the engine's
-SamplingParams and the model's input table (runtime.serve.request_inputs), and sizes its
-Limits, so a request that passes here is not refused upstream for its parameters.
+are called unsupported). A field sent as null counts as not sent. Each generation field's range and
+this door's default come from the request contract (engine_format/requests.py), which the engine's
+SamplingParams and the Triton model's inputs check too, and sizes from its Limits, so a request that
+passes here is not refused upstream for its parameters.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine_format.requests import CHAT_ROLES, FIELD, MAX_CHOICES, Limits
 from runtime.gateway.errors import GatewayError
 from runtime.gateway.wire import GenerateRequest
-from runtime.serve.request_inputs import INPUT, Limits
 
 LIMITS = Limits()  # the model's default bounds (its max_prompt_chars may be lower: it knows the tokenizer)
-MAX_N = 16
-MAX_TOP_LOGPROBS = INPUT["logprobs"].hi
+MAX_N = MAX_CHOICES
 MAX_STOP = LIMITS.max_stop_strings
 MAX_BODY_BYTES = 64 * 2**20  # a prompt of max_prompt_chars, JSON-escaped, fits
 MAX_JSON_DEPTH = LIMITS.max_json_depth
 
-PositiveInt = Annotated[int, Field(ge=1, le=INPUT["max_tokens"].hi)]
+
+def bounds(name: str) -> Any:
+    """pydantic's constraints of the contract field `name`: its range (numbers) or lengths (strings)."""
+    field, limits = FIELD[name], FIELD[name].range
+    if limits is None:
+        return Field()
+    if field.kind.value in ("text", "texts"):  # each string's length
+        return Field(min_length=int(limits.lo or 0), max_length=None if limits.hi is None else int(limits.hi))
+    edges: dict[str, Any] = {}
+    if limits.lo is not None:
+        edges["gt" if limits.lo_open else "ge"] = limits.lo
+    if limits.hi is not None:
+        edges["lt" if limits.hi_open else "le"] = limits.hi
+    return Field(allow_inf_nan=False, **edges) if field.kind.value == "float" else Field(**edges)
+
+
+def default(name: str) -> Any:
+    """This door's default of the contract field `name` (OpenAI's where it differs)."""
+    return FIELD[name].default_for("openai")
+
+
+MaxTokens = Annotated[int, bounds("max_tokens")]
 PromptText = Annotated[str, Field(max_length=LIMITS.max_prompt_chars)]
-Seconds = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+Seconds = Annotated[float, bounds("ttft_target_s")]
+StopText = Annotated[str, bounds("stop")]
 
 
 class _Strict(BaseModel):
@@ -47,8 +69,12 @@ class TextPart(_Strict):
     text: str
 
 
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+assert set(get_args(ChatRole)) - {"developer"} == set(CHAT_ROLES), "the contract's roles, and OpenAI's 'developer'"
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: ChatRole
     content: PromptText | Annotated[list[TextPart], Field(max_length=LIMITS.max_messages)]
 
     def as_upstream(self) -> dict[str, str]:
@@ -61,37 +87,32 @@ class Generation(_Strict):
     """Fields both endpoints share, OpenAI's and trtserve's extras (sent as extra body fields)."""
 
     model: str
-    max_tokens: PositiveInt | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    max_tokens: MaxTokens | None = default("max_tokens")
+    temperature: Annotated[float, bounds("temperature")] = default("temperature")
+    top_p: Annotated[float, bounds("top_p")] = default("top_p")
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: (Annotated[str, Field(max_length=LIMITS.max_stop_chars)]
-           | Annotated[list[Annotated[str, Field(min_length=1, max_length=LIMITS.max_stop_chars)]],
-                       Field(max_length=MAX_STOP)]
-           | None) = None  # fmt: skip
-    seed: Annotated[int, Field(ge=0, le=2**63 - 1 - MAX_N)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
+    seed: Annotated[int, bounds("seed")] | None = default("seed")
+    presence_penalty: Annotated[float, bounds("presence_penalty")] = default("presence_penalty")
+    frequency_penalty: Annotated[float, bounds("frequency_penalty")] = default("frequency_penalty")
     user: str | None = None
     # trtserve extras
-    top_k: Annotated[int, Field(ge=INPUT["top_k"].lo, le=INPUT["top_k"].hi)] = 0
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
-    ignore_eos: bool = False
-    priority: Annotated[int, Field(ge=INPUT["priority"].lo, le=INPUT["priority"].hi)] = 0
-    ttft_target_s: Seconds | None = None  # latency targets (SamplingParams.ttft_target_s / itl_target_s)
-    itl_target_s: Seconds | None = None
+    top_k: Annotated[int, bounds("top_k")] = default("top_k")
+    min_p: Annotated[float, bounds("min_p")] = default("min_p")
+    repetition_penalty: Annotated[float, bounds("repetition_penalty")] = default("repetition_penalty")
+    ignore_eos: bool = default("ignore_eos")
+    priority: Annotated[int, bounds("priority")] = default("priority")
+    ttft_target_s: Seconds | None = default("ttft_target_s")  # latency targets (the contract says how they act)
+    itl_target_s: Annotated[float, bounds("itl_target_s")] | None = default("itl_target_s")
     # Prefix-cache isolation within the tenant: mixed with the tenant's own salt (service.Gateway.cache_salt).
-    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    cache_salt: Annotated[str, bounds("cache_salt")] | None = default("cache_salt")
 
     @model_validator(mode="after")
     def _shared_checks(self) -> Generation:
         if self.stream_options is not None and not self.stream:
             raise GatewayError.invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
-        if isinstance(self.stop, str) and not self.stop:
-            raise GatewayError.invalid("'stop' must not be empty", "stop")
         if self.prompt_chars > LIMITS.max_prompt_chars:
             field = "messages" if isinstance(self, ChatCompletionRequest) else "prompt"
             raise GatewayError.invalid(f"the prompt has {self.prompt_chars} characters; the limit is "
@@ -149,9 +170,9 @@ class Generation(_Strict):
 
 class ChatCompletionRequest(Generation):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=LIMITS.max_messages)]
-    max_completion_tokens: PositiveInt | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, bounds("logprobs")] | None = None
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
@@ -175,7 +196,7 @@ class ChatCompletionRequest(Generation):
 
 class CompletionRequest(Generation):
     prompt: PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_N)]
-    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # named `logprobs_n` elsewhere
+    logprobs: Annotated[int, bounds("logprobs")] | None = None  # named `logprobs_n` elsewhere
 
     @model_validator(mode="after")
     def _checks(self) -> CompletionRequest:

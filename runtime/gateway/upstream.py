@@ -9,9 +9,9 @@ one on a grpc.aio channel; messages are built and read by runtime.gateway.wire.
 A replica whose model process (the Python backend's stub) died is not seen by Triton's readiness: it
 keeps answering "ready", fails each new request with "Stub process '<instance>' is not healthy." (after
 about a second) and keeps the streams of the requests that were running open, forever, until
-tritonserver itself is stopped (`trtserve serve`'s supervisor does after three failed health probes,
-about 9 s). So `probe()` asks the model too (the health request of runtime.serve.lifecycle, answered by
-the model's loop without the engine's queue), and the first sign of a dead stub, from a probe or from any
+tritonserver itself is stopped (`trtserve serve`'s supervisor restarts it once its probe sees the dead
+stub, within a few seconds). So `probe()` asks the model too (the health request of engine_format/serving.py,
+answered by the model's loop without the engine's queue), and the first sign of a dead stub, from a probe or from any
 request's answer, fails every request open on that replica at once (their gRPC calls are cancelled; the
 exchange retries those that produced nothing, the others end with an error event) and marks it
 unhealthy until probes find it serving again. A slow probe is no such sign: it proves nothing, and a
@@ -29,9 +29,9 @@ import grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
+from engine_format.serving import DRAINING, ENGINE_STOPPED, HEALTH_PARAMETER
 from runtime.gateway.errors import GatewayError
 from runtime.gateway.wire import Delta, GenerateRequest, build_request, parse_response
-from runtime.serve.lifecycle import HEALTH_PARAMETER
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +45,12 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 
 
 # In an error message, Triton's or the model's words for "this replica cannot serve now" (503: retried on
-# another replica, or once it is back): no such model (yet), draining (runtime.serve.lifecycle), the model's
+# another replica, or once it is back): no such model (yet), draining (engine_format/serving.py), the model's
 # process or engine loop gone. The last two also mean the requests open there will never finish.
-UNAVAILABLE = ("unknown model", "is not ready", "is not healthy", "engine loop stopped")
-DEAD = ("is not healthy", "engine loop stopped")
-DRAINING = "server shutting down"  # the model's drain (runtime.serve.lifecycle): it will not come back
-DRAINING_CODE = "backend_draining"
+STUB_DEAD = "is not healthy"  # Triton's words for a Python-backend model whose stub process died
+UNAVAILABLE = ("unknown model", "is not ready", STUB_DEAD, ENGINE_STOPPED)
+DEAD = (STUB_DEAD, ENGINE_STOPPED)
+DRAINING_CODE = "backend_draining"  # the model's drain (engine_format/serving.py): it will not come back
 
 
 def model_died(message: str) -> bool:

@@ -17,10 +17,11 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from runtime.serve.request_inputs import INPUT
+from engine_format.requests import FIELD, OUTPUT_NAMES
 
-OUTPUTS = ("text_output", "finish_reason", "prompt_tokens", "completion_tokens")  # what every generation reads
 LOGPROBS = "logprobs"  # read (so asked for: Triton sends only the outputs asked) when the request wants them
+OUTPUTS = tuple(name for name in OUTPUT_NAMES if name != LOGPROBS)  # what every generation reads
+NUMPY_TYPES = {"INT64": np.int64, "FP32": np.float32, "BOOL": np.bool_}
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class GenerateRequest:
 
     prompt: str | None
     messages: list[dict[str, str]] | None
-    params: Mapping[str, int | float | bool]  # scalar inputs of runtime.serve.request_inputs.INPUTS
+    params: Mapping[str, int | float | bool]  # scalar fields of the request contract (engine_format/requests.py)
     stop: tuple[str, ...] = ()
     request_id: str = ""
     cache_salt: str | None = None  # the tenant's (service.Gateway.cache_salt)
@@ -69,15 +70,15 @@ def parse_logprobs(raw: bytes) -> list[TokenLogprob]:
 
 
 def _encode(name: str, values: list[Any]) -> bytes:
-    spec = INPUT[name]
-    if spec.datatype == "BYTES":
+    datatype = FIELD[name].triton_type
+    if datatype == "BYTES":
         return b"".join(len(v).to_bytes(4, "little") + v for v in values)
-    return np.array(values, dtype=spec.dtype).tobytes()  # numpy's cast, as tritonclient's: a huge float is inf
+    return np.array(values, dtype=NUMPY_TYPES[datatype]).tobytes()  # numpy's cast, as tritonclient's: huge -> inf
 
 
 def build_request(model: str, request: GenerateRequest, stream: bool) -> Any:
-    """The ModelInferRequest of one generation, its inputs typed by the model's table
-    (runtime.serve.request_inputs.INPUTS), asking for the outputs `parse_response` reads."""
+    """The ModelInferRequest of one generation, its inputs typed by the request contract
+    (engine_format/requests.py), asking for the outputs `parse_response` reads."""
     values: dict[str, list[Any]] = {**{name: [value] for name, value in request.params.items()}, "stream": [stream]}
     if request.messages is not None:
         values["messages"] = [json.dumps(request.messages).encode()]
@@ -89,7 +90,7 @@ def build_request(model: str, request: GenerateRequest, stream: bool) -> Any:
         values["cache_salt"] = [request.cache_salt.encode()]
     message = pb.ModelInferRequest(model_name=model, id=request.request_id)
     for name, value in values.items():
-        message.inputs.add(name=name, datatype=INPUT[name].datatype, shape=[len(value)])
+        message.inputs.add(name=name, datatype=FIELD[name].triton_type, shape=[len(value)])
         message.raw_input_contents.append(_encode(name, value))
     for name in (*OUTPUTS, LOGPROBS) if LOGPROBS in request.params else OUTPUTS:
         message.outputs.add(name=name)

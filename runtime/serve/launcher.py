@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-MODEL_NAME = "llm"
+from engine_format.serving import MODEL_NAME
+
 ADAPTER_MODELS = ("llm_infer",)  # forward to MODEL_NAME; copied as they are
 TEMPLATE_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 ADMIN_HEADER = "admin-key"  # HTTP header; gRPC clients send it as `triton-grpc-protocol-admin-key`
@@ -166,13 +167,16 @@ def remove_shm_regions(prefix: str) -> list[str]:
 
 
 def fill_parameters(template: str, params: dict[str, str]) -> str:
-    """Set `string_value` of each named parameter in the config.pbtxt text (values escaped)."""
+    """Set `string_value` of each named parameter in the config.pbtxt text (values escaped); parameters the
+    template does not list (engine settings: any EngineArgs field) are added after it."""
+    added = []
     for key, value in params.items():
         pattern = re.compile(r'(key: "' + re.escape(key) + r'", value: \{ string_value: )"[^"]*"')
-        if not pattern.search(template):
-            raise ServerError(f"config.pbtxt template has no parameter {key!r}")
-        template = pattern.sub(_quoted_value(value), template)
-    return template
+        if pattern.search(template):
+            template = pattern.sub(_quoted_value(value), template)
+        else:
+            added.append(f"parameters {{ key: {pbtxt_string(key)}, value: {{ string_value: {pbtxt_string(value)} }} }}")
+    return template.rstrip("\n") + "".join(f"\n{line}" for line in added) + "\n"
 
 
 def _quoted_value(value: str) -> Callable[[re.Match[str]], str]:
@@ -197,7 +201,7 @@ class TritonServer:
         self.workdir = Path(tempfile.mkdtemp(prefix="trtserve-triton-"))
         command, env = prepare(config, self.workdir)
         self.shm_prefix = shm_prefix(self.workdir)
-        self.model_dir = self.workdir / "models" / MODEL_NAME  # the drain files go here (runtime.serve.lifecycle)
+        self.model_dir = self.workdir / "models" / MODEL_NAME  # its drain and heartbeat files (serving.py)
         self.log_path = log_path or self.workdir / "tritonserver.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,

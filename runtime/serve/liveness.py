@@ -3,7 +3,7 @@
 A health probe travels the whole request path (Triton, the stub's IPC, the model's event loop), so it
 proves the model serves; but under load it waits behind work and times out although everything moves.
 Stopping a busy server for that loses every request in it. So a failed probe alone never condemns the
-model while its heartbeat (runtime.serve.lifecycle, written every 0.2 s by the stub) shows it moving:
+model while its heartbeat (engine_format/serving.py, written every 0.2 s by the stub) shows it moving:
 
 - dead at once: Triton says the stub is not healthy (its process died), or the engine loop stopped;
 - dead after `stall_s`: the heartbeat stopped (the stub froze or died), the model's event loop ran no
@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.serve.lifecycle import Heartbeat
+from engine_format.serving import ENGINE_STOPPED, Heartbeat
 
 # What Triton answers for a model whose stub process died (python_backend), and what the model answers
 # when its engine loop has stopped: no later probe can succeed, so no need to wait for more failures.
-FATAL_ANSWERS = ("is not healthy", "engine loop stopped")
+STUB_DEAD = "is not healthy"
+FATAL_ANSWERS = (STUB_DEAD, ENGINE_STOPPED)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ from typing import Protocol
 
 import click
 
-from runtime.serve.launcher import MODEL_NAME, ServerError, TritonServer
+from engine_format.serving import MODEL_NAME
+from runtime.serve.launcher import ServerError, TritonServer
 from runtime.serve.restarts import RestartBudget
 from runtime.serve.supervisor import STOP_TIMEOUT_S, TRITON, Failure, Supervisor
 

@@ -2,9 +2,9 @@
 
 Triton keeps answering "ready" after the `llm` stub process dies (every request then fails with "Stub
 process is not healthy", in-flight ones never end), so readiness cannot come from Triton: every
-`probe_interval_s` the supervisor sends the model a health probe (runtime.serve.lifecycle) through
-Triton's HTTP generate endpoint and reads the model's heartbeat; runtime.serve.liveness tells a dead
-model from a busy one. `watch()` returns the first child that cannot serve (tritonserver, its model, or
+`probe_interval_s` the supervisor sends the model a health probe through Triton's HTTP generate endpoint
+and reads the model's heartbeat (engine_format/serving.py); runtime.serve.liveness tells a dead model from
+a busy one. `watch()` returns the first child that cannot serve (tritonserver, its model, or
 another child such as the gateway) and why; the caller restarts it (runtime.serve.serve_loop). A reload
 through Triton's model-control API was not chosen: unloading the dead model waits for its in-flight
 requests, which a dead stub never finishes; a new tritonserver starts in seconds.
@@ -25,8 +25,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from runtime.serve.launcher import MODEL_NAME, TritonServer
-from runtime.serve.lifecycle import HEALTH_PARAMETER, drain_state, read_heartbeat, request_drain
+from engine_format.serving import (
+    HEALTH_ANSWER,
+    HEALTH_PARAMETER,
+    MODEL_NAME,
+    drain_state,
+    read_heartbeat,
+    request_drain,
+)
+from runtime.serve.launcher import TritonServer
 from runtime.serve.liveness import Liveness
 
 STOP_TIMEOUT_S = 15.0  # Triton's own shutdown once nothing is in flight
@@ -78,7 +85,7 @@ class Supervisor:
             return f"HTTP {err.code}: {err.read().decode(errors='replace')[:300]}"
         except (OSError, ValueError) as exc:  # refused, timed out, cut, not JSON
             return f"{type(exc).__name__}: {exc}"
-        return None if answer.get("text_output") == "ok" else f"unexpected answer {answer!r}"
+        return None if answer.get("text_output") == HEALTH_ANSWER else f"unexpected answer {answer!r}"
 
     def watch(self, stop: threading.Event, others: Mapping[str, Child] | None = None) -> Failure | None:
         """Until `stop` is set (None) or a child cannot serve: tritonserver or another child (`others`:

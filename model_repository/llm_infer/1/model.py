@@ -11,8 +11,8 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-TARGET = "llm"
-OUTPUTS = ["text_output", "finish_reason", "prompt_tokens", "completion_tokens", "logprobs"]
+from engine_format.requests import OUTPUT_NAMES
+from engine_format.serving import MODEL_NAME
 
 
 class TritonPythonModel:
@@ -26,13 +26,13 @@ class TritonPythonModel:
     def _forward(self, request):
         tensors = [t for t in (pb_utils.get_input_tensor_by_name(request, n) for n in self.inputs) if t is not None]
         forwarded = pb_utils.InferenceRequest(
-            model_name=TARGET, inputs=tensors, requested_output_names=OUTPUTS, request_id=request.request_id()
+            model_name=MODEL_NAME, inputs=tensors, requested_output_names=OUTPUT_NAMES, request_id=request.request_id()
         )
         for response in forwarded.exec(decoupled=True):
             if response.has_error():
                 return pb_utils.InferenceResponse(error=pb_utils.TritonError(response.error().message()))
             if response.output_tensors():
                 return pb_utils.InferenceResponse(
-                    output_tensors=[pb_utils.get_output_tensor_by_name(response, name) for name in OUTPUTS]
+                    output_tensors=[pb_utils.get_output_tensor_by_name(response, name) for name in OUTPUT_NAMES]
                 )
-        return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{TARGET} returned no response"))
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{MODEL_NAME} returned no response"))

@@ -25,8 +25,9 @@ from engine_format import EngineConfig
 from runtime.engine.engine_args import EngineArgs
 from runtime.engine.request import Request
 from runtime.engine.sampler import TokenLogprobs
+from runtime.engine.spec.factory import create_proposer
 from runtime.engine.spec.governor import SpeculationGovernor
-from runtime.engine.spec.proposer import Proposer, create_proposer
+from runtime.engine.spec.proposer import Proposer
 from runtime.engine.spec.rejection_sampler import RejectionSampler
 from runtime.engine.stats import SpecDecodeCounters
 
@@ -115,12 +116,11 @@ class SpecDecoder:
             return 0
         # Room: the drafts plus the token the target adds must fit max_tokens and max_seq_len.
         room = [
-            min(self.num_tokens, r.params.max_tokens - r.num_output_tokens - 1, self.max_seq_len - r.num_tokens)
-            for r in live
+            min(self.num_tokens, r.max_tokens - r.num_output_tokens - 1, self.max_seq_len - r.num_tokens) for r in live
         ]
         drafts = self.proposer.propose(
             [r.all_token_ids for r in live], [max(k, 0) for k in room], [r.request_id for r in live],
-            [r.params.max_tokens - r.num_output_tokens for r in live],
+            [r.max_tokens - r.num_output_tokens for r in live],
         )  # fmt: skip
         for request, tokens in zip(live, drafts, strict=True):
             request.draft_token_ids = list(tokens)

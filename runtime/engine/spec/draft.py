@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from engine_format import EngineConfig, EngineLoadError
-from runtime.backends import create_backend
-from runtime.backends.base import EngineBackend, SequenceChunk
+from executors import create_backend
+from executors.base import EngineBackend, SequenceChunk
 
 
 @dataclass

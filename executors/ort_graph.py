@@ -21,9 +21,9 @@ import onnx
 import onnxruntime as ort
 
 from engine_format import EngineConfig, EngineLoadError
-from runtime.backends.base import SequenceChunk, StepTensors, num_logit_rows
-from runtime.backends.kv_pool import KVPool, allocate_pool, pool_rows, require_kv_support
-from runtime.backends.ort_session import create_session
+from executors.base import SequenceChunk, StepTensors, num_logit_rows
+from executors.kv_pool import KVPool, allocate_pool, pool_rows, require_kv_support
+from executors.ort_session import create_session
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 STEP_INPUTS = ("input_ids", "positions", "seq_lens", "past_lens", "block_tables", "logit_rows")

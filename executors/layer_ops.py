@@ -1,4 +1,4 @@
-"""The cpu-bf16 backend's per-layer glue, in the kernel module (runtime/backends/kernels/layer_ops.h):
+"""The cpu-bf16 backend's per-layer glue, in the kernel module (executors/kernels/layer_ops.h):
 RMSNorm over bfloat16 rows, and RoPE + the split of a fused QKV row into float32 q, k, v. Each replaces
 8-10 small torch ops per call; torch.rms_norm / the torch RoPE stay the reference (tests)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runtime.backends.cpu_attention import kernel_module
+from executors.cpu_attention import kernel_module
 
 _kernel = kernel_module()
 

@@ -9,7 +9,7 @@ input buffer, one logits buffer per context ([max_logit_rows, vocab]: the rows `
 for, several per sequence when speculative drafts are verified). Per step the host packs every input of both calls
 (engine_format/INTERFACE.md, block tables covering the step) into one pinned buffer, which
 reaches the device in one copy; the calls run on one stream and their logits stay on the
-device, where `step_sample` samples them (runtime/backends/torch_sampler.py, shared with the
+device, where `step_sample` samples them (executors/torch_sampler.py, shared with the
 torch backend) so that only token ids come back. Every TensorRT call's result is checked, and
 a shape the plan cannot take is refused first with the profile's limits (engine_format's
 TensorRTLimits, from the manifest); the engine's own limits are checked against EngineArgs at
@@ -30,8 +30,8 @@ import numpy as np
 
 from engine_format import EngineConfig, EngineLoadError, TensorRTLimits
 from engine_format.files import PLAN_FILE
-from runtime.backends import DeviceSample, SamplingRow, check_chunks
-from runtime.backends.base import SequenceChunk, StepTensors, num_logit_rows
+from executors.base import SequenceChunk, StepTensors, num_logit_rows
+from executors.device_sampling import DeviceSample, SamplingRow, check_chunks
 
 if TYPE_CHECKING:  # imported when a backend is made: this module loads without torch or TensorRT
     import torch
@@ -191,7 +191,7 @@ class TrtBackend:
         trt = _load_tensorrt()
         import torch
 
-        from runtime.backends.torch_sampler import TorchSampler
+        from executors.torch_sampler import TorchSampler
 
         plan = config.engine_dir / PLAN_FILE
         if not plan.is_file():

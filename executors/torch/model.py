@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from engine_format import EngineConfig, EngineLoadError, ceil_div
-from runtime.backends import check_chunks
-from runtime.backends.base import SequenceChunk, logit_rows
-from runtime.backends.torch.weights import Layer, Weights
+from executors.base import SequenceChunk, logit_rows
+from executors.device_sampling import check_chunks
+from executors.torch.weights import Layer, Weights
 
 PROLOGUE_MIN_HEAD_DIM = 32  # plugins_cuda.fused_qkv.check_head_dim: half a head must fill a tl.dot
 

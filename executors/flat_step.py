@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.backends.base import SequenceChunk, logit_rows
+from executors.base import SequenceChunk, logit_rows
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from runtime.backends.base import EngineBackend, SequenceChunk
+from executors.base import EngineBackend, SequenceChunk
 
 StepKind = Literal["prefill", "decode"]
 

@@ -12,8 +12,8 @@ A step has the `cpu` backend's layout (`FlatStep`) with torch in place of ONNX R
 kernel calls: per layer RMSNorm -> QKV -> RoPE, the new K/V rows into the pool, the kernel over each
 sequence's blocks in place, then o_proj and the MLP, whose SiLU, gating product and residual adds
 are oneDNN post-ops of the matmuls. RMSNorm and RoPE (with the split of the fused QKV rows) are C
-(runtime/backends/layer_ops.py): in torch they were ~18 small ops per layer, 10-16% of a step.
-Weights are the engine's (runtime/backends/torch/weights.py; INT4 engines dequantized), reordered once
+(executors/layer_ops.py): in torch they were ~18 small ops per layer, 10-16% of a step.
+Weights are the engine's (executors/torch/weights.py; INT4 engines dequantized), reordered once
 into oneDNN's blocked layout.
 
 OpenMP: torch's elementwise ops over more than 32K elements and the kernel share one libgomp pool,
@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine_format import EngineConfig, EngineLoadError, ceil_div
-from runtime.backends.base import SequenceChunk
-from runtime.backends.cpus import libgomp_loaded, usable_cpus
-from runtime.backends.flat_step import FlatStep
-from runtime.backends.kv_pool import KVPool
+from executors.base import SequenceChunk
+from executors.cpus import libgomp_loaded, usable_cpus
+from executors.flat_step import FlatStep
+from executors.kv_pool import KVPool
 
 SPIN_COUNT = "100000"  # libgomp spins ~100,000 per ms (its own estimate)
 if "GOMP_SPINCOUNT" not in os.environ and libgomp_loaded():
@@ -48,11 +48,11 @@ if "GOMP_SPINCOUNT" not in os.environ and libgomp_loaded():
 os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
 
 # isort: off
-from runtime.backends.cpu_attention import AttentionShape, paged_attention  # noqa: E402 - loads libgomp
+from executors.cpu_attention import AttentionShape, paged_attention  # noqa: E402 - loads libgomp
 import torch  # noqa: E402 - after the kernel: one libgomp, with the policy above
 import torch.nn.functional as F  # noqa: E402
-from runtime.backends.layer_ops import rms_norm, rope_split  # noqa: E402
-from runtime.backends.torch.weights import Layer, Linear, load_weights  # noqa: E402
+from executors.layer_ops import rms_norm, rope_split  # noqa: E402
+from executors.torch.weights import Layer, Linear, load_weights  # noqa: E402
 # isort: on
 
 DTYPE = torch.bfloat16

@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from engine_format import EngineConfig, EngineLoadError
 from engine_format.kv_cache import bytes_per_token
-from runtime.backends.kv_quant import KVQuant, encode_fp8, quantize_int8
+from executors.kv_quant import KVQuant, encode_fp8, quantize_int8
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class KVPool:
 
     def write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """Rows k, v [T, kv_width] (float) into pool slots [T] of `layer`, quantized per the KV dtype:
-        one C call for K and V (runtime/backends/kernels/paged_attention.c write_kv), the same bytes
+        one C call for K and V (executors/kernels/paged_attention.c write_kv), the same bytes
         as `write_numpy` (batch 32: 15-20 vs 55-65 us per layer; numpy allocates and round-trips
         every intermediate)."""
         if not self.config.kv_quantized:
@@ -157,8 +157,8 @@ class KVPool:
             rows[2 * layer + 1, slots] = v
             return
         # Imported here: cpu_attention loads the C kernel and sets the OpenMP wait policy, which
-        # importing runtime.backends (this module included) must not do for the other backends.
-        from runtime.backends.cpu_attention import write_kv
+        # importing executors (this module included) must not do for the other backends.
+        from executors.cpu_attention import write_kv
 
         rows = pool_rows(self.data)
         if self.config.kv_cache_dtype == "int8":
@@ -171,7 +171,7 @@ class KVPool:
         write_kv(k, v, slots, rows[2 * layer], rows[2 * layer + 1], quant)
 
     def write_numpy(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        """`write` in numpy (runtime/backends/kv_quant.py's codecs): the reference the C write is
+        """`write` in numpy (executors/kv_quant.py's codecs): the reference the C write is
         tested against, bit for bit."""
         rows = pool_rows(self.data)
         kind = self.config.kv_cache_dtype

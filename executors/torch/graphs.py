@@ -25,8 +25,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from runtime.backends.base import SequenceChunk
-from runtime.backends.torch.model import HostStep, StepTensors
+from executors.base import SequenceChunk
+from executors.torch.model import HostStep, StepTensors
 
 Forward = Callable[[StepTensors], torch.Tensor]
 

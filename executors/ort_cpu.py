@@ -4,7 +4,7 @@ Per step, tokens of all sequences (decodes and prefill chunks alike) are laid ou
 with no padding, and run through the engine's segments (`segment.NN.onnx`, see
 engine_format/INTERFACE.md): segment i does layer i-1's o_proj + MLP and layer i's norm + QKV +
 RoPE; between segments the runtime writes the new K/V rows into the pool and the C kernel
-(runtime/backends/kernels/paged_attention.c) attends over each sequence's blocks in place. Small
+(executors/kernels/paged_attention.c) attends over each sequence's blocks in place. Small
 steps (one sequence, or a few short chunks over little context: `runs_whole_graph`) run the
 whole-graph session on the same pool instead, except with a quantized KV cache (int8/fp8), whose
 steps all run the segments and the kernel.
@@ -19,13 +19,13 @@ import numpy as np
 
 from engine_format import EngineConfig, EngineLoadError
 from engine_format.files import segment_file
-from runtime.backends.base import SequenceChunk
-from runtime.backends.cpu_attention import AttentionShape, paged_attention
-from runtime.backends.cpus import usable_cpus
-from runtime.backends.flat_step import FlatStep
-from runtime.backends.kv_pool import KVPool
-from runtime.backends.ort_graph import OrtGraphBackend, graph_pool_dtype
-from runtime.backends.ort_session import create_session
+from executors.base import SequenceChunk
+from executors.cpu_attention import AttentionShape, paged_attention
+from executors.cpus import usable_cpus
+from executors.flat_step import FlatStep
+from executors.kv_pool import KVPool
+from executors.ort_graph import OrtGraphBackend, graph_pool_dtype
+from executors.ort_session import create_session
 
 if TYPE_CHECKING:  # at run time onnxruntime loads after the kernel (OpenMP policy, see cpu_attention)
     import onnxruntime as ort

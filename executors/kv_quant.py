@@ -1,7 +1,7 @@
 """Encoding K/V rows for a quantized pool (the formats: engine_format/kv_cache.py).
 
 The CPU backends quantize here, as rows are written (the paged-attention kernel only reads);
-the kernel dequantizes the same way (runtime/backends/kernels/paged_attention.c).
+the kernel dequantizes the same way (executors/kernels/paged_attention.c).
 """
 
 from __future__ import annotations

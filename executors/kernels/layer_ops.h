@@ -1,5 +1,5 @@
 /*
- * The cpu-bf16 backend's per-layer glue in C (runtime/backends/layer_ops.py): RMSNorm over bfloat16 rows,
+ * The cpu-bf16 backend's per-layer glue in C (executors/layer_ops.py): RMSNorm over bfloat16 rows,
  * and RoPE + the split of a fused QKV row into float32 q, k, v for the attention kernel and the pool.
  * In torch each was 8-10 small ops per call (casts, pow, mean, rsqrt, cat, copies), ~5 us apiece: with the
  * rest of the glue, 7.8 ms of a 32-decode step through 30 layers (1.6 ms with these two in C). Numerics are torch's: RMSNorm as HF Llama's in bfloat16

@@ -1,5 +1,5 @@
 """The torch backend (backend kind "torch"): see backend.py. Imports torch and Triton."""
 
-from runtime.backends.torch.backend import TorchBackend
+from executors.torch.backend import TorchBackend
 
 __all__ = ["TorchBackend"]

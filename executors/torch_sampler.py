@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from runtime.backends import DeviceSample, RowLogprobs, SamplingOptions, SamplingRow
+from executors.device_sampling import DeviceSample, RowLogprobs, SamplingOptions, SamplingRow
 
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 

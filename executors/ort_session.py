@@ -12,7 +12,7 @@ from pathlib import Path
 import onnxruntime as ort
 
 from engine_format import EngineLoadError
-from runtime.backends.cpus import usable_cpus
+from executors.cpus import usable_cpus
 
 
 def create_session(

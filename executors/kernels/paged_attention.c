@@ -39,7 +39,7 @@
  * loops run (fp8 via a dequantized float buffer); `simd=0` forces them (tests compare the two).
  *
  * write_kv quantizes a step's new K/V rows into the pool at their slots (int8 codes + row scales,
- * or fp8 bits), bit for bit what runtime/backends/kv_quant.py's numpy functions produce.
+ * or fp8 bits), bit for bit what executors/kv_quant.py's numpy functions produce.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -376,7 +376,7 @@ static PyObject *paged_attention(PyObject *self, PyObject *args) {
 /*
  * The quantizing KV write: rows [T, Hkv*D] float32 into pool rows `slots` [T] (slot = block x
  * block_size + offset) as int8 codes + a float32 scale per (row, kv head), or fp8 E4M3 bits.
- * Must equal runtime/backends/kv_quant.py's quantize_int8 / encode_fp8 bit for bit, so it is
+ * Must equal executors/kv_quant.py's quantize_int8 / encode_fp8 bit for bit, so it is
  * compiled without -ffast-math's licences (x / 127 must not become x * (1 / 127)); rounding is
  * numpy's rint, half to even (nearbyintf in the default rounding mode).
  */
@@ -472,15 +472,15 @@ static PyMethodDef methods[] = {
     {"paged_attention", paged_attention, METH_VARARGS,
      "paged_attention(q, k_cache, v_cache, out, block_tables, seq_of_token, positions, T, M, Hq, Hkv, D, "
      "block_size, window, scale, threads[, kv_kind, k_scales, v_scales, k_scale, v_scale, simd, amx]): raw data "
-     "pointers; see runtime/backends/cpu_attention.py"},
+     "pointers; see executors/cpu_attention.py"},
     {"amx_available", amx_available, METH_NOARGS, "amx_available(): whether int8 tiles run on AMX here"},
     {"write_kv", write_kv, METH_VARARGS,
      "write_kv(k, v, slots, T, kv_heads, head_dim, k_pool, v_pool, num_slots, kind[, k_scales, v_scales, k_scale, "
-     "v_scale]): quantize rows into the pool in place; see runtime/backends/cpu_attention.py"},
+     "v_scale]): quantize rows into the pool in place; see executors/cpu_attention.py"},
     {"rms_norm_bf16", rms_norm_bf16, METH_VARARGS,
-     "rms_norm_bf16(x, weight, out, T, H, eps): bfloat16 rows; see runtime/backends/layer_ops.py"},
+     "rms_norm_bf16(x, weight, out, T, H, eps): bfloat16 rows; see executors/layer_ops.py"},
     {"rope_split_bf16", rope_split_bf16, METH_VARARGS,
-     "rope_split_bf16(qkv, T, Hq, Hkv, D, cos, sin, positions, q, k, v); see runtime/backends/layer_ops.py"},
+     "rope_split_bf16(qkv, T, Hq, Hkv, D, cos, sin, positions, q, k, v); see executors/layer_ops.py"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_paged_attention", NULL, -1, methods};

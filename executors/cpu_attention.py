@@ -1,4 +1,4 @@
-"""Python entry to the CPU paged-attention kernel (runtime/backends/kernels/paged_attention.c)."""
+"""Python entry to the CPU paged-attention kernel (executors/kernels/paged_attention.c)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from types import ModuleType
 
 import numpy as np
 
-from runtime.backends.cpus import libgomp_loaded, usable_cpus
-from runtime.backends.kv_quant import KVQuant
+from executors.cpus import libgomp_loaded, usable_cpus
+from executors.kv_quant import KVQuant
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +29,12 @@ if (_policy_before or "").upper() != "PASSIVE" and libgomp_loaded():
     )
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import runtime.backends._paged_attention as _paged_attention  # noqa: E402 - after the policy is set
+import executors._paged_attention as _paged_attention  # noqa: E402 - after the policy is set
 
 KERNEL_ABI = 5  # the call interface this file speaks (the C module's ABI constant)
 if getattr(_paged_attention, "ABI", 1) != KERNEL_ABI:
     raise ImportError(
-        f"{_paged_attention.__file__} is a stale build of runtime/backends/kernels/paged_attention.c "
+        f"{_paged_attention.__file__} is a stale build of executors/kernels/paged_attention.c "
         f"(ABI {getattr(_paged_attention, 'ABI', 1)}, need {KERNEL_ABI}); rebuild it: "
         "`pip install -e .` or `python -c 'import setuptools; setuptools.setup()' build_ext --inplace`"
     )
@@ -119,7 +119,7 @@ def write_kv(
     quant: KVQuant,  # int8: the scale pools [num_blocks * block_size, Hkv] (written too); fp8: the layer's scales
 ) -> None:
     """Quantize rows into a quantized pool in place, in C: the same codes and scales, bit for bit, as
-    runtime/backends/kv_quant.py's quantize_int8 / encode_fp8 (the numpy reference)."""
+    executors/kv_quant.py's quantize_int8 / encode_fp8 (the numpy reference)."""
     cache_dtype = np.dtype(CACHE_DTYPES.get(quant.kind, np.float32))
     rows, width = k.shape
     for pool in (k_pool, v_pool):

@@ -6,7 +6,7 @@ kv_width]; the extra block is scratch for CUDA-graph padding rows and never hand
 is packed and checked on the host (model.HostStep: a wrong block table, position or token id
 raises ValueError before any kernel indexes the pool with it), copied to the device in one
 transfer and run by model.Decoder. On CUDA, decode steps replay CUDA graphs per batch bucket
-(graphs.py) and `step_sample` samples on the device (runtime/backends/torch_sampler.py), so a
+(graphs.py) and `step_sample` samples on the device (executors/torch_sampler.py), so a
 step copies back token ids, not logits. On CPU the same code runs with the Triton kernels in
 Triton's interpreter (slow: tests and tiny models only).
 """
@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 from engine_format import EngineConfig, EngineLoadError
-from runtime.backends import DeviceSample, SamplingRow
-from runtime.backends.base import SequenceChunk
-from runtime.backends.torch.graphs import DecodeGraphs, default_buckets
-from runtime.backends.torch.model import Decoder, HostStep, load_kernels
-from runtime.backends.torch.weights import load_weights
-from runtime.backends.torch_sampler import TorchSampler
+from executors.base import SequenceChunk
+from executors.device_sampling import DeviceSample, SamplingRow
+from executors.torch.graphs import DecodeGraphs, default_buckets
+from executors.torch.model import Decoder, HostStep, load_kernels
+from executors.torch.weights import load_weights
+from executors.torch_sampler import TorchSampler
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,73 @@
+"""Which backend runs an engine, and building it (each backend's module loads only when chosen: they pull in
+ONNX Runtime, torch, TensorRT, and the CPU kernel's OpenMP policy must be set before torch loads)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from engine_format import EngineConfig
+from engine_format.files import PLUGIN_GRAPH_FILE
+from executors.base import EngineBackend
+from executors.kv_pool import require_kv_support
+
+BACKENDS = ("cpu", "cpu-bf16", "graph", "plugin", "tensorrt", "torch")
+
+
+def cuda_present() -> bool:
+    """An NVIDIA device is visible and torch is installed, found without importing torch or
+    initializing CUDA (the CPU backend's kernel must load before torch's libgomp)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return False
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return gpus.is_dir() and any(gpus.iterdir()) and importlib.util.find_spec("torch") is not None
+
+
+def default_backend(config: EngineConfig) -> str:
+    """TensorRT for its own engines where it is installed; else torch on a GPU (unless this process
+    runs Triton interpreted, TRITON_INTERPRET=1, as the kernel tests do); else ONNX Runtime.
+    An int8/fp8 KV cache: the CPU kernel backend (the graphs read it too, but torch and TensorRT do not)."""
+    if config.kv_quantized and config.has_cpu_segments:
+        return "cpu"
+    if config.target == "tensorrt" and importlib.util.find_spec("tensorrt") is not None:
+        return "tensorrt"
+    if cuda_present() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return "torch"
+    if config.target == "tensorrt":
+        return "tensorrt"  # refuses with the reason (no TensorRT, no GPU)
+    return "cpu" if config.has_cpu_segments else "graph"
+
+
+def create_backend(
+    config: EngineConfig, num_blocks: int | None = None, threads: int | None = None, kind: str | None = None,
+    max_num_batched_tokens: int | None = None,
+) -> EngineBackend:  # fmt: skip
+    """The backend `kind` (one of BACKENDS; default: default_backend) over `num_blocks` KV blocks.
+    `max_num_batched_tokens`: the engine's step budget, checked against a TensorRT plan's profiles."""
+    kind = kind or default_backend(config)
+    if kind in BACKENDS:
+        require_kv_support(config, kind)
+    if kind == "tensorrt":
+        from executors.tensorrt import TrtBackend  # imports TensorRT and CUDA: GPU machines only
+
+        return TrtBackend(config, num_blocks, max_num_batched_tokens)
+    if kind == "torch":
+        from executors.torch import TorchBackend  # imports torch and the Triton kernels
+
+        return TorchBackend(config, num_blocks)
+    if kind == "cpu":
+        from executors.ort_cpu import OrtCpuBackend  # loads the kernel, which sets the OpenMP policy
+
+        return OrtCpuBackend(config, num_blocks, threads)
+    if kind == "cpu-bf16":
+        from executors.torch_cpu import TorchCpuBackend  # loads the kernel, then torch
+
+        return TorchCpuBackend(config, num_blocks, threads)
+    if kind in ("graph", "plugin"):
+        from executors.ort_graph import OrtGraphBackend
+
+        if kind == "plugin":
+            config = config.with_graph(PLUGIN_GRAPH_FILE)
+        return OrtGraphBackend(config, num_blocks, threads, cover_step=kind == "plugin")
+    raise ValueError(f"backend must be one of {', '.join(BACKENDS)} (got {kind!r})")

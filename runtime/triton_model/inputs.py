@@ -1,0 +1,168 @@
+"""Triton request tensors -> a validated request, by the request contract (engine_format/requests.py).
+
+The model's inputs are the contract's fields (model_repository/llm/config.pbtxt declares exactly these,
+with these types: a test checks it). Integers are INT64 on the wire, so Triton's JSON parser never
+truncates them (it silently wraps values beyond the declared width); SamplingParams checks each value's
+range with the contract's words. Work per request is bounded before it costs anything (Limits): sizes
+are checked before a string is decoded or a JSON document parsed, and the prompt before it is tokenized.
+Pure Python over numpy arrays: tested without a server.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine_format.requests import (
+    FIELD,
+    FIELDS,
+    SAMPLING_FIELDS,
+    InvalidRequest,
+    Kind,
+    Limits,
+    RequestField,
+    json_depth_exceeds,
+)
+from runtime.engine.admission import Prompt
+from runtime.engine.sampling_params import SamplingParams
+
+# The Triton door's defaults where they differ from the engine's: greedy, and up to the end of the context.
+TRITON_DEFAULTS = {f.name: f.default_for("triton") for f in SAMPLING_FIELDS if f.default_for("triton") != f.default}
+TRITON_RESERVED = "triton_"  # request parameters Triton's own clients set (triton_enable_empty_final_response)
+NUMPY_TYPES = {"INT64": np.int64, "FP32": np.float32, "BOOL": np.bool_, "BYTES": np.object_}
+FIELD_NAMES = {"prompt": "text_input"}  # engine errors name the prompt "prompt"; this door calls it text_input
+
+
+def config_type(field: RequestField) -> str:
+    """The field's type as config.pbtxt writes it."""
+    return "TYPE_STRING" if field.triton_type == "BYTES" else f"TYPE_{field.triton_type}"
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    prompt: Prompt
+    params: SamplingParams
+    stream: bool
+
+
+def parse_request(
+    inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any] | None = None, limits: Limits | None = None
+) -> ParsedRequest:
+    """`inputs`: input name -> numpy array as Triton delivers it (strings as bytes objects).
+    `parameters`: the request's parameters (Triton's generate endpoint turns every JSON field that
+    is no input into one, so a misspelled field lands here): any is refused by name, but Triton's own."""
+    limits = limits or Limits()
+    unknown = sorted(p for p in parameters or {} if not p.startswith(TRITON_RESERVED))
+    if unknown:
+        raise InvalidRequest(unknown[0], f"unknown field; allowed: {', '.join(f.name for f in FIELDS)}")
+    for name in inputs:
+        if name not in FIELD:
+            raise InvalidRequest(name, "unknown input")
+    text = _text(inputs, "text_input", limits.max_prompt_bytes)
+    messages = _text(inputs, "messages", limits.max_messages_bytes)
+    prompt: Prompt
+    if text is not None and messages is None:
+        if not text:
+            raise InvalidRequest("text_input", "must not be empty")
+        if len(text) > limits.max_prompt_chars:
+            raise InvalidRequest("text_input", f"is {len(text)} characters; the limit is {limits.max_prompt_chars}")
+        prompt = text
+    elif messages is not None and text is None:
+        prompt = _messages(messages, limits)
+    else:
+        raise InvalidRequest("text_input", "give exactly one of 'text_input' (a string) or 'messages' (JSON)")
+    values: dict[str, Any] = dict(TRITON_DEFAULTS)
+    for field in SAMPLING_FIELDS:
+        if field.name in inputs:
+            values[field.name] = _value(inputs[field.name], field, limits)
+    stream = bool(_scalar(inputs["stream"], FIELD["stream"])) if "stream" in inputs else False
+    return ParsedRequest(prompt, SamplingParams(**values), stream)
+
+
+def door_error(error: InvalidRequest) -> InvalidRequest:
+    """An engine error named in this door's words (its prompt is `text_input`)."""
+    name = FIELD_NAMES.get(error.field)
+    return error if name is None else InvalidRequest(name, str(error).partition(": ")[2])
+
+
+def _value(array: np.ndarray, field: RequestField, limits: Limits) -> Any:
+    if field.kind is Kind.TEXTS:
+        return _texts(array, field, limits)
+    if field.kind is Kind.TEXT:
+        return _text({field.name: array}, field.name, 4 * int(field.range.hi if field.range and field.range.hi else 1))
+    return _scalar(array, field)
+
+
+def _text(inputs: Mapping[str, np.ndarray], name: str, max_bytes: int) -> str | None:
+    if name not in inputs:
+        return None
+    values = np.asarray(inputs[name]).reshape(-1)
+    if values.size != 1:
+        raise InvalidRequest(name, f"must be a single string (got {values.size} values)")
+    if isinstance(values[0], bytes | str) and len(values[0]) > max_bytes:
+        raise InvalidRequest(name, f"is {len(values[0])} bytes; the limit is {max_bytes}")
+    return _decode(values[0], name)
+
+
+def _decode(value: Any, name: str) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidRequest(name, "is not valid UTF-8") from None
+    if isinstance(value, str):
+        return value
+    raise InvalidRequest(name, f"must be a string (got {type(value).__name__})")
+
+
+def _messages(raw: str, limits: Limits) -> list[dict[str, Any]]:
+    if json_depth_exceeds(raw, limits.max_json_depth):
+        raise InvalidRequest("messages", f"is nested more than {limits.max_json_depth} levels deep")
+    try:
+        messages = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+        raise InvalidRequest("messages", f"is not valid JSON ({reason})") from None
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages", 'must be a JSON list of {"role": ..., "content": ...} objects')
+    if len(messages) > limits.max_messages:
+        raise InvalidRequest("messages", f"has {len(messages)} messages; the limit is {limits.max_messages}")
+    chars = 0
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not all(isinstance(message.get(k), str) for k in ("role", "content")):
+            raise InvalidRequest(f"messages[{i}]", 'must be an object with string "role" and "content"')
+        chars += len(message["content"])
+    if chars > limits.max_prompt_chars:
+        raise InvalidRequest("messages", f"hold {chars} characters of content; the limit is {limits.max_prompt_chars}")
+    return messages
+
+
+def _texts(array: np.ndarray, field: RequestField, limits: Limits) -> tuple[str, ...]:
+    """Strings of a list input, their count and sizes bounded by `limits` before any is decoded."""
+    values = np.asarray(array).reshape(-1)
+    if values.size > limits.max_stop_strings:
+        raise InvalidRequest(field.name, f"has {values.size} strings; the limit is {limits.max_stop_strings}")
+    if any(isinstance(v, bytes | str) and len(v) > 4 * limits.max_stop_chars for v in values):
+        raise InvalidRequest(field.name, f"strings may have at most {limits.max_stop_chars} characters")
+    texts = tuple(_decode(v, field.name) for v in values)
+    if any(len(t) > limits.max_stop_chars for t in texts):
+        raise InvalidRequest(field.name, f"strings may have at most {limits.max_stop_chars} characters")
+    return texts
+
+
+def _scalar(array: np.ndarray, field: RequestField) -> Any:
+    values = np.asarray(array).reshape(-1)
+    if values.size != 1:
+        raise InvalidRequest(field.name, f"must be a single value (got {values.size})")
+    value = values[0]
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    raise InvalidRequest(field.name, f"has the wrong type ({type(value).__name__})")
