@@ -70,9 +70,9 @@ def _option(setting: dataclasses.Field[Any]) -> Callable[[Callable[..., Any]], C
     if meta.get("choices"):
         kind_type: click.ParamType = click.Choice(meta["choices"])
     elif kind.startswith("int"):
-        kind_type = click.IntRange(min=meta.get("lo"))
+        kind_type = click.IntRange(min=meta.get("lo"), max=meta.get("hi"))
     elif kind.startswith("float"):
-        kind_type = click.FloatRange(min=meta.get("lo"))
+        kind_type = click.FloatRange(min=meta.get("lo"), max=meta.get("hi"))
     else:
         kind_type = click.STRING
     return click.option(flag, setting.name, type=kind_type, default=None, help=help_text)

@@ -57,7 +57,7 @@ def test_every_requested_logit_row_matches_hf(tiny_engine, tiny_hf, kind):
 
 
 def test_a_chunk_asking_for_more_rows_than_tokens_is_refused(llama_engine):
-    from executors import check_chunks
+    from executors.device_sampling import check_chunks
 
     config = EngineConfig.load(llama_engine)
     with pytest.raises(ValueError, match=r"num_logits 3 must be in 1\.\.2"):

@@ -60,14 +60,15 @@ def serve(engine: Path, *args: str):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--speculative", "draft"], "--speculative draft needs --draft-engine DIR"),
+        (["--speculative", "draft"], "--speculative draft needs --draft-engine (the draft model's engine)"),
         (["--draft-engine", "."], "--draft-engine is only used with --speculative draft"),
         (["--speculative", "ngram", "--draft-engine", "."], "--draft-engine is only used with --speculative draft"),
         (
             ["--speculative", "ngram", "--draft-prompt-lookup-min", "2"],
             "--draft-prompt-lookup-min is only used with --speculative draft",
         ),
-        (["--num-speculative-tokens", "3"], "--num-speculative-tokens and --speculative-disable-batch-size need"),
+        (["--num-speculative-tokens", "3"], "--num-speculative-tokens is only used with --speculative"),
+        (["--speculative-disable-batch-size", "3"], "--speculative-disable-batch-size is only used with --speculative"),
         (["--speculative", "ngram", "--num-speculative-tokens", "17"], "Invalid value for '--num-speculative-tokens'"),
         (["--speculative", "medusa"], "Invalid value for '--speculative'"),
     ],

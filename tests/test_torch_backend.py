@@ -242,7 +242,7 @@ def test_generate_cli_with_backend_torch(llama_engine):
 def test_default_backend_prefers_torch_on_a_gpu_without_tensorrt(llama_engine, monkeypatch):
     import dataclasses
 
-    import executors as backends
+    import executors.factory as backends
 
     config = EngineConfig.load(llama_engine)
     engines = (config, dataclasses.replace(config, target="tensorrt"))

@@ -39,13 +39,14 @@ DISABLE_BATCH_SIZE_DEFAULTS = ", ".join(f"{n} with {m}" for m, n in DEFAULT_SPEC
 
 
 def setting(default: Any, help: str, flag: str | None = None, choices: tuple[str, ...] = (), lo: float | None = None,
-            served: bool = True, only_with: str | None = None) -> Any:  # fmt: skip
+            hi: float | None = None, served: bool = True, only_with: str | None = None) -> Any:  # fmt: skip
     """An EngineArgs field, declared once with what its users need: `help` (the CLI's and config.pbtxt's), the
     command-line `flag` (default: --the-field-name; a bool: --flag/--no-flag), `choices` for strings, the
-    least value `lo` for numbers, whether `trtserve serve` passes it to its model (`served`), and `only_with`:
+    bounds `lo` and `hi` for numbers, whether `trtserve serve` passes it to its model (`served`), and `only_with`:
     the setting it means nothing without ("speculative", or "speculative=draft"), so that giving it alone
     is a usage error rather than silently ignored."""
-    metadata = {"help": help, "flag": flag, "choices": choices, "lo": lo, "served": served, "only_with": only_with}
+    metadata = {"help": help, "flag": flag, "choices": choices, "lo": lo, "hi": hi, "served": served,
+                "only_with": only_with}  # fmt: skip
     return field(default=default, metadata=metadata)
 
 
@@ -81,7 +82,8 @@ class EngineArgs:
                                        "model.", only_with="speculative=draft")  # fmt: skip
     draft_backend: str | None = setting(None, "The draft engine's executor (default: as for the target).",
                                         choices=BACKENDS, only_with="speculative=draft")  # fmt: skip
-    num_speculative_tokens: int = setting(4, "Draft tokens verified per step.", lo=1, only_with="speculative")
+    num_speculative_tokens: int = setting(4, "Draft tokens verified per step.", lo=1, hi=MAX_SPECULATIVE_TOKENS,
+                                          only_with="speculative")  # fmt: skip
     draft_min_confidence: float = setting(DEFAULT_DRAFT_MIN_CONFIDENCE, "A draft engine stops proposing for a "
                                           "request at its first guess below this probability.", lo=0,
                                           only_with="speculative=draft")  # fmt: skip
