@@ -124,7 +124,7 @@ def test_generate_prints_an_answer(cli_engine):
     ("args", "message"),
     [
         (["--engine", "/nonexistent", "--prompt", "hi"], "is not an engine directory"),
-        (["--prompt", "word " * 200], "exceeds the engine's max sequence length (128)"),
+        (["--prompt", "word " * 200], "exceeds the engine's max sequence length (128 tokens"),
         (["--prompt", "   "], "--prompt: must not be empty"),
         (["--prompt", "hi", "--max-tokens", "0"], "Invalid value for '--max-tokens'"),
     ],

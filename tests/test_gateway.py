@@ -228,7 +228,7 @@ def test_trtserve_extra_body_fields(sdk, engine):
         ({"extra_body": {"frobnicate": 1}}, "frobnicate", "unknown parameter"),
         ({"extra_body": {"top_k": -1}}, "top_k", "greater than or equal to 0"),
         ({"messages": []}, "messages", "at least 1 item"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "'user'"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "'user'"),
         ({"top_logprobs": 2}, "top_logprobs", "needs 'logprobs'"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when 'stream'"),
         # Checked by the engine, not the gateway: still a 400 naming the parameter.

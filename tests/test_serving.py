@@ -106,7 +106,7 @@ def test_32_concurrent_grpc_streams(server, reference):
         ({"text_input": "hi", "max_tokens": 2**32 + 8}, "max_tokens: must be in [1, 2147483647] (got 4294967304)"),
         ({"text_input": "hi", "max_token": 4}, "max_token: unknown field; allowed: text_input, messages"),
         ({"messages": "[" * 100_000 + "]" * 100_000}, "messages: is nested more than 32 levels deep"),
-        ({"text_input": "hi", "top_p": 1.5}, "top_p: must be in (0.0, 1.0] (got 1.5)"),
+        ({"text_input": "hi", "top_p": 1.5}, "top_p: must be in (0, 1] (got 1.5)"),
         ({"text_input": "word " * 300, "max_tokens": 4}, "exceeds the engine's max sequence length"),
         ({"messages": "[not json", "max_tokens": 4}, "messages: is not valid JSON"),
     ],

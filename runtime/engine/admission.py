@@ -69,12 +69,13 @@ class Admission:
         """`params` with max_tokens None resolved to the room the context leaves (the one place where "no
         max_tokens means up to the end of the context" is decided, for every door); a request that could
         never run is rejected now rather than queued forever, naming the field to change."""
+        context = min(self.max_seq_len, self.max_tokens_in_pool)
+        if len(prompt_ids) >= context:  # the prompt alone leaves no room: it is what to change
+            field = "messages" if isinstance(prompt, Sequence) and prompt and _all_messages(prompt) else "prompt"
+            limit = "the engine's max sequence length" if context == self.max_seq_len else "the KV cache"
+            raise InvalidRequest(field, f"the prompt ({len(prompt_ids)} tokens) exceeds {limit} ({context} tokens, "
+                                        "the first output token included)")  # fmt: skip
         if params.max_tokens is None:
-            context = min(self.max_seq_len, self.max_tokens_in_pool)
-            if len(prompt_ids) >= context:
-                field = "messages" if isinstance(prompt, Sequence) and prompt and _all_messages(prompt) else "prompt"
-                raise InvalidRequest(field, f"the prompt ({len(prompt_ids)} tokens) exceeds the engine's max sequence "
-                                            f"length ({context} tokens, the first output token included)")  # fmt: skip
             return replace(params, max_tokens=context - len(prompt_ids))
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_seq_len:
