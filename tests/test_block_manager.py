@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from executors.sampling import SamplingParams, SamplingState
 from runtime.engine.errors import InvalidRequest
 from runtime.engine.kv_cache_manager import KVCacheManager
 from runtime.engine.request import Request
-from runtime.engine.sampler import SamplingState
-from runtime.engine.sampling_params import SamplingParams
 
 BS = 4
 

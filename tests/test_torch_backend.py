@@ -31,9 +31,9 @@ from engine_format import EngineConfig, EngineLoadError  # noqa: E402
 from executors import DeviceSampling, create_backend  # noqa: E402
 from executors.base import SequenceChunk  # noqa: E402
 from executors.greedy import greedy_generate  # noqa: E402
+from executors.sampling import SamplingParams  # noqa: E402
 from runtime.engine.engine_args import EngineArgs  # noqa: E402
 from runtime.engine.llm_engine import LLMEngine  # noqa: E402
-from runtime.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.conftest import TINY_BLOCK_SIZE, TINY_MAX_SEQ_LEN  # noqa: E402
 from tests.helpers import hf_greedy, hf_logits, random_prompts  # noqa: E402
 

@@ -6,7 +6,7 @@ kv_width]; the extra block is scratch for CUDA-graph padding rows and never hand
 is packed and checked on the host (model.HostStep: a wrong block table, position or token id
 raises ValueError before any kernel indexes the pool with it), copied to the device in one
 transfer and run by model.Decoder. On CUDA, decode steps replay CUDA graphs per batch bucket
-(graphs.py) and `step_sample` samples on the device (executors/torch_sampler.py), so a
+(graphs.py) and `step_sample` samples on the device (executors/sampling/torch_sampler.py), so a
 step copies back token ids, not logits. On CPU the same code runs with the Triton kernels in
 Triton's interpreter (slow: tests and tiny models only).
 """
@@ -21,11 +21,11 @@ import torch
 
 from engine_format import EngineConfig, EngineLoadError
 from executors.base import SequenceChunk
-from executors.device_sampling import DeviceSample, SamplingRow
+from executors.sampling.state import DeviceSample, SamplingState
+from executors.sampling.torch_sampler import TorchSampler
 from executors.torch.graphs import DecodeGraphs, default_buckets
 from executors.torch.model import Decoder, HostStep, load_kernels
 from executors.torch.weights import load_weights
-from executors.torch_sampler import TorchSampler
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class TorchBackend:
     def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
         return self._logits(chunks).cpu().numpy()
 
-    def step_sample(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingRow | None]) -> DeviceSample:
+    def step_sample(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingState | None]) -> DeviceSample:
         if len(rows) != len(chunks):
             raise ValueError(f"{len(rows)} sampling rows for {len(chunks)} chunks")
         if any(c.num_logits != 1 for c in chunks):  # speculative verify steps: `step`, rejection-sampled on the host
