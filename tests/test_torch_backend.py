@@ -262,7 +262,7 @@ def test_default_backend_prefers_torch_on_a_gpu_without_tensorrt(llama_engine, m
 
 def test_compiled_kernels_on_cpu_are_refused():
     """Kernels imported without TRITON_INTERPRET are GPU code: a CPU backend says so, it does not crash."""
-    code = ("import plugins_cuda.kv_write, torch\nfrom executors.torch.model import load_kernels\n"
+    code = ("import plugins_cuda.kv_write, torch\nfrom executors.torch.kernels import load_kernels\n"
             "load_kernels(torch.device('cpu'))")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
