@@ -59,8 +59,9 @@ def _load_tensorrt() -> Any:
 
 def refuse_quantized_kv(config: EngineConfig) -> None:
     """An int8/fp8 KV cache is refused here (and by build-engine for --target tensorrt): the quantized
-    ops' Triton kernels exist (plugins_cuda/kv_write_quant.py, paged_attention_quant.py) but no TensorRT
-    plugin registers them, so a plan cannot take the pool's codes, scale pools or kv_scales yet."""
+    ops' Triton kernels exist (plugins_cuda/kv_write_quant.py, paged_attention_quant.py; the torch backend
+    runs them) but no TensorRT plugin registers them, so a plan cannot take the pool's codes, scale pools
+    or kv_scales yet."""
     if config.kv_quantized:
         raise EngineLoadError(
             f"the TensorRT backend does not read a {config.kv_cache_dtype} KV cache: plugins_cuda/trt_plugins.py "

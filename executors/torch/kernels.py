@@ -29,13 +29,15 @@ def load_kernels(device: torch.device) -> Kernels:
     if interpret:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     # Imported by name: plugins_cuda is untyped (mypy checks executors/ strictly) and must load only now.
-    names = ("attention_launch", "kv_write", "fused_qkv", "paged_attention_quant", "kv_write_quant")
-    modules = [importlib.import_module(f"plugins_cuda.{name}") for name in names]
-    interpreted = type(modules[1].paged_kv_write_kernel).__name__ == "InterpretedFunction"
+    attention, kv_write, prologue, attention_quant, kv_write_quant = (
+        importlib.import_module(f"plugins_cuda.{name}")
+        for name in ("attention_launch", "kv_write", "fused_qkv", "paged_attention_quant", "kv_write_quant")
+    )
+    interpreted = type(kv_write.paged_kv_write_kernel).__name__ == "InterpretedFunction"
     if interpreted != interpret:
         raise EngineLoadError(
             f"the Triton kernels were imported {'interpreted' if interpreted else 'compiled'} in this process "
             f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}) but the device is {device}: run "
             "CPU (interpreted) and CUDA backends in separate processes"
         )
-    return Kernels(*modules, interpreted=interpreted)
+    return Kernels(attention, kv_write, prologue, attention_quant, kv_write_quant, interpreted)
