@@ -2,9 +2,10 @@
 CPU under Triton's interpreter: the writes store numpy's bytes (executors/kv_quant.py), the
 attention dequantizing in registers matches the float reference over explicitly dequantized pools
 (decodes, prefill chunks, GQA, a window, a split decode), in the plugins' padded layout and in the
-torch backend's flat ragged one (tests/test_torch_kv_quant.py runs that backend), the plugin ops' ONNX reference bodies
-agree with the kernels, and a corrupted scale is caught. AOT compilation for sm_80/89/90 runs in
-a subprocess (no GPU needed); running them on a GPU is marked `gpu`."""
+torch backend's flat ragged one (tests/test_torch_kv_quant.py runs that backend), the plugin ops'
+ONNX reference bodies agree with the kernels, and a corrupted scale is caught. AOT compilation of
+the plugin kernels for sm_80/89/90 runs in a subprocess (no GPU needed); running them on a GPU is
+marked `gpu`."""
 
 from __future__ import annotations
 
