@@ -2,7 +2,7 @@
 
 Each field has its name, kind, allowed range, default per entry point and meaning. Everything else
 is derived from this table, so a field is added or changed here and nowhere else:
-- the engine's SamplingParams validates its values with `check` (runtime.engine.sampling_params);
+- the engine's SamplingParams validates its values with `check` (executors/sampling/params.py);
 - the Triton model's inputs (model_repository/llm/config.pbtxt, checked by a test) and their parsing
   (runtime.triton_model.inputs) use `triton_type` and the ranges;
 - the OpenAI gateway's request bodies (runtime.gateway.protocol) take their bounds and defaults from it.

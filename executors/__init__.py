@@ -13,21 +13,20 @@ a *backend* (BACKENDS) is what runs it in this process:
   on CUDA the default where TensorRT is missing; on CPU the kernels run in Triton's interpreter.
 
 A backend may also sample on its device (`DeviceSampling`, device_sampling.py): the engine then gets
-token ids back instead of [batch, vocab] logits. factory.py picks and builds backends.
+token ids back instead of [batch, vocab] logits, sampled with the engine's own state and semantics
+(sampling/: one package below the backends and the engine). factory.py picks and builds backends.
 """
 
 from executors.base import EngineBackend, SequenceChunk
-from executors.device_sampling import DeviceSample, DeviceSampling, RowLogprobs, SamplingOptions, SamplingRow
+from executors.device_sampling import DeviceSampling
 from executors.factory import BACKENDS, create_backend, cuda_present, default_backend
+from executors.sampling.state import DeviceSample
 
 __all__ = [
     "BACKENDS",
     "DeviceSample",
     "DeviceSampling",
     "EngineBackend",
-    "RowLogprobs",
-    "SamplingOptions",
-    "SamplingRow",
     "SequenceChunk",
     "create_backend",
     "cuda_present",

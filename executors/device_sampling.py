@@ -1,72 +1,22 @@
 """Sampling on the device: a backend that samples (`DeviceSampling`) returns token ids instead of [batch,
-vocab] logits. Rows are duck-typed (`SamplingRow`, which the engine's SamplingState satisfies) because
-backends sit below runtime.engine. Also the check of a step's chunks that the GPU backends run before
-indexing their pools unchecked."""
+vocab] logits, sampled with the engine's own SamplingState (executors/sampling/). Also the check of a
+step's chunks that the GPU backends run before indexing their pools unchecked."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from engine_format import EngineConfig
 from executors.base import SequenceChunk
-
-# (token_id, logprob, top-n [(token_id, logprob)] descending): runtime.engine's TokenLogprobs fields.
-RowLogprobs = tuple[int, float, list[tuple[int, float]]]
-
-
-class SamplingOptions(Protocol):
-    """The SamplingParams fields a sampler reads."""
-
-    @property
-    def temperature(self) -> float: ...
-    @property
-    def top_k(self) -> int: ...
-    @property
-    def top_p(self) -> float: ...
-    @property
-    def min_p(self) -> float: ...
-    @property
-    def repetition_penalty(self) -> float: ...
-    @property
-    def presence_penalty(self) -> float: ...
-    @property
-    def frequency_penalty(self) -> float: ...
-    @property
-    def logprobs(self) -> int | None: ...
-    @property
-    def greedy(self) -> bool: ...
-
-
-class SamplingRow(Protocol):
-    """One request's sampling state (runtime.engine.sampler.SamplingState)."""
-
-    @property
-    def params(self) -> SamplingOptions: ...
-    @property
-    def rng(self) -> np.random.Generator: ...
-    @property
-    def vocab_size(self) -> int: ...
-    @property
-    def output_counts(self) -> np.ndarray: ...
-    @property
-    def seen(self) -> np.ndarray: ...
-    @property
-    def penalized(self) -> bool: ...
-
-
-@dataclass(frozen=True)
-class DeviceSample:
-    token_ids: np.ndarray  # [B] int64; -1 where the row was not sampled
-    logprobs: list[RowLogprobs | None]  # per row; None unless its params ask for logprobs
+from executors.sampling.state import DeviceSample, SamplingState
 
 
 @runtime_checkable
 class DeviceSampling(Protocol):
-    def step_sample(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingRow | None]) -> DeviceSample:
+    def step_sample(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingState | None]) -> DeviceSample:
         """`step(chunks)`, then sample row i from its last token's logits with rows[i] (None: not
         sampled, a prompt chunk short of its prompt's end), on the device."""
         ...

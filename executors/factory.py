@@ -27,7 +27,8 @@ def cuda_present() -> bool:
 def default_backend(config: EngineConfig) -> str:
     """TensorRT for its own engines where it is installed; else torch on a GPU (unless this process
     runs Triton interpreted, TRITON_INTERPRET=1, as the kernel tests do); else ONNX Runtime.
-    An int8/fp8 KV cache: the CPU kernel backend (the graphs read it too, but torch and TensorRT do not)."""
+    An int8/fp8 KV cache with CPU segments: the CPU kernel backend, where the gate ran (the graphs and torch
+    read it too, torch's quantized kernels verified interpreted only; TensorRT does not)."""
     if config.kv_quantized and config.has_cpu_segments:
         return "cpu"
     if config.target == "tensorrt" and importlib.util.find_spec("tensorrt") is not None:

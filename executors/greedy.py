@@ -14,26 +14,21 @@ into calls matters beyond speed: a backend may run different batch shapes throug
 code (the CPU backend runs a lone sequence through the whole graph), so callers that compare
 numbers across runs keep their split fixed.
 
-KV blocks come from a free list over the backend's pool: a sequence takes blocks as it grows
-and gives them back when it finishes.
+The loop is written on executors/greedy_runner.py (sequences, their KV blocks, one call's argmax
+tokens), which the draft-engine proposer reuses; this module keeps the policy above: the call split,
+the stops, the order in which prompts start.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-import numpy as np
-
-from executors.base import EngineBackend, SequenceChunk
+from executors.base import EngineBackend
+from executors.greedy_runner import GreedyRunner
 
 StepKind = Literal["prefill", "decode"]
-
-
-class OutOfBlocks(RuntimeError):
-    """The backend's KV pool cannot hold the sequences running together."""
 
 
 class GreedyStep(NamedTuple):
@@ -55,19 +50,6 @@ def phase_seconds(steps: Sequence[GreedyStep], kind: StepKind) -> float:
     return timed[-1].end - timed[0].start if timed else 0.0
 
 
-@dataclass
-class _Sequence:
-    token_ids: list[int]
-    prompt_len: int
-    computed: int = 0  # tokens whose K/V are in the pool
-    blocks: list[int] = field(default_factory=list)
-    done: bool = False
-
-    @property
-    def decoding(self) -> bool:
-        return len(self.token_ids) > self.prompt_len
-
-
 def greedy_generate(
     backend: EngineBackend,
     prompts: Sequence[Sequence[int]],
@@ -87,7 +69,8 @@ def greedy_generate(
     max_batch_size: unfinished sequences run at a time, in prompt order (None: the engine's
         max_batch_size); later prompts start as earlier ones finish.
     on_step: called after every backend call with its timing.
-    Raises OutOfBlocks when the backend's pool cannot hold the running sequences."""
+    Raises OutOfBlocks (executors/greedy_runner.py) when the backend's pool cannot hold the running
+    sequences."""
     config = backend.config
     limit = config.max_batch_size if max_batch_size is None else max_batch_size
     if max_new_tokens < 1:
@@ -95,49 +78,38 @@ def greedy_generate(
     for name, value in (("prefill_chunk", prefill_chunk), ("prefill_batch", prefill_batch), ("max_batch_size", limit)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1 (got {value})")
-    seqs = [_Sequence(list(p), len(p)) for p in prompts]
-    for seq in seqs:
-        if not seq.token_ids or seq.prompt_len + max_new_tokens > config.max_seq_len:
+    for prompt in prompts:
+        if not prompt or len(prompt) + max_new_tokens > config.max_seq_len:
             raise ValueError(
-                f"prompt of {seq.prompt_len} tokens + max_new_tokens {max_new_tokens} must be "
+                f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} must be "
                 f"1..{config.max_seq_len} tokens (the engine's max_seq_len)"
             )
     stops = frozenset(stop_token_ids)
-    free_blocks = list(range(backend.num_blocks - 1, -1, -1))  # pop() hands out the lowest id
+    runner = GreedyRunner(backend)
+    seqs = [runner.extend(i, prompt) for i, prompt in enumerate(prompts)]
+    outputs: list[list[int] | None] = [None] * len(prompts)  # a finished sequence's generated tokens
 
-    def chunk(seq: _Sequence, end: int) -> SequenceChunk:
-        """The sequence's tokens computed..end, with blocks reserved to hold them."""
-        while len(seq.blocks) * config.block_size < end:
-            if not free_blocks:
-                raise OutOfBlocks(f"KV pool of {backend.num_blocks} blocks is full")
-            seq.blocks.append(free_blocks.pop())
-        return SequenceChunk(seq.token_ids[seq.computed : end], seq.computed, seq.blocks)
-
-    def run(kind: StepKind, group: list[_Sequence], ends: list[int]) -> None:
-        """One backend call; a sequence whose every token is then computed gets its next token."""
+    def run(kind: StepKind, group: list[int], ends: list[int]) -> None:
+        """One backend call; a sequence that reaches a stop token or max_new_tokens is released."""
         start = time.perf_counter()
-        chunks = [chunk(seq, end) for seq, end in zip(group, ends, strict=True)]
-        for seq, row, end in zip(group, backend.step(chunks), ends, strict=True):
-            seq.computed = end
-            if end < len(seq.token_ids):
-                continue  # a prompt chunk short of the prompt's end: its logits are not needed
-            token = int(np.argmax(row))
-            seq.token_ids.append(token)
-            if token in stops or len(seq.token_ids) - seq.prompt_len >= max_new_tokens:
-                seq.done = True
-                free_blocks.extend(reversed(seq.blocks))
-                seq.blocks.clear()
+        result = runner.step(list(zip(group, ends, strict=True)))
+        for i, token in zip(group, result.tokens, strict=True):
+            generated = len(seqs[i].tokens) - len(prompts[i])
+            if token is not None and (token in stops or generated >= max_new_tokens):
+                outputs[i] = seqs[i].tokens[len(prompts[i]) :]
+                runner.release(i)
         if on_step is not None:
-            tokens = sum(len(c.token_ids) for c in chunks)
-            on_step(GreedyStep(kind, len(chunks), tokens, start, time.perf_counter()))
+            tokens = sum(len(c.token_ids) for c in result.chunks)
+            on_step(GreedyStep(kind, len(result.chunks), tokens, start, time.perf_counter()))
 
-    while active := [s for s in seqs if not s.done][:limit]:
-        decoding = [s for s in active if s.decoding]
-        prefilling = [s for s in active if not s.decoding]
+    while active := [i for i, out in enumerate(outputs) if out is None][:limit]:
+        decoding = [i for i in active if len(seqs[i].tokens) > len(prompts[i])]
+        prefilling = [i for i in active if len(seqs[i].tokens) == len(prompts[i])]
         if decoding:
-            run("decode", decoding, [s.computed + 1 for s in decoding])
+            run("decode", decoding, [seqs[i].computed + 1 for i in decoding])
         per_call = prefill_batch or max(1, len(prefilling))
-        for i in range(0, len(prefilling), per_call):
-            group = prefilling[i : i + per_call]
-            run("prefill", group, [min(s.prompt_len, s.computed + (prefill_chunk or s.prompt_len)) for s in group])
-    return [s.token_ids[s.prompt_len :] for s in seqs]
+        for j in range(0, len(prefilling), per_call):
+            group = prefilling[j : j + per_call]
+            run("prefill", group, [min(len(prompts[i]), seqs[i].computed + (prefill_chunk or len(prompts[i])))
+                                   for i in group])  # fmt: skip
+    return [out for out in outputs if out is not None]  # all of them: the loop ran until none was left

@@ -9,7 +9,7 @@ input buffer, one logits buffer per context ([max_logit_rows, vocab]: the rows `
 for, several per sequence when speculative drafts are verified). Per step the host packs every input of both calls
 (engine_format/INTERFACE.md, block tables covering the step) into one pinned buffer, which
 reaches the device in one copy; the calls run on one stream and their logits stay on the
-device, where `step_sample` samples them (executors/torch_sampler.py, shared with the
+device, where `step_sample` samples them (executors/sampling/torch_sampler.py, shared with the
 torch backend) so that only token ids come back. Every TensorRT call's result is checked, and
 a shape the plan cannot take is refused first with the profile's limits (engine_format's
 TensorRTLimits, from the manifest); the engine's own limits are checked against EngineArgs at
@@ -31,7 +31,8 @@ import numpy as np
 from engine_format import EngineConfig, EngineLoadError, TensorRTLimits
 from engine_format.files import PLAN_FILE
 from executors.base import SequenceChunk, StepTensors, num_logit_rows
-from executors.device_sampling import DeviceSample, SamplingRow, check_chunks
+from executors.device_sampling import check_chunks
+from executors.sampling.state import DeviceSample, SamplingState
 
 if TYPE_CHECKING:  # imported when a backend is made: this module loads without torch or TensorRT
     import torch
@@ -58,8 +59,9 @@ def _load_tensorrt() -> Any:
 
 def refuse_quantized_kv(config: EngineConfig) -> None:
     """An int8/fp8 KV cache is refused here (and by build-engine for --target tensorrt): the quantized
-    ops' Triton kernels exist (plugins_cuda/kv_write_quant.py, paged_attention_quant.py) but no TensorRT
-    plugin registers them, so a plan cannot take the pool's codes, scale pools or kv_scales yet."""
+    ops' Triton kernels exist (plugins_cuda/kv_write_quant.py, paged_attention_quant.py; the torch backend
+    runs them) but no TensorRT plugin registers them, so a plan cannot take the pool's codes, scale pools
+    or kv_scales yet."""
     if config.kv_quantized:
         raise EngineLoadError(
             f"the TensorRT backend does not read a {config.kv_cache_dtype} KV cache: plugins_cuda/trt_plugins.py "
@@ -191,7 +193,7 @@ class TrtBackend:
         trt = _load_tensorrt()
         import torch
 
-        from executors.torch_sampler import TorchSampler
+        from executors.sampling.torch_sampler import TorchSampler
 
         plan = config.engine_dir / PLAN_FILE
         if not plan.is_file():
@@ -235,7 +237,7 @@ class TrtBackend:
         with torch.cuda.stream(self.stream):
             return self._run(chunks).cpu().numpy()
 
-    def step_sample(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingRow | None]) -> DeviceSample:
+    def step_sample(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingState | None]) -> DeviceSample:
         """One logits row per chunk only (speculative verify steps go through `step`: the engine's
         rejection sampler runs on the host)."""
         import torch

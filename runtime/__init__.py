@@ -23,7 +23,7 @@ _EXPORTS = {
     "LLMEngine": "runtime.engine.llm_engine",
     "Overloaded": "runtime.engine.errors",
     "RequestOutput": "runtime.engine.outputs",
-    "SamplingParams": "runtime.engine.sampling_params",
+    "SamplingParams": "executors.sampling.params",
 }
 __all__ = [
     "LLM",
@@ -38,12 +38,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from executors.sampling.params import SamplingParams
     from runtime.async_llm import AsyncLLM
     from runtime.engine.engine_args import EngineArgs
     from runtime.engine.errors import InvalidRequest, Overloaded
     from runtime.engine.llm_engine import LLMEngine
     from runtime.engine.outputs import CompletionOutput, RequestOutput
-    from runtime.engine.sampling_params import SamplingParams
     from runtime.llm import LLM
 
 

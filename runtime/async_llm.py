@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_format.requests import OPENAI_MAX_STRING
+from executors.sampling import SamplingParams
 from runtime.engine.admission import Prompt
 from runtime.engine.errors import InvalidRequest
 from runtime.engine.llm_engine import EngineArgs, LLMEngine
 from runtime.engine.outputs import RequestOutput
-from runtime.engine.sampling_params import SamplingParams
 from runtime.engine.stats import EngineProgress, EngineStats, StepRecord
 
 log = logging.getLogger(__name__)

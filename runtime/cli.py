@@ -83,8 +83,8 @@ def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, tempera
     """Generate an answer to --prompt and stream it to stdout."""
     from transformers.utils import logging as transformers_logging
 
+    from executors.sampling import SamplingParams
     from runtime.engine.llm_engine import LLMEngine
-    from runtime.engine.sampling_params import SamplingParams
 
     logging.basicConfig(level=logging.WARNING)
     transformers_logging.set_verbosity_error()

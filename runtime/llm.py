@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
+from executors.sampling import SamplingParams
 from runtime.engine.admission import Prompt
 from runtime.engine.llm_engine import EngineArgs, LLMEngine
 from runtime.engine.outputs import CompletionOutput
-from runtime.engine.sampling_params import SamplingParams
 
 
 class LLM:

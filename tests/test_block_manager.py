@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from executors.sampling import SamplingParams, SamplingState
 from runtime.engine.errors import InvalidRequest
 from runtime.engine.kv_cache_manager import KVCacheManager
 from runtime.engine.request import Request
-from runtime.engine.sampler import SamplingState
-from runtime.engine.sampling_params import SamplingParams
 
 BS = 4
 
@@ -184,7 +183,7 @@ def test_invariant_check_catches_a_leaked_reference():
 
 def test_invariant_check_catches_a_free_block_dropped_from_the_free_queue():
     kv, a = pool_with_cached_and_used()
-    del kv.pool._free[5]  # ref_cnt 0, yet neither free nor cached: lost forever
+    kv.pool._free.remove(5)  # ref_cnt 0, yet neither free nor cached: lost forever
     assert kv.pool.counts() == {"free": 0, "cached": 2, "used": 3}  # sums to 5, not 6
     with pytest.raises(AssertionError, match=r"blocks in no category: \[5\]"):
         kv.check_invariants([a])
@@ -192,14 +191,14 @@ def test_invariant_check_catches_a_free_block_dropped_from_the_free_queue():
 
 def test_invariant_check_catches_a_cached_block_dropped_from_the_free_queue():
     kv, a = pool_with_cached_and_used()
-    del kv.pool._free[3]
+    kv.pool._free.remove(3)
     with pytest.raises(AssertionError, match=r"blocks in no category: \[3\]"):
         kv.check_invariants([a])
 
 
 def test_invariant_check_catches_a_used_block_in_the_free_queue():
     kv, a = pool_with_cached_and_used()
-    kv.pool._free[a.block_ids[2]] = None  # block 2 could be handed out while a writes it
+    kv.pool._free.append([a.block_ids[2]])  # block 2 could be handed out while a writes it
     assert kv.pool.counts() == {"free": 2, "cached": 2, "used": 3}  # sums to 7, not 6
     with pytest.raises(AssertionError, match=r"blocks in more than one category: \[2\]"):
         kv.check_invariants([a])

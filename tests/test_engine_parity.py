@@ -18,7 +18,8 @@ from engine_format import EngineConfig
 from executors import create_backend
 from executors.base import SequenceChunk
 from executors.flat_step import FlatStep
-from executors.greedy import GreedyStep, OutOfBlocks, greedy_generate, phase_seconds
+from executors.greedy import GreedyStep, greedy_generate, phase_seconds
+from executors.greedy_runner import OutOfBlocks
 from executors.ort_cpu import runs_whole_graph
 from tests.conftest import TINY_BLOCK_SIZE
 from tests.helpers import hf_greedy, hf_logits, random_prompts

@@ -1,9 +1,11 @@
 """The quantized-pool Triton kernels (plugins_cuda/kv_write_quant.py, paged_attention_quant.py) on
 CPU under Triton's interpreter: the writes store numpy's bytes (executors/kv_quant.py), the
 attention dequantizing in registers matches the float reference over explicitly dequantized pools
-(decodes, prefill chunks, GQA, a window, a split decode), the plugin ops' ONNX reference bodies
-agree with the kernels, and a corrupted scale is caught. AOT compilation for sm_80/89/90 runs in
-a subprocess (no GPU needed); running them on a GPU is marked `gpu`."""
+(decodes, prefill chunks, GQA, a window, a split decode), in the plugins' padded layout and in the
+torch backend's flat ragged one (tests/test_torch_kv_quant.py runs that backend), the plugin ops'
+ONNX reference bodies agree with the kernels, and a corrupted scale is caught. AOT compilation of
+the plugin kernels for sm_80/89/90 runs in a subprocess (no GPU needed); running them on a GPU is
+marked `gpu`."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from builder.plugin_functions_kv import QUANTIZED_OPS, quantized_functions  # no
 from executors.cpu_attention import AttentionShape  # noqa: E402
 from executors.kv_quant import decode_fp8, dequantize_int8, encode_fp8, quantize_int8  # noqa: E402
 from plugins_cuda.kv_write_quant import paged_kv_write_fp8, paged_kv_write_int8  # noqa: E402
-from plugins_cuda.paged_attention_quant import paged_attention_padded_quant  # noqa: E402
+from plugins_cuda.paged_attention_quant import launch_ragged_quant, paged_attention_padded_quant  # noqa: E402
 from tests.test_paged_attention import reference  # noqa: E402
 from tests.test_plugin_kernels import LONG_DECODES, SEQS, padded_case, write_reference  # noqa: E402
 
@@ -135,6 +137,29 @@ def test_write_then_attention_matches_the_dequantized_reference(kind, shape, win
     raw = [p.astype(np.float32) for p in pools]
     wrong = reference(flat["q"], *raw, tables, flat["seq_of_token"], flat["positions"], shape, window or None)
     assert np.abs(wrong - want).max() > 1e-2
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize(("shape", "window", "seqs"), CASES)
+def test_ragged_attention_matches_the_dequantized_reference(kind, shape, window, seqs):
+    """launch_ragged_quant (the torch backend's layout: flat tokens, query_start; fp8 scales as the
+    layer's two scalars) over the pools the write produced."""
+    rng = np.random.default_rng(3)
+    k, v, pools, scales, tables, positions, seq_lens = quantized_case(rng, seqs, shape, kind)
+    written = kernel_write(kind, k, v, pools, scales, tables, positions, seq_lens)
+    pools, scales = written[:2], written[2:] or scales
+    q = rng.standard_normal((*positions.shape, shape.num_heads * shape.head_dim), dtype=np.float32)
+    real = [(b, i) for b in range(len(seqs)) for i in range(seq_lens[b])]
+    flat_q, flat_positions = np.stack([q[r] for r in real]), np.array([positions[r] for r in real])
+    query_start = np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32)
+    layer_scales = scales if kind == "int8" else [KV_SCALES[LAYER, 0:1], KV_SCALES[LAYER, 1:2]]
+    got = launch_ragged_quant(_t(flat_q), _t(pools[0]), _t(pools[1]), _t(tables), _t(flat_positions),
+                              _t(query_start), int(seq_lens.max()), shape.num_kv_heads, kind,
+                              tuple(_t(s) for s in layer_scales), window=window)  # fmt: skip
+    seq_of_token = np.array([b for b, _ in real])
+    want = reference(flat_q, *dequantized(kind, pools, scales), tables, seq_of_token, flat_positions, shape,
+                     window or None)  # fmt: skip
+    np.testing.assert_allclose(got.cpu().numpy(), want, atol=2e-5)
 
 
 def test_a_corrupted_scale_is_caught():

@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.engine.sampler import Sampler, SamplingState
-from runtime.engine.sampling_params import SamplingParams
+from executors.sampling import Sampler, SamplingParams, SamplingState
 from runtime.engine.spec import RejectionSampler
 from runtime.engine.spec import rejection_sampler as rejection_module
 

@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 
-from runtime.engine.sampler import Sampler, SamplingState, apply_penalties
-from runtime.engine.sampling_params import SamplingParams
+from executors.sampling import Sampler, SamplingParams, SamplingState
+from executors.sampling.numpy_sampler import apply_penalties
 
 V = 64
 

@@ -16,11 +16,10 @@ import itertools
 
 import pytest
 
+from executors.sampling import SamplingParams, SamplingState
 from runtime.engine.errors import Overloaded
 from runtime.engine.kv_cache_manager import KVCacheManager
 from runtime.engine.request import Request, RequestStatus, RequestTiming
-from runtime.engine.sampler import SamplingState
-from runtime.engine.sampling_params import SamplingParams
 from runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from runtime.engine.step_cost import StepCost, StepShape
 

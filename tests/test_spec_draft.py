@@ -51,7 +51,7 @@ def test_the_target_as_its_own_draft_is_accepted(llama_engine, reference):
     assert engine.spec is not None
     proposer = engine.spec.proposer
     assert isinstance(proposer, DraftEngineProposer)
-    assert not proposer.states and len(proposer.free_blocks) == proposer.backend.num_blocks  # all released
+    assert not proposer.runner.sequences and len(proposer.runner.free) == proposer.backend.num_blocks  # all released
 
 
 @pytest.mark.parametrize("case", ["prefix-caching", "preemption-storm"])
@@ -63,7 +63,7 @@ def test_another_model_as_draft_keeps_the_greedy_tokens(llama_engine, mistral_en
     assert run(engine, prompts, params, arrivals=[0, 0, 1, 2, 3, 5, 8, 13]) == [reference(p, 20) for p in prompts]
     stats = engine.stats().spec_decode
     assert stats is not None and stats.draft_tokens > stats.accepted_tokens  # a poor draft: rejections happen
-    assert not engine.spec.proposer.states  # type: ignore[union-attr]
+    assert not engine.spec.proposer.runner.sequences  # type: ignore[union-attr]
 
 
 def test_sampled_requests_with_a_draft_engine(llama_engine, mistral_engine):
@@ -94,14 +94,15 @@ def test_the_draft_pool_catches_up_and_drops_rejected_drafts(llama_engine):
     (drafts,) = proposer.propose([prompt], [3], ["r"])
     # The prompt in one chunk, then drafts 1 and 2 fed one at a time (draft 3 is never fed).
     assert backend.steps == [[(prompt, 0, [0])], [([drafts[0]], 6, [0])], [([drafts[1]], 7, [0])]]
-    assert proposer.states["r"].tokens == [*prompt, *drafts[:2]]
+    seq = proposer.runner.sequences["r"]  # draft 3 is known, never computed
+    assert seq.tokens == [*prompt, *drafts] and seq.tokens[: seq.computed] == [*prompt, *drafts[:2]]
     # The target accepted draft 1 only and added its own token 99: the draft keeps prompt + draft 1
     # and recomputes from 99 (its rejected draft 2 at position 7 is overwritten).
     backend.steps.clear()
     (again,) = proposer.propose([[*prompt, drafts[0], 99]], [2], ["r"])
     assert backend.steps == [[([99], 7, [0])], [([again[0]], 8, [0, 1])]]  # position 8 opens block 1
     proposer.release("r")
-    assert not proposer.states and sorted(proposer.free_blocks) == list(range(8))
+    assert not proposer.runner.sequences and list(proposer.runner.free) == list(range(8))
 
 
 def test_a_request_near_its_end_is_not_caught_up_over_its_whole_context(llama_engine):
@@ -110,7 +111,7 @@ def test_a_request_near_its_end_is_not_caught_up_over_its_whole_context(llama_en
     prompt = random_prompts(488, [9], seed=76)[0]
     # 9 context tokens to catch up with 2 tokens left to generate: over CATCH_UP_PER_TOKEN x 2 = 8, nothing runs.
     assert proposer.propose([prompt], [1], ["r"], remaining=[2]) == [[]]
-    assert backend.steps == [] and proposer.states["r"].tokens == []
+    assert backend.steps == [] and proposer.runner.sequences["r"].tokens == []
     # With 3 left (a limit of 12) the same context is caught up and drafted.
     (drafts,) = proposer.propose([prompt], [1], ["r"], remaining=[3])
     assert backend.steps == [[(prompt, 0, [0, 1])]] and len(drafts) == 1  # 9 tokens: two 8-token blocks
@@ -119,7 +120,7 @@ def test_a_request_near_its_end_is_not_caught_up_over_its_whole_context(llama_en
     (again,) = proposer.propose([[*prompt, drafts[0], 5]], [1], ["r"], remaining=[1])
     assert backend.steps == [[([drafts[0], 5], 9, [0, 1])]] and len(again) == 1
     proposer.release("r")
-    assert sorted(proposer.free_blocks) == list(range(8))
+    assert list(proposer.runner.free) == list(range(8))
 
 
 def test_top_probability_is_the_softmax_of_the_argmax():
@@ -136,7 +137,10 @@ def test_the_confidence_stop_drops_doubted_drafts_and_never_feeds_them(llama_eng
     backend.steps.clear()
     doubting = DraftEngineProposer(backend, min_confidence=min(0.999, confidence + 1e-3))
     assert doubting.propose([prompt], [3], ["r"]) == [[]]  # the first guess is below the bar: no drafts
-    assert backend.steps == [[(prompt, 0, [0])]] and doubting.states["r"].tokens == prompt
+    seq = doubting.runner.sequences["r"]  # the doubted draft was never fed
+    assert (
+        backend.steps == [[(prompt, 0, [0])]] and seq.computed == len(prompt) and seq.tokens[: seq.computed] == prompt
+    )
     assert len(sure) == 3
 
 
@@ -157,7 +161,7 @@ def test_a_full_draft_pool_proposes_nothing_instead_of_failing(llama_engine):
     a, b = random_prompts(488, [12, 10], seed=75)
     got = proposer.propose([a, b], [3, 3], ["a", "b"])
     assert len(got[0]) == 3 and got[1] == []  # a holds both blocks; b had none left
-    assert "b" not in proposer.states
+    assert "b" not in proposer.runner.sequences
 
 
 def test_a_draft_of_another_vocabulary_is_refused(llama_engine, tmp_path):

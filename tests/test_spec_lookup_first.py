@@ -54,7 +54,7 @@ def test_a_batch_splits_by_source_and_the_draft_catches_up_later(recorded):
     assert backend.steps[0] == [(later, 0, [2, 3, 4])]  # blocks after "a"'s 0 and 1
     for request in ("a", "b"):
         proposer.release(request)
-    assert sorted(proposer.draft.free_blocks) == list(range(16))  # type: ignore[attr-defined]
+    assert sorted(proposer.draft.runner.free) == list(range(16))  # type: ignore[attr-defined]
 
 
 def test_greedy_tokens_are_unchanged_and_both_sources_propose(llama_engine, mistral_engine, reference):  # noqa: F811
@@ -68,7 +68,7 @@ def test_greedy_tokens_are_unchanged_and_both_sources_propose(llama_engine, mist
     assert proposer.lookup_proposals > 0 and proposer.draft_proposals > 0
     draft = proposer.draft
     assert isinstance(draft, DraftEngineProposer)
-    assert not draft.states and len(draft.free_blocks) == draft.backend.num_blocks  # all released
+    assert not draft.runner.sequences and len(draft.runner.free) == draft.backend.num_blocks  # all released
 
 
 def test_the_default_is_lookup_first_and_zero_turns_it_off(llama_engine):

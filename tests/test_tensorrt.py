@@ -231,8 +231,7 @@ def test_tensorrt_engine_matches_hf_eager(tmp_path):
     calls in one step, sampled on the device, against the numpy sampler on the returned logits."""
     from builder.build import VERIFY_TOLERANCE, BuildOptions, build_engine
     from builder.sources import load_checkpoint, resolve_model
-    from runtime.engine.sampler import Sampler, SamplingState
-    from runtime.engine.sampling_params import SamplingParams
+    from executors.sampling import Sampler, SamplingParams, SamplingState
     from tests.helpers import hf_logits
     from tests.test_torch_backend import make_checkpoint
 

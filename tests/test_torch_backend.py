@@ -31,9 +31,9 @@ from engine_format import EngineConfig, EngineLoadError  # noqa: E402
 from executors import DeviceSampling, create_backend  # noqa: E402
 from executors.base import SequenceChunk  # noqa: E402
 from executors.greedy import greedy_generate  # noqa: E402
+from executors.sampling import SamplingParams  # noqa: E402
 from runtime.engine.engine_args import EngineArgs  # noqa: E402
 from runtime.engine.llm_engine import LLMEngine  # noqa: E402
-from runtime.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.conftest import TINY_BLOCK_SIZE, TINY_MAX_SEQ_LEN  # noqa: E402
 from tests.helpers import hf_greedy, hf_logits, random_prompts  # noqa: E402
 
@@ -262,7 +262,7 @@ def test_default_backend_prefers_torch_on_a_gpu_without_tensorrt(llama_engine, m
 
 def test_compiled_kernels_on_cpu_are_refused():
     """Kernels imported without TRITON_INTERPRET are GPU code: a CPU backend says so, it does not crash."""
-    code = ("import plugins_cuda.kv_write, torch\nfrom executors.torch.model import load_kernels\n"
+    code = ("import plugins_cuda.kv_write, torch\nfrom executors.torch.kernels import load_kernels\n"
             "load_kernels(torch.device('cpu'))")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

@@ -1,5 +1,5 @@
-"""The device sampler (executors/torch_sampler.py) against the numpy sampler
-(runtime/engine/sampler.py) on the same logits and seeds: identical tokens, logprobs within
+"""The device sampler (executors/sampling/torch_sampler.py) against the numpy sampler
+(executors/sampling/numpy_sampler.py) on the same logits and seeds: identical tokens, logprobs within
 float32 rounding, over several steps so that penalties see earlier tokens. Runs on CPU torch;
 the `gpu` test repeats it on CUDA tensors."""
 
@@ -10,9 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from executors.torch_sampler import TorchSampler  # noqa: E402
-from runtime.engine.sampler import Sampler, SamplingState  # noqa: E402
-from runtime.engine.sampling_params import SamplingParams  # noqa: E402
+from executors.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs  # noqa: E402
+from executors.sampling.torch_sampler import TorchSampler  # noqa: E402
 
 VOCAB = 300
 PARAMS = [
@@ -50,11 +49,11 @@ def assert_same(want, got) -> None:
     for w, g in zip(want.logprobs, got.logprobs, strict=True):
         assert (w is None) == (g is None)
         if w is not None and g is not None:
-            token, logprob, top = g
-            assert token == w.token_id
-            np.testing.assert_allclose(logprob, w.logprob, atol=1e-5)
-            assert [t for t, _ in top] == [t for t, _ in w.top]
-            np.testing.assert_allclose([v for _, v in top], [v for _, v in w.top], atol=1e-5)
+            assert isinstance(g, TokenLogprobs) and not g.texts  # the engine fills the texts
+            assert g.token_id == w.token_id
+            np.testing.assert_allclose(g.logprob, w.logprob, atol=1e-5)
+            assert [t for t, _ in g.top] == [t for t, _ in w.top]
+            np.testing.assert_allclose([v for _, v in g.top], [v for _, v in w.top], atol=1e-5)
 
 
 @pytest.mark.parametrize("vocab", [VOCAB, 32_000])

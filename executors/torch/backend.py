@@ -2,11 +2,12 @@
 
 The second GPU path beside TensorRT (as TensorRT-LLM's PyTorch backend), needing only CUDA,
 torch and Triton. The KV pool is one device tensor [layers, 2, num_blocks + 1, block_size,
-kv_width]; the extra block is scratch for CUDA-graph padding rows and never handed out. A step
+kv_width] in the engine's KV dtype (float, or int8/fp8 codes with their scales: kv_cache.py); the
+extra block is scratch for CUDA-graph padding rows and never handed out. A step
 is packed and checked on the host (model.HostStep: a wrong block table, position or token id
 raises ValueError before any kernel indexes the pool with it), copied to the device in one
 transfer and run by model.Decoder. On CUDA, decode steps replay CUDA graphs per batch bucket
-(graphs.py) and `step_sample` samples on the device (executors/torch_sampler.py), so a
+(graphs.py) and `step_sample` samples on the device (executors/sampling/torch_sampler.py), so a
 step copies back token ids, not logits. On CPU the same code runs with the Triton kernels in
 Triton's interpreter (slow: tests and tiny models only).
 """
@@ -21,11 +22,13 @@ import torch
 
 from engine_format import EngineConfig, EngineLoadError
 from executors.base import SequenceChunk
-from executors.device_sampling import DeviceSample, SamplingRow
+from executors.sampling.state import DeviceSample, SamplingState
+from executors.sampling.torch_sampler import TorchSampler
 from executors.torch.graphs import DecodeGraphs, default_buckets
-from executors.torch.model import Decoder, HostStep, load_kernels
+from executors.torch.kernels import load_kernels
+from executors.torch.kv_cache import TorchKVPool
+from executors.torch.model import Decoder, HostStep
 from executors.torch.weights import load_weights
-from executors.torch_sampler import TorchSampler
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ class TorchBackend:
         dtype: compute dtype (default: the engine's), e.g. "bfloat16" over a float32 engine.
         cuda_graphs: replay decode steps from CUDA graphs (default: on CUDA). False on CUDA: eager;
         True on CPU: the graphs' buffers and bucketing run eagerly (what the CPU tests check)."""
-        self.config, spec = config, config.model
+        self.config = config
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         name = dtype or config.dtype
         if name not in DTYPES:
@@ -50,12 +53,12 @@ class TorchBackend:
         kernels = load_kernels(self.device)
         self.num_blocks = num_blocks or config.max_batch_size * config.max_blocks_per_seq
         self.weights = load_weights(config, self.device, self.dtype)
-        shape = (spec.num_layers, 2, self.num_blocks + 1, config.block_size, spec.kv_width)
-        self.pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv = TorchKVPool.allocate(config, self.num_blocks, self.dtype, self.device, kernels)
+        self.pool = self.kv.data
         on_cuda = self.device.type == "cuda"
         # The split-KV heuristic's SM count; the interpreter takes the launcher's default (an H100's).
         sm_count = kernels.attention.sm_count_of(self.device)
-        self.decoder = Decoder(config, self.weights, self.pool, kernels, sm_count)
+        self.decoder = Decoder(config, self.weights, self.kv, kernels, sm_count)
         self.sampler = TorchSampler(self.device)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs if cuda_graphs is not None else on_cuda:
@@ -63,14 +66,14 @@ class TorchBackend:
             self.graphs = DecodeGraphs(self.decoder.forward, buckets, config.max_blocks_per_seq, self.num_blocks,
                                        self.device, capture=on_cuda)  # fmt: skip
         self._staging: torch.Tensor | None = None  # pinned host buffer of the eager steps' packed inputs
-        log.info("torch backend on %s (%s, kernels %s): KV pool %d blocks, %.1f MiB", self.device, name,
-                 "interpreted" if kernels.interpreted else "compiled", self.num_blocks,
-                 self.pool.numel() * self.pool.element_size() / 2**20)  # fmt: skip
+        log.info("torch backend on %s (%s, kernels %s): KV pool %d blocks (%s), %.1f MiB", self.device, name,
+                 "interpreted" if kernels.interpreted else "compiled", self.num_blocks, config.kv_cache_dtype,
+                 self.kv.nbytes / 2**20)  # fmt: skip
 
     def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
         return self._logits(chunks).cpu().numpy()
 
-    def step_sample(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingRow | None]) -> DeviceSample:
+    def step_sample(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingState | None]) -> DeviceSample:
         if len(rows) != len(chunks):
             raise ValueError(f"{len(rows)} sampling rows for {len(chunks)} chunks")
         if any(c.num_logits != 1 for c in chunks):  # speculative verify steps: `step`, rejection-sampled on the host
@@ -80,7 +83,7 @@ class TorchBackend:
     def close(self) -> None:
         """Drop the graphs, pool and weights; return the cached device memory to CUDA."""
         self.graphs = None
-        del self.decoder, self.pool, self.weights
+        del self.decoder, self.kv, self.pool, self.weights
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()

@@ -6,7 +6,8 @@ the kernels index with into one int64 array (`HostStep`), which reaches the devi
 Per layer: the fused RMSNorm -> QKV -> RoPE prologue (plugins_cuda/fused_qkv.py; unfused torch
 where that kernel does not apply: head_dim < 32, FP8 activations), `paged_kv_write` of the new
 K/V rows into the pool, `launch_ragged` paged attention over the pool in place (split-KV decode
-path and query-tiled prefill path, per-layer sliding window), then o_proj, RMSNorm, SwiGLU MLP
+path and query-tiled prefill path, per-layer sliding window; an int8/fp8 pool through the quantized
+write and attention kernels, kv_cache.py), then o_proj, RMSNorm, SwiGLU MLP
 in torch. The final norm and lm_head run only on the rows the step asks logits for (`logit_rows`:
 each sequence's last token, plus the draft positions of a speculative verify chunk).
 
@@ -16,49 +17,21 @@ captured in a CUDA graph (graphs.py).
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import ModuleType
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine_format import EngineConfig, EngineLoadError, ceil_div
+from engine_format import EngineConfig, ceil_div
 from executors.base import SequenceChunk, logit_rows
 from executors.device_sampling import check_chunks
+from executors.torch.kernels import Kernels
+from executors.torch.kv_cache import TorchKVPool
 from executors.torch.weights import Layer, Weights
 
 PROLOGUE_MIN_HEAD_DIM = 32  # plugins_cuda.fused_qkv.check_head_dim: half a head must fill a tl.dot
-
-
-@dataclass(frozen=True)
-class Kernels:
-    attention: ModuleType  # plugins_cuda.attention_launch
-    kv_write: ModuleType  # plugins_cuda.kv_write
-    prologue: ModuleType  # plugins_cuda.fused_qkv
-    interpreted: bool
-
-
-def load_kernels(device: torch.device) -> Kernels:
-    """The Triton kernel modules: compiled for CUDA, or on CPU run by Triton's interpreter, which
-    `triton.jit` chooses when a kernel module is first imported (TRITON_INTERPRET=1)."""
-    interpret = device.type != "cuda"
-    if interpret:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    # Imported by name: plugins_cuda is untyped (mypy checks runtime/ strictly) and must load only now.
-    attention_launch, fused_qkv, kv_write = (importlib.import_module(f"plugins_cuda.{name}")
-                                             for name in ("attention_launch", "fused_qkv", "kv_write"))  # fmt: skip
-    interpreted = type(kv_write.paged_kv_write_kernel).__name__ == "InterpretedFunction"
-    if interpreted != interpret:
-        raise EngineLoadError(
-            f"the Triton kernels were imported {'interpreted' if interpreted else 'compiled'} in this process "
-            f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}) but the device is {device}: run "
-            "CPU (interpreted) and CUDA backends in separate processes"
-        )
-    return Kernels(attention_launch, kv_write, fused_qkv, interpreted)
 
 
 @dataclass(frozen=True)
@@ -133,9 +106,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> t
 
 
 class Decoder:
-    def __init__(self, config: EngineConfig, weights: Weights, pool: torch.Tensor, kernels: Kernels,
+    def __init__(self, config: EngineConfig, weights: Weights, kv: TorchKVPool, kernels: Kernels,
                  sm_count: int) -> None:  # fmt: skip
-        self.spec, self.w, self.pool, self.k, self.sm_count = config.model, weights, pool, kernels, sm_count
+        self.spec, self.w, self.kv, self.k, self.sm_count = config.model, weights, kv, kernels, sm_count
         self.scale = float(self.spec.head_dim) ** -0.5
         self.fused_prologue = self.spec.head_dim >= PROLOGUE_MIN_HEAD_DIM
 
@@ -143,16 +116,11 @@ class Decoder:
         """float32 logits [rows, vocab] of the `logit_rows` tokens; writes the step's K/V into the pool."""
         spec, w = self.spec, self.w
         hidden = F.embedding(s.input_ids, w.embed)
-        ones = torch.ones_like(s.kv_block)  # seq_lens of the one-token rows paged_kv_write sees
         for index, layer in enumerate(w.layers):
             q, k, v = self._prologue(layer, hidden, s.positions)
-            k_cache, v_cache = self.pool[index, 0], self.pool[index, 1]
-            self.k.kv_write.paged_kv_write(k[:, None], v[:, None], k_cache, v_cache, s.kv_block[:, None],
-                                           s.kv_offset[:, None], ones)  # fmt: skip
-            ctx = self.k.attention.launch_ragged(
-                q, k_cache, v_cache, s.block_tables, s.positions, s.query_start, s.max_rows, spec.num_kv_heads,
-                window=layer.window, scale=self.scale, sm_count=self.sm_count,
-            )  # fmt: skip
+            self.kv.write(index, k, v, s.kv_block, s.kv_offset)
+            ctx = self.kv.attend(index, q, s.block_tables, s.positions, s.query_start, s.max_rows, spec.num_kv_heads,
+                                 layer.window, self.scale, self.sm_count)  # fmt: skip
             hidden = hidden + layer.o_proj(ctx)
             gate, up = layer.gate_up(rms_norm(hidden, layer.post_norm, spec.rms_norm_eps)).chunk(2, dim=-1)
             hidden = hidden + layer.down(F.silu(gate) * up)

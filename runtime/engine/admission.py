@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any, TypeGuard
 
 from engine_format.requests import CHAT_ROLES, OPENAI_MAX_STRING, InvalidRequest
-from runtime.engine.sampling_params import SamplingParams
+from executors.sampling import SamplingParams
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]  # text, token ids, or chat messages
 

@@ -1,5 +1,8 @@
 """The KV block pool: reference counts, the prefix-cache index and the LRU free queue.
 
+The free queue is executors/free_blocks.py's FreeBlockQueue, the free-list type every pool owner uses;
+this pool gives blocks back at its end (`append`), so that the queue is in eviction order.
+
 Invariants (checked by `check_invariants`, called by the tests):
 - every block is exactly one of: used (ref_cnt > 0), cached (ref_cnt == 0, has a hash,
   evictable), free (ref_cnt == 0, no hash): free + cached + used == total, where free and
@@ -12,9 +15,11 @@ Invariants (checked by `check_invariants`, called by the tests):
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from executors.free_blocks import FreeBlockQueue
 
 
 @dataclass
@@ -24,16 +29,12 @@ class KVBlock:
     block_hash: bytes | None = None
 
 
-class NoFreeBlocks(RuntimeError):
-    pass
-
-
 class BlockPool:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # Insertion-ordered: popping from the front takes the least recently freed block.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Taken from the front, given back at the end: the least recently freed block goes first.
+        self._free = FreeBlockQueue(range(num_blocks))
         self._by_hash: dict[bytes, KVBlock] = {}
 
     @property
@@ -46,12 +47,10 @@ class BlockPool:
         return 1.0 - len(self._free) / self.num_blocks
 
     def get_new_blocks(self, count: int) -> list[KVBlock]:
-        """Take `count` blocks from the front of the free queue, evicting cached ones."""
-        if count > len(self._free):
-            raise NoFreeBlocks(f"need {count} blocks, {len(self._free)} free")
+        """Take `count` blocks from the front of the free queue, evicting cached ones (executors' NoFreeBlocks,
+        nothing taken, when fewer are free)."""
         taken = []
-        for _ in range(count):
-            block_id, _ = self._free.popitem(last=False)
+        for block_id in self._free.take(count):
             block = self.blocks[block_id]
             if block.block_hash is not None:  # evict from the prefix cache
                 del self._by_hash[block.block_hash]
@@ -67,7 +66,7 @@ class BlockPool:
         """Take a reference on prefix-cache hits (a cached block leaves the free queue)."""
         for block in blocks:
             if block.ref_cnt == 0:
-                del self._free[block.block_id]
+                self._free.remove(block.block_id)
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
@@ -76,7 +75,7 @@ class BlockPool:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
             if block.ref_cnt == 0:
-                self._free[block.block_id] = None
+                self._free.append([block.block_id])
 
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
         """Index a full block whose K/V are written. If an identical block is already

@@ -21,6 +21,7 @@ import numpy as np
 from engine_format import EngineConfig
 from executors import DeviceSample, DeviceSampling, create_backend
 from executors.base import EngineBackend
+from executors.sampling import SamplingParams, SamplingState
 from runtime.engine.admission import Admission, Prompt
 from runtime.engine.detokenizer import DetokenizedStream
 from runtime.engine.engine_args import EngineArgs
@@ -29,8 +30,6 @@ from runtime.engine.kv_cache_manager import KVCacheManager
 from runtime.engine.outputs import RequestOutput
 from runtime.engine.postprocess import Postprocessor
 from runtime.engine.request import Request, RequestTiming
-from runtime.engine.sampler import SamplingState
-from runtime.engine.sampling_params import SamplingParams
 from runtime.engine.scheduler import Scheduler, SchedulerConfig
 from runtime.engine.spec.decoding import create_spec_decoder
 from runtime.engine.stats import EngineCounters, EngineStats, StepRecord

@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TypedDict
 
-from runtime.engine.sampler import TokenLogprobs
+from executors.sampling import TokenLogprobs
+
+# TokenLogprobs (executors/sampling/) is part of the outputs: named here for runtime.triton_model, which
+# sees the engine's outputs but not the executors.
+__all__ = ["FINISH_REASONS", "CompletionOutput", "RequestOutput", "RequestStats", "RequestTimingStats", "TokenLogprobs"]
 
 FINISH_REASONS = ("stop", "length", "abort", "deadline", "error")
 

@@ -14,12 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from executors import DeviceSample
+from executors.sampling import DeviceSample, Sampler, SampleResult, TokenLogprobs
 from runtime.engine.detokenizer import LOGPROB_CONTEXT_TOKENS, DetokenizedStream, candidate_texts
 from runtime.engine.kv_cache_manager import KVCacheManager
 from runtime.engine.outputs import RequestOutput, RequestStats
 from runtime.engine.request import Request, RequestStatus
-from runtime.engine.sampler import Sampler, SampleResult, TokenLogprobs
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.spec.decoding import SpecDecoder
 from runtime.engine.stats import EngineCounters
@@ -90,8 +89,7 @@ class Postprocessor:
         requests = [r for r, _ in to_sample]
         picked = [row for _, row in to_sample]
         if isinstance(logits, DeviceSample):  # sampled by the backend
-            lps = [logits.logprobs[row] for row in picked]
-            result = SampleResult(logits.token_ids[picked], [None if lp is None else TokenLogprobs(*lp) for lp in lps])
+            result = SampleResult(logits.token_ids[picked], [logits.logprobs[row] for row in picked])
         else:
             result = self.sampler.sample(logits[picked], [r.sampling for r in requests])
         now = self.clock()

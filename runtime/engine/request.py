@@ -7,9 +7,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from executors.sampling import SamplingParams, SamplingState
 from runtime.engine.outputs import RequestTimingStats
-from runtime.engine.sampler import SamplingState
-from runtime.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -27,8 +27,8 @@ from engine_format.requests import (
     RequestField,
     json_depth_exceeds,
 )
+from runtime import SamplingParams
 from runtime.engine.admission import Prompt
-from runtime.engine.sampling_params import SamplingParams
 
 # The Triton door's defaults where they differ from the engine's: greedy, and up to the end of the context.
 TRITON_DEFAULTS = {f.name: f.default_for("triton") for f in SAMPLING_FIELDS if f.default_for("triton") != f.default}

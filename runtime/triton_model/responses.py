@@ -10,8 +10,7 @@ from collections.abc import Callable, Collection
 import numpy as np
 
 from engine_format.requests import OUTPUT_NAMES
-from runtime.engine.outputs import RequestOutput
-from runtime.engine.sampler import TokenLogprobs
+from runtime.engine.outputs import RequestOutput, TokenLogprobs
 
 
 def output_arrays(wanted: Collection[str], text: str, delta: RequestOutput,

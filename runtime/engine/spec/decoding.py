@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine_format import EngineConfig
+from executors.sampling import TokenLogprobs
 from runtime.engine.engine_args import EngineArgs
 from runtime.engine.request import Request
-from runtime.engine.sampler import TokenLogprobs
 from runtime.engine.spec.factory import create_proposer
 from runtime.engine.spec.governor import SpeculationGovernor
 from runtime.engine.spec.proposer import Proposer

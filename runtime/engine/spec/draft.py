@@ -1,7 +1,8 @@
 """Draft-engine proposer: a second (smaller or quantized) engine of the same tokenizer greedily
 decodes k tokens per request, in the same process, over its own KV pool and block tables.
 
-Per request it keeps what its pool holds: the tokens it computed and their blocks. Each call first
+Per request it keeps what its pool holds: the tokens it computed and their blocks, as one sequence of
+executors/greedy_runner.py's GreedyRunner (the mechanism greedy_generate is written on). Each call first
 catches up: the target's context is compared with what the draft computed (its own rejected drafts
 diverge), the common prefix is kept, and the rest (the accepted tokens and the target's new one)
 runs as one chunk whose last logits give draft 1; drafts 2..k take one batched single-token step
@@ -24,20 +25,14 @@ whole batch; a guess the draft itself doubts is mostly rejected, so its step is 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from engine_format import EngineConfig, EngineLoadError
 from executors import create_backend
-from executors.base import EngineBackend, SequenceChunk
-
-
-@dataclass
-class _DraftState:
-    tokens: list[int] = field(default_factory=list)  # token ids whose K/V the draft pool holds, in order
-    blocks: list[int] = field(default_factory=list)
+from executors.base import EngineBackend
+from executors.greedy_runner import GreedyRunner
 
 
 def top_probability(logits: np.ndarray) -> np.ndarray:
@@ -50,11 +45,13 @@ CATCH_UP_PER_TOKEN = 4  # context tokens caught up per token the request may sti
 
 
 class DraftEngineProposer:
+    """Greedy drafts from a draft engine, over executors/greedy_runner.py's GreedyRunner: one persistent
+    sequence per request (keyed by request id), the same mechanism greedy_generate decodes with."""
+
     def __init__(self, backend: EngineBackend, min_confidence: float = 0.0) -> None:
         self.backend, self.config = backend, backend.config
         self.min_confidence = min_confidence
-        self.free_blocks = list(range(backend.num_blocks - 1, -1, -1))  # pop() hands out the lowest id
-        self.states: dict[str, _DraftState] = {}
+        self.runner = GreedyRunner(backend)
         self.caught_up = 0
 
     @classmethod
@@ -66,9 +63,7 @@ class DraftEngineProposer:
         return cls(draft, min_confidence)
 
     def release(self, request_id: str) -> None:
-        state = self.states.pop(request_id, None)
-        if state is not None:
-            self.free_blocks.extend(reversed(state.blocks))
+        self.runner.release(request_id)
 
     def propose(
         self,
@@ -82,51 +77,53 @@ class DraftEngineProposer:
             raise ValueError("the draft engine keeps KV per request: pass one request id per context")
         out: list[list[int]] = [[] for _ in contexts]
         fits = [i for i, k in enumerate(max_tokens) if k > 0 and len(contexts[i]) + k <= self.config.max_seq_len]
-        chunks = {}
+        ends = {}  # request index -> the end of its next chunk
         for i in fits:
             limit = CATCH_UP_PER_TOKEN * remaining[i] if remaining else None
-            if (chunk := self._catch_up(request_ids[i], list(contexts[i]), limit)) is not None:
-                chunks[i] = chunk
-        self.caught_up = max((len(c.token_ids) for c in chunks.values()), default=0)
-        while chunks:  # one batched draft step per token: the catch-up chunks first, then single tokens
-            logits = self.backend.step(list(chunks.values()))
+            if (end := self._catch_up(request_ids[i], list(contexts[i]), limit)) is not None:
+                ends[i] = end
+        sequences = self.runner.sequences
+        self.caught_up = max((end - sequences[request_ids[i]].computed for i, end in ends.items()), default=0)
+        while ends:  # one batched draft step per token: the catch-up chunks first, then single tokens
+            result = self.runner.step([(request_ids[i], end) for i, end in ends.items()])
             # The softmax costs a pass over the vocabulary per row: only when a bar is set.
+            logits = result.logits
             sure = top_probability(logits) >= self.min_confidence if self.min_confidence > 0 else [True] * len(logits)
             going = []
-            for i, row, confident in zip(chunks, logits, sure, strict=True):
-                if confident:
-                    out[i].append(int(np.argmax(row)))
+            for i, token, confident in zip(ends, result.tokens, sure, strict=True):
+                if confident:  # a doubted draft is dropped: the next catch-up rewinds past it
+                    assert token is not None  # every chunk runs to its sequence's end
+                    out[i].append(token)
                     going += [i] if len(out[i]) < max_tokens[i] else []
             # The next step feeds the draft just made, so its K/V is computed too.
-            chunks = {i: c for i in going if (c := self._extend(request_ids[i], [out[i][-1]])) is not None}
+            ends = {i: end for i in going if (end := self._next(request_ids[i])) is not None}
         return out
 
-    def _catch_up(self, request_id: str, context: list[int], limit: int | None = None) -> SequenceChunk | None:
-        """The chunk that brings the draft's pool up to `context`: what it computed beyond their
-        common prefix (rejected drafts) is dropped, at least the last token is recomputed. None when
-        more than `limit` tokens would run (the state is left as it is)."""
-        state = self.states.setdefault(request_id, _DraftState())
+    def _catch_up(self, request_id: str, context: list[int], limit: int | None = None) -> int | None:
+        """Bring the request's draft sequence up to `context`: what the draft computed beyond their
+        common prefix (rejected drafts, a draft it doubted) is dropped, at least the last token is
+        recomputed. Returns the end of the chunk to run; None when more than `limit` tokens would run
+        (the sequence is left as it is) or when the pool cannot hold it (the sequence is released)."""
+        seq = self.runner.extend(request_id, [])
         keep = 0
-        common = min(len(state.tokens), len(context) - 1)
-        while keep < common and state.tokens[keep] == context[keep]:
+        common = min(seq.computed, len(context) - 1)
+        while keep < common and seq.tokens[keep] == context[keep]:
             keep += 1
         if limit is not None and len(context) - keep > limit:
             return None
-        del state.tokens[keep:]
-        return self._extend(request_id, context[keep:])
+        self.runner.rewind(request_id, keep)
+        self.runner.extend(request_id, context[keep:])
+        return self._reserved(request_id, len(context))
 
-    def _extend(self, request_id: str, tokens: list[int]) -> SequenceChunk | None:
-        """A chunk of `tokens` after the request's computed ones, with blocks for them (None, the
-        request's state released, when the pool has none left)."""
-        state = self.states[request_id]
-        past, bs = len(state.tokens), self.config.block_size
-        need = -(-(past + len(tokens)) // bs) - len(state.blocks)
-        if need > len(self.free_blocks):
-            self.release(request_id)
-            return None
-        state.blocks += [self.free_blocks.pop() for _ in range(max(need, 0))]
-        state.tokens += tokens
-        return SequenceChunk(tokens, past, list(state.blocks))
+    def _next(self, request_id: str) -> int | None:
+        """The end of the chunk feeding the request's newest draft (None: released, the pool is full)."""
+        return self._reserved(request_id, self.runner.sequences[request_id].computed + 1)
+
+    def _reserved(self, request_id: str, end: int) -> int | None:
+        if self.runner.reserve(request_id, end):
+            return end
+        self.runner.release(request_id)
+        return None
 
 
 def check_draft_vocabulary(draft_dir: str | Path, target: EngineConfig) -> EngineConfig:

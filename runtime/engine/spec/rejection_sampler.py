@@ -4,7 +4,7 @@ across requests (the one-hot path loops over the <= k + 1 draft positions).
 Per request with drafts d_1..d_k the backend returns k + 1 logits rows: row j is the target's
 distribution p_j for the token after d_1..d_j (row 0: after the request's last real token).
 Row j is turned into p_j exactly as the normal sampler would (penalties counting d_1..d_j as
-output, temperature, min-p, top-k, top-p: runtime/engine/sampler.py).
+output, temperature, min-p, top-k, top-p: executors/sampling/numpy_sampler.py).
 
 Drafts with a one-hot q (the n-gram and draft-engine proposers: deterministic guesses) use the
 coupled form of the rule: each row draws its token x_j from p_j exactly as the normal sampler
@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.engine.sampler import Sampler, SamplingState, TokenLogprobs, apply_penalties, draw, token_logprobs
+from executors.sampling import Sampler, SamplingState, TokenLogprobs
+from executors.sampling.numpy_sampler import apply_penalties, draw, token_logprobs
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Sampling on the device: runtime/engine/sampler.py's semantics over torch tensors.
+"""Sampling on the device: numpy_sampler.py's semantics over torch tensors (the GPU backends'
+`step_sample`: executors/torch/, executors/tensorrt.py).
 
 The same steps in the same order and precision as the numpy sampler: penalties (repetition,
 then frequency and presence, float32), temperature, min-p, top-k, top-p over the renormalized
@@ -24,20 +25,19 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from executors.device_sampling import DeviceSample, RowLogprobs, SamplingOptions, SamplingRow
-
-FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+from executors.sampling.params import SamplingParams
+from executors.sampling.state import FLOAT32_TINY, DeviceSample, SampleResult, SamplingState, TokenLogprobs, check_batch
 
 
 class TorchSampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def sample_rows(self, logits: torch.Tensor, rows: Sequence[SamplingRow | None]) -> DeviceSample:
+    def sample_rows(self, logits: torch.Tensor, rows: Sequence[SamplingState | None]) -> DeviceSample:
         """Row i sampled with rows[i]; rows that are None get token -1 (not sampled)."""
         picked = [i for i, r in enumerate(rows) if r is not None]
         token_ids = np.full(len(rows), -1, np.int64)
-        logprobs: list[RowLogprobs | None] = [None] * len(rows)
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if picked:
             sub = logits if len(picked) == len(rows) else logits[self._index(picked)]
             result = self.sample(sub, [r for r in rows if r is not None])
@@ -47,15 +47,12 @@ class TorchSampler:
         return DeviceSample(token_ids, logprobs)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceSample:
-        if logits.ndim != 2 or logits.shape[0] != len(rows):
-            raise ValueError(f"logits must be [batch={len(rows)}, vocab] (got {tuple(logits.shape)})")
-        bad = [r.vocab_size for r in rows if r.vocab_size != logits.shape[1]]
-        if bad:
-            raise ValueError(f"logits vocab {logits.shape[1]} != request vocab_size {bad[0]}")
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> SampleResult:
+        """The numpy Sampler.sample of the same logits and states: one token per row (and its logprobs)."""
+        check_batch(tuple(logits.shape), rows)
         greedy = np.array([r.params.greedy for r in rows], dtype=bool)
-        if greedy.all() and not any(r.penalized or r.params.logprobs is not None for r in rows):
-            return DeviceSample(logits.argmax(dim=1).cpu().numpy().astype(np.int64), [None] * len(rows))
+        if all(r.argmax_only for r in rows):
+            return SampleResult(logits.argmax(dim=1).cpu().numpy().astype(np.int64), [None] * len(rows))
         x = self._penalized(logits, rows)
         token_ids = x.argmax(dim=1)
         rand = np.flatnonzero(~greedy)
@@ -64,12 +61,12 @@ class TorchSampler:
             index = self._index(rand.tolist())
             token_ids[index] = self._draw(x[index], [rows[i].params for i in rand], u)
         logprobs = self._logprobs(x, token_ids, rows)
-        return DeviceSample(token_ids.cpu().numpy().astype(np.int64), logprobs)
+        return SampleResult(token_ids.cpu().numpy().astype(np.int64), logprobs)
 
     def _index(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
 
-    def _penalized(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def _penalized(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tensor:
         """float32 logits with the penalties applied (a copy when any row has one)."""
         penalized = [i for i, r in enumerate(rows) if r.penalized]
         if not penalized:
@@ -96,7 +93,7 @@ class TorchSampler:
         x[index] = xr - freq * counts - pres * (counts > 0).float()
         return x
 
-    def _draw(self, x: torch.Tensor, params: Sequence[SamplingOptions], u: np.ndarray) -> torch.Tensor:
+    def _draw(self, x: torch.Tensor, params: Sequence[SamplingParams], u: np.ndarray) -> torch.Tensor:
         """numpy `_filter_sorted` + the inverse-CDF draw, for rows x [R, V] and their uniforms u [R]."""
         v = x.shape[1]
         host = np.array([[p.temperature, p.min_p, p.top_p, p.top_k if 0 < p.top_k < v else v]
@@ -119,8 +116,8 @@ class TorchSampler:
         return order.gather(1, pos[:, None])[:, 0]
 
     def _logprobs(self, x: torch.Tensor, token_ids: torch.Tensor,
-                  rows: Sequence[SamplingRow]) -> list[RowLogprobs | None]:  # fmt: skip
-        out: list[RowLogprobs | None] = [None] * len(rows)
+                  rows: Sequence[SamplingState]) -> list[TokenLogprobs | None]:  # fmt: skip
+        out: list[TokenLogprobs | None] = [None] * len(rows)
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if not want:
             return out
@@ -136,5 +133,6 @@ class TorchSampler:
         tokens = token_ids[index].cpu().tolist()
         for r, i in enumerate(want):
             n = rows[i].params.logprobs or 0
-            out[i] = (int(tokens[r]), float(chosen_lp[r]), list(zip(top_ids[r][:n], top_lp[r][:n], strict=True)))
+            out[i] = TokenLogprobs(int(tokens[r]), float(chosen_lp[r]),
+                                   list(zip(top_ids[r][:n], top_lp[r][:n], strict=True)))  # fmt: skip
         return out

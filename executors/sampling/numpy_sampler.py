@@ -1,4 +1,5 @@
-"""Batched token sampling: penalties, temperature, min-p / top-k / top-p, seeded draws, logprobs.
+"""Batched token sampling on the host: penalties, temperature, min-p / top-k / top-p, seeded draws,
+logprobs (the semantics executors/sampling/torch_sampler.py repeats on a device).
 
 numpy only. Everything that touches the vocabulary is a [B, V] array op; the only per-row Python
 work is drawing one uniform from each row's own Generator, so a seeded request's output depends
@@ -8,73 +9,11 @@ only on its seed and its logits, never on what else shares the batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.engine.sampling_params import SamplingParams
-
-# Read once at import: ONNX Runtime flushes denormals on the engine thread, where numpy would
-# warn that "the smallest subnormal is zero" when it first builds float32's finfo.
-FLOAT32_TINY = float(np.finfo(np.float32).tiny)
-
-
-@dataclass
-class SamplingState:
-    """Per-request sampling state that lives as long as the request (survives preemption).
-
-    The caller append()s each token it keeps; sample() only advances the rng, so tokens a caller
-    discards (e.g. rejected speculative drafts) never reach the penalty counts.
-    """
-
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    vocab_size: int
-    rng: np.random.Generator = field(init=False, repr=False)
-    # Sized [V] only when a penalty is active (else empty): big for 150k-token vocabularies.
-    output_counts: np.ndarray = field(init=False, repr=False)  # int32 [V]
-    seen: np.ndarray = field(init=False, repr=False)  # bool [V]: prompt ∪ output
-
-    def __post_init__(self) -> None:
-        self.rng = np.random.default_rng(self.params.seed)  # seed None -> fresh OS entropy
-        size = self.vocab_size if self.penalized else 0
-        self.output_counts = np.zeros(size, dtype=np.int32)
-        self.seen = np.zeros(size, dtype=bool)
-        if self.penalized:
-            ids = np.asarray(self.prompt_token_ids, dtype=np.int64)
-            if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
-                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-            self.seen[ids] = True
-
-    @property
-    def penalized(self) -> bool:
-        p = self.params
-        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-    @property
-    def argmax_only(self) -> bool:
-        """Greedy, without penalties or logprobs: the token is the raw logits' argmax, nothing else is computed."""
-        return self.params.greedy and not self.penalized and self.params.logprobs is None
-
-    def append(self, token_id: int) -> None:
-        """Record a generated token (updates the penalty counts)."""
-        if self.output_counts.size:
-            self.output_counts[token_id] += 1
-            self.seen[token_id] = True
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float  # of the sampled token
-    top: list[tuple[int, float]]  # top-n (token_id, logprob), n = params.logprobs, sorted descending
-    texts: dict[int, str] = field(default_factory=dict)  # the sampled and top tokens' texts (the engine's output)
-
-
-@dataclass(frozen=True)
-class SampleResult:
-    token_ids: np.ndarray  # [B] int64
-    logprobs: list[TokenLogprobs | None]  # per row, None when params.logprobs is None
+from executors.sampling.params import SamplingParams
+from executors.sampling.state import FLOAT32_TINY, SampleResult, SamplingState, TokenLogprobs, check_batch
 
 
 class Sampler:
@@ -153,11 +92,7 @@ def apply_penalties(logits: np.ndarray, states: Sequence[SamplingState]) -> np.n
 
 def _check(logits: np.ndarray, states: Sequence[SamplingState]) -> np.ndarray:
     logits = np.asarray(logits)
-    if logits.ndim != 2 or logits.shape[0] != len(states):
-        raise ValueError(f"logits must be [batch={len(states)}, vocab] (got {logits.shape})")
-    bad = [s.vocab_size for s in states if s.vocab_size != logits.shape[1]]
-    if bad:
-        raise ValueError(f"logits vocab {logits.shape[1]} != request vocab_size {bad[0]}")
+    check_batch(logits.shape, states)
     return logits
 
 

@@ -1,5 +1,9 @@
 """Per-request generation parameters, validated at admission against the request contract
-(engine_format/requests.py: each field's range, and the words of the error, are declared there)."""
+(engine_format/requests.py: each field's range, and the words of the error, are declared there).
+
+Below the engine (executors/sampling/) because the samplers read them on either side of the backend
+line: the engine's numpy sampler and a GPU backend's device sampler. `from runtime import
+SamplingParams` is the public name."""
 
 from __future__ import annotations
 
