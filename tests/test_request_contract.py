@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from engine_format.requests import FIELD, SAMPLING_FIELDS, InvalidRequest, Kind, Range, RequestField
-from runtime.engine.sampling_params import SamplingParams
+from executors.sampling import SamplingParams
 from runtime.gateway.errors import GatewayError, from_validation
 from runtime.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from runtime.gateway.wire import build_request

@@ -1,0 +1,130 @@
+"""`python -m benchmarks.host_overhead`: the engine loop's own cost, over a backend that does no work.
+
+A GPU step of a small model takes a few milliseconds of device time; whatever the host does per step in
+series with it (scheduling, packing, postprocessing, detokenizing) is time the GPU waits. This measures that
+host path alone: LLMEngine over NullBackend, which samples on its "device" instantly (as the torch backend
+returns token ids) and never touches a tensor. B requests decode together (prompt 16 tokens, EOS ignored);
+the steady decode steps are timed, reported as µs per step and µs per request-step, median and spread over
+repetitions, at batch 1/16/64/256/1024.
+
+    python -m benchmarks.host_overhead [--batches 1,16,64,256,1024] [--steps 64] [--repetitions 5]
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import click
+import numpy as np
+
+from benchmarks.report import write_report
+from engine_format import EngineConfig
+from executors.base import SequenceChunk
+from executors.sampling.state import DeviceSample, SamplingState
+
+PROMPT_TOKENS = 16
+TOKEN = 7  # every sampled token (not an EOS of the tiny tokenizer)
+
+
+class NullBackend:
+    """An EngineBackend and DeviceSampling that computes nothing: each sampled row gets TOKEN at once."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+        self.config, self.num_blocks = config, num_blocks
+
+    def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
+        rows = sum(c.num_logits for c in chunks)
+        return np.zeros((rows, self.config.model.vocab_size), np.float32)
+
+    def step_sample(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingState | None]) -> DeviceSample:
+        tokens = np.full(len(chunks), TOKEN, np.int64)
+        tokens[[i for i, row in enumerate(rows) if row is None]] = -1
+        return DeviceSample(tokens, [None] * len(chunks))
+
+
+def engine_for(batch: int, engine_dir: Path):
+    from runtime.engine.engine_args import EngineArgs
+    from runtime.engine.llm_engine import LLMEngine
+
+    config = EngineConfig.load(engine_dir)
+    blocks = batch * (PROMPT_TOKENS + 1024) // config.block_size + batch
+    args = EngineArgs(max_num_seqs=batch, max_num_batched_tokens=max(batch * PROMPT_TOKENS, 512),
+                      num_kv_blocks=blocks, itl_target_ms=None, max_waiting=batch)  # fmt: skip
+    return LLMEngine(engine_dir, args, backend=NullBackend(config, blocks))
+
+
+def time_steps(batch: int, steps: int, engine_dir: Path) -> list[float]:
+    """Seconds of each steady decode step of `batch` requests (after every prompt has been prefilled)."""
+    from executors.sampling import SamplingParams
+
+    engine = engine_for(batch, engine_dir)
+    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True, temperature=0.0)
+    for i in range(batch):
+        engine.add_request([1 + (i + j) % 50 for j in range(PROMPT_TOKENS)], params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    seconds = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def engine_with_batch(max_batch: int, workdir: Path) -> Path:
+    """The tiny test model built for `max_batch` sequences (the null backend never reads its weights)."""
+    from builder.build import BuildOptions, build_engine
+
+    out = workdir / f"tiny-b{max_batch}"
+    if not out.exists():
+        build_engine(BuildOptions(model="tiny-llama", output=out, max_batch_size=max_batch, max_seq_len=512,
+                                  block_size=16))  # fmt: skip
+    return out
+
+
+@click.command()
+@click.option("--batches", default="1,16,64,256,1024", show_default=True)
+@click.option("--steps", default=64, show_default=True, type=click.IntRange(4))
+@click.option("--repetitions", default=5, show_default=True, type=click.IntRange(1))
+@click.option(
+    "--engine",
+    "engine_dir",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    default=None,
+    help="An engine whose max batch size covers the largest batch (default: the tiny model, built).",
+)
+@click.option("--output", default="host_overhead", show_default=True, help="Report name under benchmarks/results/.")
+def main(batches: str, steps: int, repetitions: int, engine_dir: Path | None, output: str) -> None:
+    sizes = [int(b) for b in batches.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        engine_dir = engine_dir or engine_with_batch(max(sizes), Path(tmp))
+        rows = []
+        for batch in sizes:
+            per_rep = [statistics.median(time_steps(batch, steps, engine_dir)) for _ in range(repetitions)]
+            median = statistics.median(per_rep)
+            rows.append({"batch": batch, "us_per_step": round(median * 1e6, 1),
+                         "us_per_step_min": round(min(per_rep) * 1e6, 1),
+                         "us_per_step_max": round(max(per_rep) * 1e6, 1),
+                         "us_per_request_step": round(median * 1e6 / batch, 2)})  # fmt: skip
+            click.echo(f"batch {batch:5d}: {rows[-1]['us_per_step']:9.1f} us/step "
+                       f"({rows[-1]['us_per_request_step']:.2f} us per request-step)")  # fmt: skip
+    payload = {"command": f"python -m benchmarks.host_overhead --batches {batches} --steps {steps} "
+                          f"--repetitions {repetitions}", "rows": rows}  # fmt: skip
+    write_report(output, payload, render)
+
+
+def render(payload: dict) -> str:
+    lines = ["# Engine host overhead (null backend)", "", f"Machine: {payload.get('machine', '?')}", "",
+             f"Command: `{payload['command']}`", "", "| batch | µs/step (median) | min | max | µs per request-step |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {r['batch']} | {r['us_per_step']} | {r['us_per_step_min']} | {r['us_per_step_max']} | "
+              f"{r['us_per_request_step']} |" for r in payload["rows"]]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
