@@ -10,6 +10,11 @@ by `generate` before the first delta. A text or chat prompt is tokenized off the
 long prompt must not stall the other requests' streams). A delta carries up to the stream interval's tokens
 (EngineArgs.stream_interval, or the request's own if longer); the first token and the final
 delta are passed on at once.
+
+Two threads: the engine thread runs the core's steps (token ids), and the output thread turns them into
+text (the engine's output processor: detokenization, stop strings) and hands each stream its deltas, so
+the next step starts without waiting for the text of the last one. Every output of a request, an abort's
+final one included, goes through the output thread's one queue, in order.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -28,7 +34,7 @@ from executors.sampling import SamplingParams
 from runtime.engine.admission import Prompt
 from runtime.engine.errors import InvalidRequest
 from runtime.engine.llm_engine import EngineArgs, LLMEngine
-from runtime.engine.outputs import RequestOutput
+from runtime.engine.outputs import RequestOutput, TokenOutput
 from runtime.engine.stats import EngineProgress, EngineStats, StepRecord
 
 log = logging.getLogger(__name__)
@@ -64,10 +70,10 @@ class AsyncLLM:
         args: EngineArgs | None = None,
         on_finished: Callable[[RequestOutput], None] | None = None,
     ):
-        self.on_finished = on_finished  # e.g. metrics: called on the engine thread
+        self.on_finished = on_finished  # e.g. metrics: called on the output thread
         self.stream_interval = (args or EngineArgs()).stream_interval
         self._streams: dict[str, _Stream] = {}
-        self._deliver_lock = threading.Lock()  # the engine thread and abort() (any thread) both deliver
+        self._outputs: queue.SimpleQueue[list[TokenOutput] | None] = queue.SimpleQueue()  # None: stop
         self._wake = threading.Event()
         self._stopping = False
         self._error: BaseException | None = None
@@ -80,6 +86,8 @@ class AsyncLLM:
                                         daemon=True)  # fmt: skip
         self._thread.start()
         self.engine = built.result()  # a failed build raises here, on the caller's thread
+        self._output_thread = threading.Thread(target=self._process_outputs, name="trtserve-outputs", daemon=True)
+        self._output_thread.start()
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
@@ -122,9 +130,9 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> bool:
         """Abort a live request now (frees its KV blocks); its stream ends with 'abort'."""
-        out = self.engine.abort(request_id)
+        out = self.engine.abort_tokens(request_id)
         if out is not None:
-            self._deliver(out)
+            self._outputs.put([out])
         return out is not None
 
     @property
@@ -157,6 +165,8 @@ class AsyncLLM:
         for request_id in list(self.engine.requests):  # past the timeout: abort the rest
             self.abort(request_id)
         self._thread.join()
+        self._outputs.put(None)
+        self._output_thread.join()
 
     def _run(
         self, engine_dir: str | Path, args: EngineArgs | None, built: concurrent.futures.Future[LLMEngine]
@@ -173,29 +183,40 @@ class AsyncLLM:
                     self._wake.wait(timeout=0.1)
                     self._wake.clear()
                     continue
-                for out in engine.step():
-                    self._deliver(out)
+                outputs = engine.step_tokens()
+                if outputs:
+                    self._outputs.put(outputs)
         except BaseException as exc:  # surface to every waiting caller instead of hanging them
             log.exception("engine loop failed")
             self._error = exc
             for request_id in list(self._streams):
-                self._deliver_error(request_id, exc)
+                self._deliver_error(request_id, f"engine loop died: {exc!r}")
+
+    def _process_outputs(self) -> None:
+        """The output thread: token outputs -> text deltas -> each stream's queue, in order."""
+        while (outputs := self._outputs.get()) is not None:
+            try:
+                for delta in self.engine.outputs.process(outputs):
+                    self._deliver(delta)
+            except Exception as exc:  # a bug in text handling fails these requests, not the engine
+                log.exception("output processing failed")
+                for failed in outputs:
+                    self.engine.abort_tokens(failed.request_id)
+                    self._deliver_error(failed.request_id, f"output processing failed: {exc!r}")
 
     def _deliver(self, out: RequestOutput) -> None:
         if out.finished and self.on_finished is not None:
             try:
                 self.on_finished(out)
-            except Exception:  # an observer must not take the engine loop down
+            except Exception:  # an observer must not take the output thread down
                 log.exception("on_finished callback failed")
         stream = self._streams.get(out.request_id)
-        if stream is None:
-            return
-        with self._deliver_lock:  # posted under the lock too: deltas reach the queue in the order merged
+        if stream is not None:
             due = stream.due(out)
             if due is not None:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, due)
 
-    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
+    def _deliver_error(self, request_id: str, message: str) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RuntimeError(f"engine loop died: {exc!r}"))
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RuntimeError(message))

@@ -35,9 +35,9 @@ async def collect(engine: AsyncLLM, prompt, params=GREEDY, request_id=None):
 @contextlib.contextmanager
 def hold_after(engine: AsyncLLM, request_id: str, num_tokens: int):
     """Once `request_id` has `num_tokens` output tokens, the engine loop takes no further step
-    until the block exits (its deltas so far are delivered; the next step waits). Yields an event
-    set once the loop waits."""
-    real_step = engine.engine.step
+    until the block exits (its outputs so far are handed to the output thread; the next step waits).
+    Yields an event set once the loop waits."""
+    real_step = engine.engine.step_tokens
     reached, parked, release = threading.Event(), threading.Event(), threading.Event()
 
     def step():
@@ -49,12 +49,12 @@ def hold_after(engine: AsyncLLM, request_id: str, num_tokens: int):
             reached.set()
         return outputs
 
-    engine.engine.step = step
+    engine.engine.step_tokens = step
     try:
         yield parked
     finally:
         release.set()
-        del engine.engine.step  # the class's method again
+        del engine.engine.step_tokens  # the class's method again
 
 
 def test_stream_concatenates_to_the_full_completion(engine):

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from runtime.engine.tokenizer import Decode, decoder
+
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens kept as decoding context: enough for tokenizers whose decode of a lone token
 # differs from its decode in context (SentencePiece drops a leading space at sequence start).
@@ -19,13 +21,13 @@ PROMPT_CONTEXT_TOKENS = 5
 LOGPROB_CONTEXT_TOKENS = 4  # tokens before a logprob's candidates, decoded with each
 
 
-def candidate_texts(tokenizer: Any, context: Sequence[int], candidates: Sequence[int]) -> dict[int, str]:
+def candidate_texts(decode_ids: Decode, context: Sequence[int], candidates: Sequence[int]) -> dict[int, str]:
     """Each candidate token's text as it reads after `context` (the few tokens before it): alone, a
     SentencePiece token would lose its leading space. A multi-byte character split across tokens shows
     as U+FFFD, as in vLLM; the answer's text is decoded as a whole elsewhere."""
 
     def decode(ids: Sequence[int]) -> str:
-        return tokenizer.decode(list(ids), skip_special_tokens=False)
+        return decode_ids(ids, False)
 
     before = decode(context)
     texts = {}
@@ -45,7 +47,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
+        self._decoder = decoder(tokenizer)
         self._skip_special = skip_special_tokens
         # Only the prompt tail matters as context; the prompt itself is never emitted.
         self._tokens: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
@@ -81,7 +83,7 @@ class IncrementalDetokenizer:
         return self._step(final=True) if self.read_offset < len(self._tokens) else ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+        return self._decoder(ids, self._skip_special)
 
     def _step(self, final: bool) -> str:
         prefix_text = self._decode(self._tokens[self.prefix_offset : self.read_offset])

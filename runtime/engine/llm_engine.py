@@ -1,9 +1,10 @@
-"""The engine loop: schedule -> run the backend -> postprocess (sample, detokenize, finish: postprocess.py).
+"""The engine loop: schedule -> run the backend -> update (sample, append, finish: step_update.py).
 
-`LLMEngine` is synchronous and driven by `step()`; `add_request` and `abort` may be called
-from other threads (the async engine does), so engine state is guarded by one lock that
-is released while the backend runs. The scheduler never touches tensors and the backend
-never makes scheduling decisions.
+`LLMEngine` is synchronous and driven by `step()`, which returns text deltas: the core's `step_tokens()`
+(token ids) through the output processor (detokenization and stop strings, output_processor.py), which
+AsyncLLM runs on a thread of its own instead, off the step path. `add_request` and `abort` may be called
+from other threads (the async engine does), so engine state is guarded by one lock that is released while
+the backend runs. The scheduler never touches tensors and the backend never makes scheduling decisions.
 """
 
 from __future__ import annotations
@@ -23,18 +24,18 @@ from executors import DeviceSample, DeviceSampling, create_backend
 from executors.base import EngineBackend
 from executors.sampling import SamplingParams, SamplingState
 from runtime.engine.admission import Admission, Prompt
-from runtime.engine.detokenizer import DetokenizedStream
 from runtime.engine.engine_args import EngineArgs
 from runtime.engine.errors import InvalidRequest, Overloaded
 from runtime.engine.kv_cache_manager import KVCacheManager
-from runtime.engine.outputs import RequestOutput
-from runtime.engine.postprocess import Postprocessor
+from runtime.engine.output_processor import OutputProcessor
+from runtime.engine.outputs import RequestOutput, TokenOutput
 from runtime.engine.request import Request, RequestTiming
 from runtime.engine.scheduler import Scheduler, SchedulerConfig
 from runtime.engine.spec.decoding import create_spec_decoder
 from runtime.engine.stats import EngineCounters, EngineStats, StepRecord
 from runtime.engine.step_cost import OnlineStepCost, StepShape
 from runtime.engine.step_inputs import build_chunks
+from runtime.engine.step_update import StepUpdate
 from runtime.engine.tokenizer import load_tokenizer, stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -80,11 +81,9 @@ class LLMEngine:
         self.spec = create_spec_decoder(args, config, max_num_seqs, clock)
         self.admission = Admission(self.tokenizer, config.model.vocab_size, config.max_seq_len, self.kv.capacity_tokens)
         self.eos_token_ids = frozenset(stop_token_ids(self.tokenizer, config))
-        self.requests: dict[str, Request] = {}
-        self.streams: dict[str, DetokenizedStream] = {}
         self.counters = EngineCounters()
-        self.post = Postprocessor(self.requests, self.streams, self.scheduler, self.kv, self.spec, self.counters,
-                                  self.eos_token_ids, clock, self.itl_target_s, self.tokenizer)  # fmt: skip
+        self.update = StepUpdate(self.scheduler, self.spec, self.counters, self.eos_token_ids, clock, self.itl_target_s)
+        self.outputs = OutputProcessor(self.tokenizer, self.finish_by_text)
         self._lock = threading.RLock()
         self._arrivals = itertools.count()
         log.info(
@@ -119,32 +118,37 @@ class LLMEngine:
                 arrival_order=next(self._arrivals),
                 timing=RequestTiming(arrival=self.clock()),
             )
-            stream = DetokenizedStream(
-                self.tokenizer,
-                prompt_ids,
-                stops=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-                skip_special_tokens=params.skip_special_tokens,
-            )
+            self.outputs.add(request_id, prompt_ids, params)  # before the core can produce anything for it
             try:
                 self.scheduler.add(request)  # raises Overloaded: queue full, or its TTFT target unreachable
-            except Overloaded as exc:
-                if exc.reason == "slo":
+            except (Overloaded, InvalidRequest) as exc:  # queue full, or its TTFT target unreachable
+                self.outputs.forget(request_id)
+                if isinstance(exc, InvalidRequest) or exc.reason == "slo":  # unreachable TTFT target
                     self.counters.rejected_slo += 1
                 else:
                     self.counters.rejected_overloaded += 1
                 raise
-            except InvalidRequest:  # a TTFT target below the prompt's own prefill time
-                self.counters.rejected_slo += 1
-                raise
-            self.requests[request_id], self.streams[request_id] = request, stream
         return request_id
 
+    @property
+    def requests(self) -> dict[str, Request]:
+        """The live requests, waiting or running, by id (the scheduler's)."""
+        return self.scheduler.requests
+
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Finish a request now and free its KV blocks; None if it is not live."""
+        """Finish a request now and free its KV blocks; its final output, or None if it is not live."""
+        out = self.abort_tokens(request_id)
+        return None if out is None else self.outputs.process([out])[0]
+
+    def abort_tokens(self, request_id: str, reason: str = "abort") -> TokenOutput | None:
+        """`abort` for the core: the final TokenOutput (not yet through the output processor)."""
         with self._lock:
             request = self.requests.get(request_id)
-            return None if request is None else self.post.finish(request, "abort")
+            return None if request is None else self.update.finish(request, reason)
+
+    def finish_by_text(self, request_id: str) -> TokenOutput | None:
+        """The output processor found a stop string: finish the request in the core (already done: None)."""
+        return self.abort_tokens(request_id, reason="stop")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -152,6 +156,11 @@ class LLMEngine:
     # ---- the loop ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step's text deltas (the core's step through the output processor, inline)."""
+        return self.outputs.process(self.step_tokens())
+
+    def step_tokens(self) -> list[TokenOutput]:
+        """One step of the core: schedule, run the backend, update; each request's new tokens."""
         step_start = self.clock()
         with self._lock:
             outputs = self._expire_deadlines()
@@ -175,10 +184,10 @@ class LLMEngine:
             log.exception("backend step failed; finishing its %d requests with an error", len(chunks))
             with self._lock:
                 failed = [s.request for s in scheduled if not s.request.is_finished]
-                return outputs + [self.post.finish(r, "error", error=str(exc)) for r in failed]
+                return outputs + [self.update.finish(r, "error", error=str(exc)) for r in failed]
         with self._lock:
             self.counters.steps += 1
-            stepped = self.post.run(scheduled, logits)
+            stepped = self.update.run(scheduled, logits)
             seconds = target_s = self.clock() - step_start
             if self.spec is not None:  # the drafting for the next step is the proposer's time, not the target's
                 decodes = len(scheduled) if all(s.num_tokens - len(s.drafts) == 1 for s in scheduled) else None
@@ -192,13 +201,13 @@ class LLMEngine:
             )
             return outputs
 
-    def _expire_deadlines(self) -> list[RequestOutput]:
+    def _expire_deadlines(self) -> list[TokenOutput]:
         now = self.clock()
         expired = [
             r for r in self.requests.values()
             if r.params.deadline_s is not None and now - r.timing.arrival > r.params.deadline_s
         ]  # fmt: skip
-        return [self.post.finish(r, "deadline") for r in expired]
+        return [self.update.finish(r, "deadline") for r in expired]
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids (chat messages through the chat template), or InvalidRequest naming the problem.

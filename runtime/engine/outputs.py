@@ -9,7 +9,15 @@ from executors.sampling import TokenLogprobs
 
 # TokenLogprobs (executors/sampling/) is part of the outputs: named here for runtime.triton_model, which
 # sees the engine's outputs but not the executors.
-__all__ = ["FINISH_REASONS", "CompletionOutput", "RequestOutput", "RequestStats", "RequestTimingStats", "TokenLogprobs"]
+__all__ = [
+    "FINISH_REASONS",
+    "CompletionOutput",
+    "RequestOutput",
+    "RequestStats",
+    "RequestTimingStats",
+    "TokenLogprobs",
+    "TokenOutput",
+]
 
 FINISH_REASONS = ("stop", "length", "abort", "deadline", "error")
 
@@ -27,6 +35,21 @@ class RequestStats(RequestTimingStats):
     """A finished request's stats (RequestOutput.stats)."""
 
     num_preemptions: int
+
+
+@dataclass(slots=True)
+class TokenOutput:
+    """One step's tokens for one request as the engine core produces them, before detokenization (the output
+    processor turns them into RequestOutputs). `finish_reason`: stop token, length, abort, deadline, error."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None = None
+    stats: RequestStats | None = None
+    error: str | None = None
 
 
 @dataclass

@@ -71,6 +71,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.cost = cost
+        self.requests: dict[str, Request] = {}  # every live request, waiting or running, by id
         self.waiting: list[tuple[tuple[int, float, int], Request]] = []  # heap by sort_key
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -87,6 +88,7 @@ class Scheduler:
         request.num_cached_hint = len(self.kv.get_computed_blocks(request)) * self.kv.block_size
         self._check_ttft_target(request)
         self._enqueue(request)
+        self.requests[request.request_id] = request
 
     def _check_ttft_target(self, request: Request) -> None:
         target = request.params.ttft_target_s
@@ -116,6 +118,7 @@ class Scheduler:
 
     def remove(self, request: Request) -> None:
         """Take a request out of the queues (finish or abort) and free its blocks."""
+        del self.requests[request.request_id]
         if request in self.running:
             self.running.remove(request)
         else:

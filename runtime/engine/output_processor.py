@@ -1,0 +1,121 @@
+"""Token outputs -> text deltas: the engine's per-request detokenizers and stop-string matchers.
+
+The engine core's step ends with token ids (TokenOutput); turning them into text is per-token Python
+(incremental detokenization, stop strings held back and matched across tokens, logprobs' candidate
+texts) that a GPU need not wait for. So it lives here, apart from the step: `LLMEngine.step()` runs it
+inline (the synchronous API, tests), `AsyncLLM` on a thread of its own while the engine thread starts the
+next step (vLLM v1's OutputProcessor, in its API-server process).
+
+A stop string is only known here. When one completes, the request's final output goes out at once and the
+core is told to finish it (`stop` callback): a core running ahead may have computed a token or two past
+the stop by then, which are dropped, never streamed. Outputs of a request this processor has finished,
+or never saw, are dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from executors.sampling import SamplingParams, TokenLogprobs
+from runtime.engine.detokenizer import LOGPROB_CONTEXT_TOKENS, DetokenizedStream, candidate_texts
+from runtime.engine.outputs import RequestOutput, TokenOutput
+from runtime.engine.tokenizer import decoder
+
+# Finish a request in the core because of its text (a stop string): its final TokenOutput (stats), or None
+# when the core had finished it already.
+StopRequest = Callable[[str], TokenOutput | None]
+
+
+@dataclass
+class _Text:
+    """One live request's text state."""
+
+    stream: DetokenizedStream
+    logprob_context: list[int]  # the last few tokens: logprobs' candidates are decoded after them
+    num_output_tokens: int = 0  # delivered (tokens the core computed past a stop string are not)
+    stops: bool = field(default=False)  # has stop strings: the core cannot finish it by its text
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, stop_request: StopRequest) -> None:
+        self.tokenizer, self.stop_request = tokenizer, stop_request
+        self._decode = decoder(tokenizer)
+        self._texts: dict[str, _Text] = {}
+        self._lock = threading.Lock()  # add (a caller's thread) and process/finish (the output thread)
+
+    def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Register a request before the core can produce anything for it."""
+        stream = DetokenizedStream(self.tokenizer, prompt_ids, stops=params.stop,
+                                   include_stop_str_in_output=params.include_stop_str_in_output,
+                                   skip_special_tokens=params.skip_special_tokens)  # fmt: skip
+        with self._lock:
+            self._texts[request_id] = _Text(stream, list(prompt_ids[-LOGPROB_CONTEXT_TOKENS:]), stops=bool(params.stop))
+
+    def process(self, outputs: Sequence[TokenOutput]) -> list[RequestOutput]:
+        done = []
+        for out in outputs:
+            delta = self._one(out)
+            if delta is not None:
+                done.append(delta)
+        return done
+
+    def _one(self, out: TokenOutput) -> RequestOutput | None:
+        with self._lock:
+            text = self._texts.get(out.request_id)
+        if text is None:  # finished here already (a stop string), or never registered
+            return None
+        logprobs = self._with_texts(text, out.token_ids, out.logprobs) if out.logprobs is not None else None
+        # The core finishes with "stop" only at a stop token (stop strings are found here): its text is not output.
+        spoken = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
+        pieces, kept = [], 0
+        for token in spoken:
+            piece, stopped = text.stream.add(token)
+            pieces.append(piece)
+            kept += 1
+            if stopped:
+                return self._stopped(text, out, "".join(pieces), out.token_ids[:kept], logprobs, kept)
+        text.num_output_tokens += len(out.token_ids)
+        delta = RequestOutput(out.request_id, "".join(pieces), list(out.token_ids), logprobs=logprobs,
+                              num_prompt_tokens=out.num_prompt_tokens,
+                              num_output_tokens=text.num_output_tokens)  # fmt: skip
+        if out.finish_reason is not None:
+            delta.text += text.stream.finish()
+            if text.stream.stopped:  # the detokenizer's last characters completed a stop string
+                out.finish_reason = "stop"
+            self.forget(out.request_id)
+            delta.finished, delta.finish_reason, delta.stats, delta.error = (
+                True,
+                out.finish_reason,
+                out.stats,
+                out.error,
+            )
+        return delta
+
+    def _stopped(self, text: _Text, out: TokenOutput, piece: str, token_ids: list[int],
+                 logprobs: list[TokenLogprobs] | None, kept: int) -> RequestOutput:  # fmt: skip
+        """A stop string completed: the final output now, and the core told (unless it finished already)."""
+        self.forget(out.request_id)
+        final = out if out.finish_reason is not None else self.stop_request(out.request_id)
+        text.num_output_tokens += kept
+        return RequestOutput(out.request_id, piece, token_ids, finished=True, finish_reason="stop",
+                             logprobs=None if logprobs is None else logprobs[:kept],
+                             num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=text.num_output_tokens,
+                             stats=None if final is None else final.stats)  # fmt: skip
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request's text state (it finished, or was refused before it ran)."""
+        with self._lock:
+            self._texts.pop(request_id, None)
+
+    def _with_texts(self, text: _Text, tokens: list[int], logprobs: list[TokenLogprobs]) -> list[TokenLogprobs]:
+        """Each token's candidates as text, decoded after the tokens before it."""
+        out, context = [], text.logprob_context
+        for token, lp in zip(tokens, logprobs, strict=True):
+            texts = candidate_texts(self._decode, context, [lp.token_id, *(t for t, _ in lp.top)])
+            out.append(replace(lp, texts=texts))
+            context = [*context, token][-LOGPROB_CONTEXT_TOKENS:]
+        text.logprob_context = context
+        return out
