@@ -17,7 +17,7 @@ import numpy as np
 from engine_format import EngineConfig, ceil_div
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SequenceChunk:
     """One sequence's share of a step: `token_ids` go at positions past_len, past_len+1, ...
 

@@ -175,3 +175,33 @@ def test_the_rest_of_a_prompt_may_use_the_headroom_but_never_pass_the_target():
     assert budget.fit(80, 0) == 60  # a chunk: 100 / 1.25 - 10 - 2 * 5
     assert budget.fit(80, 0, completes=True) == 80  # the prompt's last 80: exactly the target
     assert budget.fit(81, 0, completes=True) == 60  # past the target: cut like any chunk
+
+
+def test_the_face_search_finds_the_brute_force_minimum():
+    """The warm-started search (optimality conditions on the hinted face first) against the minimum over
+    every face's feasible stationary point, on random problems with negative unconstrained solutions."""
+    import itertools
+
+    from runtime.engine.step_cost import _nonnegative_solve
+
+    def brute(a, c):
+        best, best_value = np.zeros(4), 0.0
+        for free in itertools.product((False, True), repeat=4):
+            mask = np.array(free)
+            if not mask.any():
+                continue
+            w = np.zeros(4)
+            w[mask] = np.linalg.solve(a[np.ix_(mask, mask)], c[mask])
+            value = float(w @ a @ w - 2 * w @ c)
+            if (w >= 0).all() and value < best_value:
+                best, best_value = w, value
+        return best
+
+    rng = np.random.default_rng(0)
+    hint = None
+    for _ in range(300):
+        m = rng.normal(size=(4, 4))
+        a, c = m @ m.T + 0.1 * np.eye(4), rng.normal(size=4)
+        w, hint = _nonnegative_solve(a, c, hint)
+        assert np.allclose(w, brute(a, c), atol=1e-9), (a, c)
+        assert (w[~hint] == 0).all() and (w >= 0).all()

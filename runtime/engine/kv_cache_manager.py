@@ -95,10 +95,12 @@ class KVCacheManager:
         if need > self.pool.num_free_blocks - reusable:
             return False
         self.pool.touch(computed_blocks)
-        request.block_ids += [b.block_id for b in computed_blocks]
+        new = [b.block_id for b in computed_blocks]
         request.num_cached_blocks += len(computed_blocks)
         if need > 0:
-            request.block_ids += [b.block_id for b in self.pool.get_new_blocks(need)]
+            new += [b.block_id for b in self.pool.get_new_blocks(need)]
+        if new:  # a new list, never the old one grown: a step's chunks hold the old one (step_inputs.py)
+            request.block_ids = request.block_ids + new
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
@@ -119,7 +121,7 @@ class KVCacheManager:
         keep = self.blocks_for(request.num_tokens)
         if len(request.block_ids) > keep:
             self.pool.free_blocks(self.pool.blocks[b] for b in reversed(request.block_ids[keep:]))
-            del request.block_ids[keep:]
+            request.block_ids = request.block_ids[:keep]  # a new list: a step's chunks hold the old one
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so a prefix outlives its suffix."""

@@ -63,6 +63,8 @@ class LLMEngine:
         self.backend = backend or create_backend(
             config, args.num_kv_blocks, args.threads, args.backend, args.max_num_batched_tokens
         )
+        # The backend's own sampler, if it has one (checked once: a runtime Protocol check is slow).
+        self.device_sampling: DeviceSampling | None = self.backend if isinstance(self.backend, DeviceSampling) else None
         self.tokenizer = load_tokenizer(engine_dir)
         self.kv = KVCacheManager(self.backend.num_blocks, config.block_size, args.enable_prefix_caching)
         max_num_seqs = min(args.max_num_seqs or config.max_batch_size, config.max_batch_size)
@@ -82,7 +84,7 @@ class LLMEngine:
         self.admission = Admission(self.tokenizer, config.model.vocab_size, config.max_seq_len, self.kv.capacity_tokens)
         self.eos_token_ids = frozenset(stop_token_ids(self.tokenizer, config))
         self.counters = EngineCounters()
-        self.update = StepUpdate(self.scheduler, self.spec, self.counters, self.eos_token_ids, clock, self.itl_target_s)
+        self.update = StepUpdate(self.scheduler, self.spec, self.counters, clock, self.itl_target_s)
         self.outputs = OutputProcessor(self.tokenizer, self.finish_by_text)
         self._lock = threading.RLock()
         self._arrivals = itertools.count()
@@ -117,6 +119,7 @@ class LLMEngine:
                 sampling=SamplingState(params, prompt_ids, self.config.model.vocab_size),
                 arrival_order=next(self._arrivals),
                 timing=RequestTiming(arrival=self.clock()),
+                stop_token_ids=frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids),
             )
             self.outputs.add(request_id, prompt_ids, params)  # before the core can produce anything for it
             try:
@@ -173,11 +176,11 @@ class LLMEngine:
             scheduled, chunks = build_chunks(batch.num_tokens)
             # Rows that complete their request's tokens are sampled: by the backend on its device if it can
             # (drafts are verified on the host, from logits of every draft position).
-            rows = [s.request.sampling if s.completes else None for s in scheduled]
+            rows = [s.request.sampling if s.completes else None for s in scheduled] if self.device_sampling else []
             verifying = any(s.drafts for s in scheduled)
         try:
-            if isinstance(self.backend, DeviceSampling) and not verifying:  # lock released: add/abort proceed
-                logits: np.ndarray | DeviceSample = self.backend.step_sample(chunks, rows)
+            if self.device_sampling is not None and not verifying:  # lock released: add/abort proceed
+                logits: np.ndarray | DeviceSample = self.device_sampling.step_sample(chunks, rows)
             else:
                 logits = self.backend.step(chunks)
         except Exception as exc:  # fail this step's requests, keep serving the others

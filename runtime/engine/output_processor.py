@@ -70,11 +70,10 @@ class OutputProcessor:
         logprobs = self._with_texts(text, out.token_ids, out.logprobs) if out.logprobs is not None else None
         # The core finishes with "stop" only at a stop token (stop strings are found here): its text is not output.
         spoken = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
-        pieces, kept = [], 0
-        for token in spoken:
+        pieces = []
+        for kept, token in enumerate(spoken, start=1):
             piece, stopped = text.stream.add(token)
             pieces.append(piece)
-            kept += 1
             if stopped:
                 return self._stopped(text, out, "".join(pieces), out.token_ids[:kept], logprobs, kept)
         text.num_output_tokens += len(out.token_ids)

@@ -72,6 +72,7 @@ class Request:
     # Speculative tokens proposed to follow all_token_ids, verified next step. Never part of
     # all_token_ids (so never hashed into the prefix cache) until accepted.
     draft_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: frozenset[int] = frozenset()  # tokens that end it: its params' and the EOS ids unless ignored
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -31,6 +31,7 @@ always goes back to the queue, whatever its length.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
@@ -73,7 +74,7 @@ class Scheduler:
         self.cost = cost
         self.requests: dict[str, Request] = {}  # every live request, waiting or running, by id
         self.waiting: list[tuple[tuple[int, float, int], Request]] = []  # heap by sort_key
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # kept in sort_key order (keys never change): no sort per step
         self.num_preemptions = 0
 
     @property
@@ -128,10 +129,45 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(budget=self.config.max_num_batched_tokens)
-        order = sorted(self.running, key=Request.sort_key)
-        decodes = [r for r in order if r.num_tokens_to_compute == 1]
-        # What drafts may take: every decode's own token comes first, and prompts keep their minimum share.
-        prefilling = self.waiting or len(decodes) < len(order)
+        order = list(self.running)  # sorted; a copy, as preemption edits the list
+        decodes = [r for r in order if len(r.all_token_ids) - r.num_computed_tokens == 1]
+        if any(r.draft_token_ids for r in decodes):
+            self._schedule_speculative_decodes(
+                decodes, batch, prefilling=bool(self.waiting) or len(decodes) < len(order)
+            )
+        else:
+            self._schedule_decodes(decodes, batch)
+        decoding = list(batch.num_tokens)
+        step = StepBudget(self.cost, self._target_s(decoding), self.config.min_prefill_tokens)
+        singles = [r for r in decoding if batch.num_tokens[r] == 1]
+        step.add_decodes(len(singles), sum(r.num_computed_tokens for r in singles))
+        for request in decoding:  # decodes with drafts
+            if batch.num_tokens[request] > 1:
+                step.add(batch.num_tokens[request], request.num_computed_tokens, prefill=False)
+        batch.target_s = step.target_s
+        batch.token_budget = len(decoding) + step.fit(batch.budget, 0)
+        self._schedule_prefills(deque(r for r in order if r.num_tokens_to_compute > 1), batch, step)
+        batch.predicted_s = self.cost.predict(step.shape)  # a request preempted after it was added still counts
+        return batch
+
+    def _schedule_decodes(self, decodes: list[Request], batch: ScheduledBatch) -> None:
+        """One token for each decode, in priority order: the common step, so no per-request work beyond a
+        comparison unless its next token starts a new block."""
+        block_size = self.kv.block_size
+        for request in decodes:
+            if batch.budget == 0:
+                return
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            if request.num_computed_tokens < len(request.block_ids) * block_size or self._allocate_or_preempt(
+                request, 1, batch
+            ):
+                batch.num_tokens[request] = 1  # a later allocation may still preempt it: read below
+                batch.budget -= 1
+
+    def _schedule_speculative_decodes(self, decodes: list[Request], batch: ScheduledBatch, prefilling: bool) -> None:
+        """Decodes with speculative drafts: each decode's own token first, drafts while the budget has room
+        beyond every decode's token and the prompts' minimum share, and blocks no decode's token needs."""
         spare = batch.budget - len(decodes) - (self.config.min_prefill_tokens if prefilling else 0)
         # Blocks the decodes' own next tokens need: drafts never take them (so never cause a preemption).
         reserve = sum(self.kv.blocks_for(r.num_computed_tokens + 1) > len(r.block_ids) for r in decodes)
@@ -146,15 +182,6 @@ class Scheduler:
                 batch.num_tokens[request] = 1 + drafts  # a later allocation may still preempt it: read below
                 batch.budget -= 1 + drafts
                 spare -= drafts
-        decoding = list(batch.num_tokens)
-        step = StepBudget(self.cost, self._target_s(decoding), self.config.min_prefill_tokens)
-        for request in decoding:
-            step.add(batch.num_tokens[request], request.num_computed_tokens, prefill=False)
-        batch.target_s = step.target_s
-        batch.token_budget = len(decoding) + step.fit(batch.budget, 0)
-        self._schedule_prefills(deque(r for r in order if r.num_tokens_to_compute > 1), batch, step)
-        batch.predicted_s = self.cost.predict(step.shape)  # a request preempted after it was added still counts
-        return batch
 
     def _schedule_drafts(self, request: Request, room: int, reserve: int) -> int:
         """Allocate slots for the request's token plus as many of its drafts as `room` allows and the
@@ -207,7 +234,7 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
         while not self.kv.allocate_slots(request, num_tokens):
-            victim = max(self.running, key=Request.sort_key)
+            victim = self.running[-1]  # the lowest priority, latest deadline and arrival
             self._preempt(victim, batch)
             if victim is request:
                 return False
@@ -237,7 +264,7 @@ class Scheduler:
         self.kv.record_lookup(request.num_tokens, num_hit)
         request.num_computed_tokens = num_hit
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        bisect.insort(self.running, request, key=Request.sort_key)
         step.add(n, num_hit, prefill=True)
         batch.num_tokens[request] = n
         batch.budget -= n

@@ -24,10 +24,9 @@ from runtime.engine.step_inputs import ScheduledChunk
 
 class StepUpdate:
     def __init__(self, scheduler: Scheduler, spec: SpecDecoder | None, counters: EngineCounters,
-                 eos_token_ids: frozenset[int], clock: Callable[[], float],
-                 itl_target_s: float | None) -> None:  # fmt: skip
+                 clock: Callable[[], float], itl_target_s: float | None) -> None:  # fmt: skip
         self.scheduler, self.kv, self.spec = scheduler, scheduler.kv, spec
-        self.counters, self.eos_token_ids, self.clock, self.itl_target_s = counters, eos_token_ids, clock, itl_target_s
+        self.counters, self.clock, self.itl_target_s = counters, clock, itl_target_s
         self.sampler = Sampler()
 
     def run(self, scheduled: list[ScheduledChunk], logits: np.ndarray | DeviceSample) -> list[TokenOutput]:
@@ -78,31 +77,37 @@ class StepUpdate:
             result = self.sampler.sample(logits[picked], [r.sampling for r in requests])
         now = self.clock()
         return [
-            self._append_tokens(request, [int(token)], None if logprobs is None else [logprobs], now)
-            for request, token, logprobs in zip(requests, result.token_ids, result.logprobs, strict=True)
+            self._append_tokens(request, [token], None if logprobs is None else [logprobs], now)
+            for request, token, logprobs in zip(requests, result.token_ids.tolist(), result.logprobs, strict=True)
         ]
 
     def _append_tokens(
         self, request: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None, now: float
     ) -> TokenOutput:
         """Append a step's tokens (one, or accepted drafts + one) in order, up to the first that
-        finishes the request (a stop token, max_tokens); one output carries them all."""
-        timing, params = request.timing, request.params
-        stops = params.stop_token_ids if params.ignore_eos else (*params.stop_token_ids, *self.eos_token_ids)
+        finishes the request (a stop token, max_tokens); one output carries them all. Once per request
+        per step: only what every token needs, the rest behind a test."""
+        timing, params, counters = request.timing, request.params, self.counters
         for i, token in enumerate(tokens):
-            request.append_output_token(token)
-            request.sampling.append(token)
-            if timing.last_token is None:
-                self.counters.record_latency("ttft", now - timing.arrival, params.ttft_target_s)
+            request.all_token_ids.append(token)
+            if request.sampling.penalized:
+                request.sampling.append(token)
+            last = timing.last_token
+            if last is None:
+                timing.first_token = now
+                if params.ttft_target_s is not None:
+                    counters.record_latency("ttft", now - timing.arrival, params.ttft_target_s)
             else:
-                self.counters.record_latency("itl", now - timing.last_token, params.itl_target_s or self.itl_target_s)
-            timing.on_token(now)
-            self.counters.generation_tokens += 1
-            kept, lp = tokens[: i + 1], None if logprobs is None else logprobs[: i + 1]
-            if token in stops:
-                return self.finish(request, "stop", kept, lp)
-            if request.num_output_tokens >= request.max_tokens:
-                return self.finish(request, "length", kept, lp)
+                timing.inter_token_latencies.append(now - last)
+                target = params.itl_target_s or self.itl_target_s
+                if target is not None:
+                    counters.record_latency("itl", now - last, target)
+            timing.last_token = now
+            counters.generation_tokens += 1
+            if token in request.stop_token_ids:
+                return self.finish(request, "stop", tokens[: i + 1], None if logprobs is None else logprobs[: i + 1])
+            if len(request.all_token_ids) - request.num_prompt_tokens >= request.max_tokens:
+                return self.finish(request, "length", tokens[: i + 1], None if logprobs is None else logprobs[: i + 1])
         return _output(request, tokens, logprobs)
 
     def finish(
