@@ -1,11 +1,13 @@
 """`python -m benchmarks.host_overhead`: the engine loop's own cost, over a backend that does no work.
 
 A GPU step of a small model takes a few milliseconds of device time; whatever the host does per step in
-series with it (scheduling, packing, postprocessing, detokenizing) is time the GPU waits. This measures that
-host path alone: LLMEngine over NullBackend, which samples on its "device" instantly (as the torch backend
-returns token ids) and never touches a tensor. B requests decode together (prompt 16 tokens, EOS ignored);
-the steady decode steps are timed, reported as µs per step and µs per request-step, median and spread over
-repetitions, at batch 1/16/64/256/1024.
+series with it (scheduling, packing, the state update) is time the GPU waits. This measures that host path
+alone: the engine core's step (`LLMEngine.step_tokens`) over NullBackend, which samples on its "device"
+instantly (as the torch backend returns token ids) and never touches a tensor. Turning tokens into text
+(the output processor) runs apart from the step in the served engine (AsyncLLM's output thread); its cost
+is reported beside, per token. An engine without `step_tokens` (before the split) is timed by `step()`,
+which did both. B requests decode together (prompt 16 tokens, EOS ignored); the steady decode steps are
+timed, reported as µs per step and µs per request-step, median and spread over repetitions.
 
     python -m benchmarks.host_overhead [--batches 1,16,64,256,1024] [--steps 64] [--repetitions 5]
 """
@@ -57,8 +59,9 @@ def engine_for(batch: int, engine_dir: Path):
     return LLMEngine(engine_dir, args, backend=NullBackend(config, blocks))
 
 
-def time_steps(batch: int, steps: int, engine_dir: Path) -> list[float]:
-    """Seconds of each steady decode step of `batch` requests (after every prompt has been prefilled)."""
+def time_steps(batch: int, steps: int, engine_dir: Path) -> tuple[list[float], list[float]]:
+    """Seconds of each steady decode step of `batch` requests (after every prompt has been prefilled), and
+    of turning each step's tokens into text (empty before the split: `step()` timed both)."""
     from executors.sampling import SamplingParams
 
     engine = engine_for(batch, engine_dir)
@@ -67,12 +70,17 @@ def time_steps(batch: int, steps: int, engine_dir: Path) -> list[float]:
         engine.add_request([1 + (i + j) % 50 for j in range(PROMPT_TOKENS)], params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()
-    seconds = []
+    seconds, text = [], []
+    split = hasattr(engine, "step_tokens")
     for _ in range(steps):
         start = time.perf_counter()
-        engine.step()
+        outputs = engine.step_tokens() if split else engine.step()
         seconds.append(time.perf_counter() - start)
-    return seconds
+        if split:
+            start = time.perf_counter()
+            engine.outputs.process(outputs)
+            text.append(time.perf_counter() - start)
+    return seconds, text
 
 
 def engine_with_batch(max_batch: int, workdir: Path) -> Path:
@@ -104,12 +112,16 @@ def main(batches: str, steps: int, repetitions: int, engine_dir: Path | None, ou
         engine_dir = engine_dir or engine_with_batch(max(sizes), Path(tmp))
         rows = []
         for batch in sizes:
-            per_rep = [statistics.median(time_steps(batch, steps, engine_dir)) for _ in range(repetitions)]
+            runs = [time_steps(batch, steps, engine_dir) for _ in range(repetitions)]
+            per_rep = [statistics.median(step_s) for step_s, _ in runs]
+            text_s = [statistics.median(t) for _, t in runs if t]
             median = statistics.median(per_rep)
+            text_us = round(statistics.median(text_s) * 1e6 / batch, 2) if text_s else None
             rows.append({"batch": batch, "us_per_step": round(median * 1e6, 1),
                          "us_per_step_min": round(min(per_rep) * 1e6, 1),
                          "us_per_step_max": round(max(per_rep) * 1e6, 1),
-                         "us_per_request_step": round(median * 1e6 / batch, 2)})  # fmt: skip
+                         "us_per_request_step": round(median * 1e6 / batch, 2),
+                         "text_us_per_token": text_us})  # fmt: skip
             click.echo(f"batch {batch:5d}: {rows[-1]['us_per_step']:9.1f} us/step "
                        f"({rows[-1]['us_per_request_step']:.2f} us per request-step)")  # fmt: skip
     payload = {"command": f"python -m benchmarks.host_overhead --batches {batches} --steps {steps} "
@@ -119,10 +131,12 @@ def main(batches: str, steps: int, repetitions: int, engine_dir: Path | None, ou
 
 def render(payload: dict) -> str:
     lines = ["# Engine host overhead (null backend)", "", f"Machine: {payload.get('machine', '?')}", "",
-             f"Command: `{payload['command']}`", "", "| batch | µs/step (median) | min | max | µs per request-step |",
-             "|---|---|---|---|---|"]  # fmt: skip
+             f"Command: `{payload['command']}`", "",
+             "| batch | µs/step (median) | min | max | µs per request-step | text, µs per token (output processor) |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
     lines += [f"| {r['batch']} | {r['us_per_step']} | {r['us_per_step_min']} | {r['us_per_step_max']} | "
-              f"{r['us_per_request_step']} |" for r in payload["rows"]]  # fmt: skip
+              f"{r['us_per_request_step']} | {r.get('text_us_per_token') or '- (in the step)'} |"
+              for r in payload["rows"]]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

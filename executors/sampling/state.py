@@ -36,8 +36,12 @@ class SamplingState:
     # Sized [V] only when a penalty is active (else empty): big for 150k-token vocabularies.
     output_counts: np.ndarray = field(init=False, repr=False)  # int32 [V]
     seen: np.ndarray = field(init=False, repr=False)  # bool [V]: prompt ∪ output
+    # A penalty is active (the params are frozen: decided once, read for every token).
+    penalized: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        p = self.params
+        self.penalized = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         self.rng = np.random.default_rng(self.params.seed)  # seed None -> fresh OS entropy
         size = self.vocab_size if self.penalized else 0
         self.output_counts = np.zeros(size, dtype=np.int32)
@@ -47,11 +51,6 @@ class SamplingState:
             if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
                 raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
             self.seen[ids] = True
-
-    @property
-    def penalized(self) -> bool:
-        p = self.params
-        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
     @property
     def argmax_only(self) -> bool:

@@ -47,6 +47,27 @@ class TorchSampler:
         return DeviceSample(token_ids, logprobs)
 
     @torch.inference_mode()
+    def sample_on_device(self, logits: torch.Tensor, rows: Sequence[SamplingState | None]) -> torch.Tensor:
+        """`sample_rows`' tokens left on the device ([B] int64, -1 where rows[i] is None), for an overlapped step:
+        nothing is read back. Rows without penalties or logprobs only (their host state would lag)."""
+        if any(r is not None and (r.penalized or r.params.logprobs is not None) for r in rows):
+            raise ValueError("a row with penalties or logprobs is sampled with sample_rows, not left on the device")
+        picked = [i for i, r in enumerate(rows) if r is not None]
+        tokens = torch.full((len(rows),), -1, dtype=torch.int64, device=logits.device)
+        if not picked:
+            return tokens
+        states = [r for r in rows if r is not None]
+        x = (logits if len(picked) == len(rows) else logits[self._index(picked)]).float()
+        chosen = x.argmax(dim=1)
+        rand = [j for j, r in enumerate(states) if not r.params.greedy]
+        if rand:
+            u = np.array([states[j].rng.random() for j in rand])  # drawn now, in step order: the same stream
+            index = self._index(rand)
+            chosen[index] = self._draw(x[index], [states[j].params for j in rand], u)
+        tokens[self._index(picked)] = chosen
+        return tokens
+
+    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> SampleResult:
         """The numpy Sampler.sample of the same logits and states: one token per row (and its logprobs)."""
         check_batch(tuple(logits.shape), rows)

@@ -15,13 +15,14 @@ Triton's interpreter (slow: tests and tiny models only).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from engine_format import EngineConfig, EngineLoadError
 from executors.base import SequenceChunk
+from executors.device_sampling import PendingSample
 from executors.sampling.state import DeviceSample, SamplingState
 from executors.sampling.torch_sampler import TorchSampler
 from executors.torch.graphs import DecodeGraphs, default_buckets
@@ -65,7 +66,8 @@ class TorchBackend:
             buckets = graph_buckets or default_buckets(config.max_batch_size)
             self.graphs = DecodeGraphs(self.decoder.forward, buckets, config.max_blocks_per_seq, self.num_blocks,
                                        self.device, capture=on_cuda)  # fmt: skip
-        self._staging: torch.Tensor | None = None  # pinned host buffer of the eager steps' packed inputs
+        self._staging: list[torch.Tensor | None] = [None, None]  # pinned host buffers of eager steps' inputs
+        self._turn = 0
         log.info("torch backend on %s (%s, kernels %s): KV pool %d blocks (%s), %.1f MiB", self.device, name,
                  "interpreted" if kernels.interpreted else "compiled", self.num_blocks, config.kv_cache_dtype,
                  self.kv.nbytes / 2**20)  # fmt: skip
@@ -80,6 +82,31 @@ class TorchBackend:
             raise ValueError("step_sample samples one row per chunk; verify drafts through step()")
         return self.sampler.sample_rows(self._logits(chunks), rows)
 
+    def launch(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingState | None], sources: np.ndarray,
+               previous: PendingSample | None) -> PendingSample:  # fmt: skip
+        """step_sample, queued on the device: the host returns as soon as the kernels are launched (see
+        executors/device_sampling.py). Placeholder tokens are copied from `previous`'s sampled tokens on the
+        device, after the step's inputs arrive and before its kernels read them."""
+        if len(rows) != len(chunks) or len(sources) != len(chunks):
+            raise ValueError(f"{len(rows)} rows and {len(sources)} sources for {len(chunks)} chunks")
+        filled = sources >= 0
+        if filled.any() and not isinstance(previous, _Launched):
+            raise ValueError("placeholder tokens need the previous launch of this backend")
+        with torch.inference_mode():
+            step = HostStep.pack(chunks, self.config, self.num_blocks, placeholders=filled)
+            first_rows = np.flatnonzero(filled)  # a chunk's first token is its sequence's first row...
+            starts = step.packed[4 * step.tokens : 4 * step.tokens + step.batch]  # ...query_start[i]
+            where = torch.from_numpy(starts[first_rows]).to(self.device, non_blocking=True)
+            src = torch.from_numpy(sources[first_rows]).to(self.device, non_blocking=True)
+
+            def fill(input_ids: torch.Tensor) -> None:
+                if first_rows.size:
+                    assert isinstance(previous, _Launched)
+                    input_ids[where] = previous.tokens[src]
+
+            logits = self._run(step, chunks, fill)
+            return _Launched(self.sampler.sample_on_device(logits, rows))
+
     def close(self) -> None:
         """Drop the graphs, pool and weights; return the cached device memory to CUDA."""
         self.graphs = None
@@ -90,20 +117,44 @@ class TorchBackend:
 
     @torch.inference_mode()
     def _logits(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
-        step = HostStep.pack(chunks, self.config, self.num_blocks)
+        return self._run(HostStep.pack(chunks, self.config, self.num_blocks), chunks)
+
+    def _run(self, step: HostStep, chunks: Sequence[SequenceChunk], fill: Fill | None = None) -> torch.Tensor:
+        """The step's logits rows. `fill`: writes the placeholder tokens into the input ids on the device."""
         bucket = self.graphs.bucket(chunks) if self.graphs is not None else None
         if self.graphs is not None and bucket is not None:
-            return self.graphs.run(step, bucket)
-        return self.decoder.forward(step.views(self._upload(step.packed)))
+            return self.graphs.run(step, bucket, fill)
+        inputs = step.views(self._upload(step.packed))
+        if fill is not None:
+            fill(inputs.input_ids)
+        return self.decoder.forward(inputs)
 
     def _upload(self, packed: np.ndarray) -> torch.Tensor:
-        """One host -> device copy, through a reused pinned buffer on CUDA (the previous step's copy
-        has finished: every step ends by reading its results back)."""
+        """One host -> device copy, through pinned buffers on CUDA, two taken in turn: an overlapped step's copy
+        may still read one while the next step is packed into the other (a step's results are read back
+        before the step after next is packed)."""
         host = torch.from_numpy(packed)
         if self.device.type != "cuda":
-            return host
-        if self._staging is None or self._staging.numel() < host.numel():
-            self._staging = torch.empty(max(host.numel(), 1 << 16), dtype=torch.int64, pin_memory=True)
-        staged = self._staging[: host.numel()]
+            return host  # each step packs a new array
+        self._turn ^= 1
+        staging = self._staging[self._turn]
+        if staging is None or staging.numel() < host.numel():
+            staging = self._staging[self._turn] = torch.empty(max(host.numel(), 1 << 16), dtype=torch.int64,
+                                                              pin_memory=True)  # fmt: skip
+        staged = staging[: host.numel()]
         staged.copy_(host)
         return staged.to(self.device, non_blocking=True)
+
+
+Fill = Callable[[torch.Tensor], None]
+
+
+class _Launched:
+    """A launched step's sampled tokens, still on the device (PendingSample)."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.tokens = tokens
+
+    def result(self) -> DeviceSample:
+        ids = self.tokens.cpu().numpy()  # waits for the device
+        return DeviceSample(ids, [None] * len(ids))

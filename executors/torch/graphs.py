@@ -76,12 +76,16 @@ class DecodeGraphs:
         self.capture, self.scratch = capture, scratch_block
         self.max_batch, self.width = self.buckets[-1], table_width
         n = self.max_batch
-        # Regions: input_ids, positions, kv_block, kv_offset [n]; block_tables [n, width].
-        self.host = torch.empty(4 * n + n * table_width, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.static = torch.empty_like(self.host, device=device)
+        # Regions: input_ids, positions, kv_block, kv_offset [n]; block_tables [n, width]. Two pinned host
+        # buffers taken in turn: an overlapped step's copy may still read one while the next is packed.
+        pinned = device.type == "cuda"
+        self.hosts = [torch.empty(4 * n + n * table_width, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._turn = 0
+        self.static = torch.empty_like(self.hosts[0], device=device)
         self.fixed = torch.arange(n + 1, dtype=torch.int64, device=device)  # query_start; logit_rows = [:-1]
-        self._fill_padding(self.host.numpy())
-        self.static.copy_(self.host)
+        for host in self.hosts:
+            self._fill_padding(host.numpy())
+        self.static.copy_(self.hosts[0])
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.graphs: dict[int, Replay] = {}
 
@@ -91,15 +95,20 @@ class DecodeGraphs:
             return None
         return next(b for b in self.buckets if b >= len(chunks))
 
-    def run(self, step: HostStep, bucket: int) -> torch.Tensor:
-        """Logits [step.batch, vocab] of a decode step already validated and packed (HostStep)."""
-        b, n, host, packed = step.batch, self.max_batch, self.host.numpy(), step.packed
+    def run(self, step: HostStep, bucket: int, fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Logits [step.batch, vocab] of a decode step already validated and packed (HostStep). `fill`: writes
+        placeholder tokens into the input ids on the device, once they are there (an overlapped launch)."""
+        self._turn ^= 1
+        staging = self.hosts[self._turn]
+        b, n, host, packed = step.batch, self.max_batch, staging.numpy(), step.packed
         self._fill_padding(host)
         for region in range(4):  # input_ids, positions, kv_block, kv_offset: one row per sequence
             host[region * n : region * n + b] = packed[region * b : (region + 1) * b]
         tables = host[4 * n :].reshape(n, self.width)
         tables[:b, : step.table_width] = packed[6 * b + 1 :].reshape(b, step.table_width)  # rows == b: decodes
-        self.static.copy_(self.host, non_blocking=True)  # the step's one host -> device copy
+        self.static.copy_(staging, non_blocking=True)  # the step's one host -> device copy
+        if fill is not None:
+            fill(self.static[:b])
         graph = self.graphs.get(bucket) or self._make(bucket)
         return graph()[:b]
 

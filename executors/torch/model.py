@@ -46,9 +46,11 @@ class HostStep:
     rows: int  # logit rows (sum of the chunks' num_logits)
 
     @classmethod
-    def pack(cls, chunks: Sequence[SequenceChunk], config: EngineConfig, num_blocks: int) -> HostStep:
-        """Validates every chunk first (check_chunks): the kernels index the pool with these numbers."""
-        check_chunks(chunks, config, num_blocks)
+    def pack(cls, chunks: Sequence[SequenceChunk], config: EngineConfig, num_blocks: int,
+             placeholders: np.ndarray | None = None) -> HostStep:  # fmt: skip
+        """Validates every chunk first (check_chunks): the kernels index the pool with these numbers.
+        `placeholders[i]`: chunk i's first token is filled on the device (an overlapped launch)."""
+        check_chunks(chunks, config, num_blocks, placeholders)
         bs = config.block_size
         lengths = np.array([len(c.token_ids) for c in chunks], np.int64)
         ends = np.array([c.past_len for c in chunks], np.int64) + lengths

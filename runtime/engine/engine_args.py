@@ -102,6 +102,10 @@ class EngineArgs:
                                          "token than steps without (per batch size); off: always.",
                                          flag="--speculative-adaptive/--no-speculative-adaptive",
                                          only_with="speculative")  # fmt: skip
+    overlap_scheduling: bool = setting(True, "Schedule and pack the next step while the device computes this one "
+                                       "(backends that sample on their device; steps run one by one while a "
+                                       "request uses penalties, logprobs or speculation).",
+                                       flag="--overlap-scheduling/--no-overlap-scheduling")  # fmt: skip
     stream_interval: int = setting(1, "Tokens per streamed response, the first and last at once; fewer responses cost "
                                    "the server less (a request may ask for more).", lo=1)  # fmt: skip
 

@@ -21,7 +21,8 @@ import numpy as np
 
 from engine_format import EngineConfig
 from executors import DeviceSample, DeviceSampling, create_backend
-from executors.base import EngineBackend
+from executors.base import EngineBackend, SequenceChunk
+from executors.device_sampling import PLACEHOLDER, OverlappedSampling
 from executors.sampling import SamplingParams, SamplingState
 from runtime.engine.admission import Admission, Prompt
 from runtime.engine.engine_args import EngineArgs
@@ -30,12 +31,12 @@ from runtime.engine.kv_cache_manager import KVCacheManager
 from runtime.engine.output_processor import OutputProcessor
 from runtime.engine.outputs import RequestOutput, TokenOutput
 from runtime.engine.request import Request, RequestTiming
-from runtime.engine.scheduler import Scheduler, SchedulerConfig
+from runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from runtime.engine.spec.decoding import create_spec_decoder
 from runtime.engine.stats import EngineCounters, EngineStats, StepRecord
 from runtime.engine.step_cost import OnlineStepCost, StepShape
-from runtime.engine.step_inputs import build_chunks
-from runtime.engine.step_update import StepUpdate
+from runtime.engine.step_inputs import InFlight, ScheduledChunk, build_chunks
+from runtime.engine.step_update import Placed, StepUpdate
 from runtime.engine.tokenizer import load_tokenizer, stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,12 @@ class LLMEngine:
         self.backend = backend or create_backend(
             config, args.num_kv_blocks, args.threads, args.backend, args.max_num_batched_tokens
         )
-        # The backend's own sampler, if it has one (checked once: a runtime Protocol check is slow).
+        # The backend's own sampler, and its overlapped launches, if it has them (checked once: a runtime Protocol
+        # check is slow).
         self.device_sampling: DeviceSampling | None = self.backend if isinstance(self.backend, DeviceSampling) else None
+        can_overlap = args.overlap_scheduling and isinstance(self.backend, OverlappedSampling)
+        self.overlap: OverlappedSampling | None = self.backend if can_overlap else None  # type: ignore[assignment]
+        self._in_flight: InFlight | None = None
         self.tokenizer = load_tokenizer(engine_dir)
         self.kv = KVCacheManager(self.backend.num_blocks, config.block_size, args.enable_prefix_caching)
         max_num_seqs = min(args.max_num_seqs or config.max_batch_size, config.max_batch_size)
@@ -163,13 +168,19 @@ class LLMEngine:
         return self.outputs.process(self.step_tokens())
 
     def step_tokens(self) -> list[TokenOutput]:
-        """One step of the core: schedule, run the backend, update; each request's new tokens."""
+        """One step of the core: schedule, run the backend, update; each request's new tokens. With a backend
+        that can (OverlappedSampling) and requests that allow it, the step is launched and the previous
+        launch's tokens are returned instead: the device computes while the host schedules the next step."""
+        overlap = self.overlap is not None and self.spec is None and self.scheduler.num_host_sampled == 0
+        if self._in_flight is not None and (not overlap or not self.requests):
+            with self._lock:  # the launched tokens first: this step's host sampling needs them
+                return self._resolve()
         step_start = self.clock()
         with self._lock:
             outputs = self._expire_deadlines()
             batch = self.scheduler.schedule()
             if batch.is_empty:
-                return outputs
+                return outputs + (self._resolve() if self._in_flight is not None else [])
             now = self.clock()
             for request in batch.num_tokens:
                 request.timing.first_scheduled = request.timing.first_scheduled or now
@@ -177,17 +188,16 @@ class LLMEngine:
             # Rows that complete their request's tokens are sampled: by the backend on its device if it can
             # (drafts are verified on the host, from logits of every draft position).
             rows = [s.request.sampling if s.completes else None for s in scheduled] if self.device_sampling else []
-            verifying = any(s.drafts for s in scheduled)
+            verifying = self.spec is not None and any(s.drafts for s in scheduled)
+        if overlap:
+            return outputs + self._launch(scheduled, chunks, rows, batch, step_start)
         try:
             if self.device_sampling is not None and not verifying:  # lock released: add/abort proceed
                 logits: np.ndarray | DeviceSample = self.device_sampling.step_sample(chunks, rows)
             else:
                 logits = self.backend.step(chunks)
         except Exception as exc:  # fail this step's requests, keep serving the others
-            log.exception("backend step failed; finishing its %d requests with an error", len(chunks))
-            with self._lock:
-                failed = [s.request for s in scheduled if not s.request.is_finished]
-                return outputs + [self.update.finish(r, "error", error=str(exc)) for r in failed]
+            return outputs + self._fail(scheduled, exc)
         with self._lock:
             self.counters.steps += 1
             stepped = self.update.run(scheduled, logits)
@@ -195,14 +205,64 @@ class LLMEngine:
             if self.spec is not None:  # the drafting for the next step is the proposer's time, not the target's
                 decodes = len(scheduled) if all(s.num_tokens - len(s.drafts) == 1 for s in scheduled) else None
                 target_s = self.spec.observe_step(seconds, sum(len(o.token_ids) for o in stepped), decodes)
-            outputs += stepped
-            shape = StepShape.of((len(c.token_ids), c.past_len) for c in chunks)
-            if target_s > 0:  # a clock that did not move (a test's) measured nothing
-                self.cost_model.observe(shape, target_s)
-            self.counters.record_step(
-                StepRecord(seconds, batch.predicted_s, shape.prefill_tokens, shape.decode_seqs, batch.token_budget)
-            )
-            return outputs
+            self._observe(chunks, batch, seconds, target_s)
+            return outputs + stepped
+
+    def _launch(self, scheduled: list[ScheduledChunk], chunks: list[SequenceChunk], rows: list[SamplingState | None],
+                batch: ScheduledBatch, start: float) -> list[TokenOutput]:  # fmt: skip
+        """Launch this step, then resolve the previous launch (the device computes this one meanwhile). Its
+        sampled rows advance at once, each with a placeholder token the next step's decode takes on the device."""
+        assert self.overlap is not None
+        previous = self._in_flight
+        sources = np.array([s.request.pending_row if s.request.all_token_ids[c.past_len] == PLACEHOLDER else -1
+                            for s, c in zip(scheduled, chunks, strict=True)], np.int64)  # fmt: skip
+        try:
+            pending = self.overlap.launch(chunks, rows, sources, None if previous is None else previous.pending)
+        except Exception as exc:
+            with self._lock:
+                outputs = self._resolve() if previous is not None else []
+            return outputs + self._fail(scheduled, exc)
+        with self._lock:
+            self.counters.steps += 1
+            placed: list[Placed] = []
+            for row, s in enumerate(scheduled):
+                request = s.request
+                if request.is_finished:  # aborted while it was launched: its row is dropped
+                    continue
+                if request.num_computed_tokens < request.num_prompt_tokens:
+                    self.counters.prompt_tokens += s.num_tokens
+                request.num_computed_tokens += s.num_tokens
+                if s.completes:
+                    placed.append((request, row, len(request.all_token_ids)))
+                    request.all_token_ids.append(PLACEHOLDER)
+                    request.pending_row = row
+            self._in_flight = InFlight(placed, pending, chunks, batch, start)
+            return [] if previous is None else self._resolve(previous)
+
+    def _resolve(self, launched: InFlight | None = None) -> list[TokenOutput]:
+        """A launched step's tokens, waited for (default: the one in flight, which is then done)."""
+        if launched is None:
+            launched, self._in_flight = self._in_flight, None
+        assert launched is not None
+        outputs = self.update.resolve(launched.placed, launched.pending.result())
+        seconds = self.clock() - launched.start  # the step's cadence: launch to its tokens on the host
+        self._observe(launched.chunks, launched.batch, seconds, seconds)
+        return outputs
+
+    def _fail(self, scheduled: list[ScheduledChunk], exc: Exception) -> list[TokenOutput]:
+        """The backend failed this step: finish its requests with the error, keep serving the others."""
+        log.exception("backend step failed; finishing its %d requests with an error", len(scheduled))
+        with self._lock:
+            failed = [s.request for s in scheduled if not s.request.is_finished]
+            return [self.update.finish(r, "error", error=str(exc)) for r in failed]
+
+    def _observe(self, chunks: list[SequenceChunk], batch: ScheduledBatch, seconds: float, target_s: float) -> None:
+        shape = StepShape.of((len(c.token_ids), c.past_len) for c in chunks)
+        if target_s > 0:  # a clock that did not move (a test's) measured nothing
+            self.cost_model.observe(shape, target_s)
+        self.counters.record_step(
+            StepRecord(seconds, batch.predicted_s, shape.prefill_tokens, shape.decode_seqs, batch.token_budget)
+        )
 
     def _expire_deadlines(self) -> list[TokenOutput]:
         now = self.clock()

@@ -73,6 +73,7 @@ class Request:
     # all_token_ids (so never hashed into the prefix cache) until accepted.
     draft_token_ids: list[int] = field(default_factory=list)
     stop_token_ids: frozenset[int] = frozenset()  # tokens that end it: its params' and the EOS ids unless ignored
+    pending_row: int = -1  # its row in the overlapped step in flight, whose sampled token is its last (placeholder)
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -98,6 +99,12 @@ class Request:
     @property
     def num_tokens_to_compute(self) -> int:
         return len(self.all_token_ids) - self.num_computed_tokens
+
+    @property
+    def host_sampled(self) -> bool:
+        """Its tokens are sampled from host state that must hold every earlier token: penalties (counts) or
+        logprobs. Such a request keeps the engine's steps from overlapping."""
+        return self.sampling.penalized or self.params.logprobs is not None
 
     @property
     def is_finished(self) -> bool:

@@ -73,6 +73,7 @@ class Scheduler:
         self.kv = kv
         self.cost = cost
         self.requests: dict[str, Request] = {}  # every live request, waiting or running, by id
+        self.num_host_sampled = 0  # live requests whose sampling needs host state (Request.host_sampled)
         self.waiting: list[tuple[tuple[int, float, int], Request]] = []  # heap by sort_key
         self.running: list[Request] = []  # kept in sort_key order (keys never change): no sort per step
         self.num_preemptions = 0
@@ -90,6 +91,7 @@ class Scheduler:
         self._check_ttft_target(request)
         self._enqueue(request)
         self.requests[request.request_id] = request
+        self.num_host_sampled += request.host_sampled
 
     def _check_ttft_target(self, request: Request) -> None:
         target = request.params.ttft_target_s
@@ -120,6 +122,7 @@ class Scheduler:
     def remove(self, request: Request) -> None:
         """Take a request out of the queues (finish or abort) and free its blocks."""
         del self.requests[request.request_id]
+        self.num_host_sampled -= request.host_sampled
         if request in self.running:
             self.running.remove(request)
         else:
@@ -130,7 +133,9 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(budget=self.config.max_num_batched_tokens)
         order = list(self.running)  # sorted; a copy, as preemption edits the list
-        decodes = [r for r in order if len(r.all_token_ids) - r.num_computed_tokens == 1]
+        # One token to compute; not one whose last token (in flight: an overlapped step) already reaches max_tokens.
+        decodes = [r for r in order if len(r.all_token_ids) - r.num_computed_tokens == 1
+                   and len(r.all_token_ids) - r.num_prompt_tokens < r.max_tokens]  # fmt: skip
         if any(r.draft_token_ids for r in decodes):
             self._schedule_speculative_decodes(
                 decodes, batch, prefilling=bool(self.waiting) or len(decodes) < len(order)

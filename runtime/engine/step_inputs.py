@@ -4,9 +4,14 @@ them are speculative drafts, and where its logits rows land in the step's output
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from executors.base import SequenceChunk
+from executors.device_sampling import PendingSample
 from runtime.engine.request import Request
+
+if TYPE_CHECKING:
+    from runtime.engine.scheduler import ScheduledBatch
 
 NO_DRAFTS: list[int] = []  # shared, never changed
 
@@ -34,3 +39,14 @@ def build_chunks(num_tokens: dict[Request, int]) -> tuple[list[ScheduledChunk], 
         scheduled.append(ScheduledChunk(request, n, drafts, row, start + n - len(drafts) == len(tokens)))
         row += 1 + len(drafts)
     return scheduled, chunks
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """An overlapped step launched on the device, its tokens not yet on the host."""
+
+    placed: list[tuple[Request, int, int]]  # its sampled rows: (request, row, index of the placeholder token)
+    pending: PendingSample
+    chunks: list[SequenceChunk]
+    batch: ScheduledBatch
+    start: float  # clock seconds when it was scheduled

@@ -21,6 +21,9 @@ from runtime.engine.spec.decoding import SpecDecoder
 from runtime.engine.stats import EngineCounters
 from runtime.engine.step_inputs import ScheduledChunk
 
+# An overlapped step's sampled row: (request, its row in the step's sample, the index of its placeholder token).
+Placed = tuple[Request, int, int]  # as step_inputs.InFlight.placed
+
 
 class StepUpdate:
     def __init__(self, scheduler: Scheduler, spec: SpecDecoder | None, counters: EngineCounters,
@@ -85,30 +88,53 @@ class StepUpdate:
         self, request: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None, now: float
     ) -> TokenOutput:
         """Append a step's tokens (one, or accepted drafts + one) in order, up to the first that
-        finishes the request (a stop token, max_tokens); one output carries them all. Once per request
-        per step: only what every token needs, the rest behind a test."""
-        timing, params, counters = request.timing, request.params, self.counters
+        finishes the request (a stop token, max_tokens); one output carries them all."""
         for i, token in enumerate(tokens):
             request.all_token_ids.append(token)
-            if request.sampling.penalized:
-                request.sampling.append(token)
-            last = timing.last_token
-            if last is None:
-                timing.first_token = now
-                if params.ttft_target_s is not None:
-                    counters.record_latency("ttft", now - timing.arrival, params.ttft_target_s)
-            else:
-                timing.inter_token_latencies.append(now - last)
-                target = params.itl_target_s or self.itl_target_s
-                if target is not None:
-                    counters.record_latency("itl", now - last, target)
-            timing.last_token = now
-            counters.generation_tokens += 1
-            if token in request.stop_token_ids:
-                return self.finish(request, "stop", tokens[: i + 1], None if logprobs is None else logprobs[: i + 1])
-            if len(request.all_token_ids) - request.num_prompt_tokens >= request.max_tokens:
-                return self.finish(request, "length", tokens[: i + 1], None if logprobs is None else logprobs[: i + 1])
+            reason = self._took(request, token, len(request.all_token_ids) - request.num_prompt_tokens, now)
+            if reason is not None:
+                return self.finish(request, reason, tokens[: i + 1], None if logprobs is None else logprobs[: i + 1])
         return _output(request, tokens, logprobs)
+
+    def resolve(self, placed: list[Placed], sample: DeviceSample) -> list[TokenOutput]:
+        """An overlapped step's tokens, now known: each replaces its request's placeholder (and a request that
+        finishes drops the placeholders of the steps launched after it: their tokens are never output)."""
+        now, outputs = self.clock(), []
+        for request, row, index in placed:
+            if request.is_finished:  # aborted, or finished by an earlier token, meanwhile
+                continue
+            token = int(sample.token_ids[row])
+            request.all_token_ids[index] = token
+            self.kv.cache_computed_blocks(request)  # every token it has computed is known now
+            reason = self._took(request, token, index + 1 - request.num_prompt_tokens, now)
+            if reason is not None:
+                del request.all_token_ids[index + 1 :]
+                outputs.append(self.finish(request, reason, [token]))
+            else:
+                outputs.append(_output(request, [token], None))
+        return outputs
+
+    def _took(self, request: Request, token: int, num_output: int, now: float) -> str | None:
+        """Account a token just placed as the request's `num_output`-th; why it finishes the request, if it does.
+        Once per request per step: only what every token needs, the rest behind a test."""
+        timing, params, counters = request.timing, request.params, self.counters
+        if request.sampling.penalized:
+            request.sampling.append(token)
+        last = timing.last_token
+        if last is None:
+            timing.first_token = now
+            if params.ttft_target_s is not None:
+                counters.record_latency("ttft", now - timing.arrival, params.ttft_target_s)
+        else:
+            timing.inter_token_latencies.append(now - last)
+            target = params.itl_target_s or self.itl_target_s
+            if target is not None:
+                counters.record_latency("itl", now - last, target)
+        timing.last_token = now
+        counters.generation_tokens += 1
+        if token in request.stop_token_ids:
+            return "stop"
+        return "length" if num_output >= request.max_tokens else None
 
     def finish(
         self,
