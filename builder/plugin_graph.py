@@ -111,7 +111,8 @@ def _prologue(g: _Graph, model: onnx.ModelProto, norm: onnx.NodeProto):
         bias = add.input[1]
     else:
         bias = f"{matmul.name}.zero_bias"
-        model.graph.initializer.append(numpy_helper.from_array(np.zeros(sum(sizes), np.float32), bias))
+        weight_type = onnx.helper.tensor_dtype_to_np_dtype(g.constants[matmul.input[1]].data_type)  # the engine's
+        model.graph.initializer.append(numpy_helper.from_array(np.zeros(sum(sizes), weight_type), bias))
     fused = helper.make_node(
         PROLOGUE, [norm.input[0], norm.input[1], matmul.input[1], bias, *rope_q.input[1:4]],
         [rope_q.output[0], rope_k.output[0], split.output[2]], name=norm.name.replace("input_norm", "prologue"),

@@ -42,11 +42,16 @@ def default_backend(config: EngineConfig) -> str:
 
 def create_backend(
     config: EngineConfig, num_blocks: int | None = None, threads: int | None = None, kind: str | None = None,
-    max_num_batched_tokens: int | None = None,
+    max_num_batched_tokens: int | None = None, dtype: str | None = None,
 ) -> EngineBackend:  # fmt: skip
     """The backend `kind` (one of BACKENDS; default: default_backend) over `num_blocks` KV blocks.
-    `max_num_batched_tokens`: the engine's step budget, checked against a TensorRT plan's profiles."""
+    `max_num_batched_tokens`: the engine's step budget, checked against a TensorRT plan's profiles.
+    `dtype`: the torch backend's compute dtype (default: the engine's); the other backends refuse another."""
+
     kind = kind or default_backend(config)
+    if dtype is not None and dtype != config.dtype and kind != "torch":
+        raise ValueError(f"only the torch backend computes in another dtype than the engine's ({config.dtype}): "
+                         f"backend {kind!r} cannot run it in {dtype}")
     if kind in BACKENDS:
         require_kv_support(config, kind)
     if kind == "tensorrt":
@@ -56,7 +61,7 @@ def create_backend(
     if kind == "torch":
         from executors.torch import TorchBackend  # imports torch and the Triton kernels
 
-        return TorchBackend(config, num_blocks)
+        return TorchBackend(config, num_blocks, dtype=dtype)
     if kind == "cpu":
         from executors.ort_cpu import OrtCpuBackend  # loads the kernel, which sets the OpenMP policy
 

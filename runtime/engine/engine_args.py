@@ -68,6 +68,9 @@ class EngineArgs:
     backend: str | None = setting(None, "Executor (default: TensorRT for TensorRT engines where installed, else torch "
                                   "on a GPU, else ORT). cpu-bf16: the CPU kernel backend with bfloat16 dense layers "
                                   "(oneDNN, AMX): faster, HF-bf16 numerics.", choices=BACKENDS)  # fmt: skip
+    dtype: str | None = setting(None, "The torch backend's compute dtype (default: the engine's), e.g. bfloat16 "
+                                "over a float32 engine's weights.",
+                                choices=("float32", "float16", "bfloat16"))  # fmt: skip
     itl_target_ms: float | None = setting(DEFAULT_ITL_TARGET_MS, "Inter-token latency target (ms): while requests "
                                           "decode, a step carries only the prefill its learned cost keeps within it; "
                                           "0: none (the fixed token budget).", lo=0)  # fmt: skip

@@ -62,7 +62,7 @@ class LLMEngine:
         # The backend before the tokenizer: the tokenizer loads transformers and with it torch's
         # libgomp, which must come after the attention kernel sets its OpenMP wait policy.
         self.backend = backend or create_backend(
-            config, args.num_kv_blocks, args.threads, args.backend, args.max_num_batched_tokens
+            config, args.num_kv_blocks, args.threads, args.backend, args.max_num_batched_tokens, args.dtype
         )
         # The backend's own sampler, and its overlapped launches, if it has them (checked once: a runtime Protocol
         # check is slow).
