@@ -177,7 +177,9 @@ def test_unfused_prologue_greedy_matches_ort(llama_engine):
 def test_decode_buckets_and_padding_match_eager(llama_engine):
     """The CUDA-graph path's buffers, run eagerly here: 3 decoding sequences padded to bucket 4
     give the eager step's logits, and the padding row writes only the scratch block."""
-    graphs, eager = torch_backend(llama_engine, cuda_graphs=True, graph_buckets=(1, 2, 4)), torch_backend(llama_engine)
+    # The eager side without graphs on CUDA too (their default there): its scratch block must stay untouched.
+    graphs = torch_backend(llama_engine, cuda_graphs=True, graph_buckets=(1, 2, 4))
+    eager = torch_backend(llama_engine, cuda_graphs=False)
     prompts = random_prompts(graphs.config.model.vocab_size, [10, 3, 12], seed=4)
     tables = [[0, 1], [5], [9, 2]]
     for backend in (graphs, eager):
@@ -191,6 +193,18 @@ def test_decode_buckets_and_padding_match_eager(llama_engine):
     # Padding changes the matmuls' row count, so float32 rounding may differ (2e-6 on an AMD EPYC).
     torch.testing.assert_close(graphs.pool[:, :, :real], eager.pool[:, :, :real], atol=1e-5, rtol=0)
     assert graphs.pool[:, :, real].abs().sum() > 0 and eager.pool[:, :, real].abs().sum() == 0
+
+
+def test_warm_up_runs_every_decode_bucket_on_cuda_and_nothing_here(llama_engine):
+    """Off CUDA nothing is compiled (0 s); on a GPU every graph bucket up to max_num_seqs is captured before
+    the first request, so none waits for a capture."""
+    backend = torch_backend(llama_engine, cuda_graphs=True, graph_buckets=(1, 2, 4, 8))
+    seconds = backend.warm_up(max_num_seqs=4, max_num_batched_tokens=32)
+    assert backend.graphs is not None
+    if CUDA:
+        assert seconds > 0 and sorted(backend.graphs.graphs) == [1, 2, 4]
+    else:
+        assert seconds == 0.0 and backend.graphs.graphs == {}
 
 
 def test_broken_inputs_are_caught_before_any_kernel(llama_engine):

@@ -107,6 +107,31 @@ class TorchBackend:
             logits = self._run(step, chunks, fill)
             return _Launched(self.sampler.sample_on_device(logits, rows))
 
+    def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> float:
+        """On CUDA, before serving: run a step of every shape class the engine will send, so that no request
+        waits for Triton to compile a kernel or for a decode graph to be captured; returns the seconds it took
+        (0 off CUDA: the interpreter compiles nothing). Decodes: every graph bucket up to `max_num_seqs`.
+        Prefills: one chunk of each power-of-two length up to the step budget (Triton specializes a launch
+        on its integer arguments' divisibility and the tile sizes chosen from the row count). The steps
+        write K/V into the pool's first blocks, which hold nothing yet: a request writes a row before any
+        step reads it."""
+        if self.device.type != "cuda":
+            return 0.0
+        import time
+
+        start = time.perf_counter()
+        bs, width = self.config.block_size, self.config.max_blocks_per_seq
+        table = list(range(min(width, self.num_blocks)))
+        buckets = self.graphs.buckets if self.graphs is not None else (1,)
+        for batch in (b for b in buckets if b <= max_num_seqs):
+            self._logits([SequenceChunk([0], bs, table[:2]) for _ in range(batch)])
+        length = 1
+        while length <= min(max_num_batched_tokens, self.config.max_seq_len - 1):
+            self._logits([SequenceChunk([0] * length, 0, table[: -(-length // bs)])])
+            length *= 2
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
     def close(self) -> None:
         """Drop the graphs, pool and weights; return the cached device memory to CUDA."""
         self.graphs = None

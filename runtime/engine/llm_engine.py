@@ -64,6 +64,11 @@ class LLMEngine:
         self.backend = backend or create_backend(
             config, args.num_kv_blocks, args.threads, args.backend, args.max_num_batched_tokens, args.dtype
         )
+        warm_up = getattr(self.backend, "warm_up", None)  # GPU backends: compile and capture before serving
+        if warm_up is not None:
+            seconds = warm_up(args.max_num_seqs or config.max_batch_size, args.max_num_batched_tokens)
+            if seconds:
+                log.info("backend warmed up in %.1f s: no request waits for a kernel compile or graph capture", seconds)
         # The backend's own sampler, and its overlapped launches, if it has them (checked once: a runtime Protocol
         # check is slow).
         self.device_sampling: DeviceSampling | None = self.backend if isinstance(self.backend, DeviceSampling) else None
