@@ -1,0 +1,119 @@
+"""`python -m benchmarks.gpu --out DIR`: the project's check on a CUDA machine, in one command.
+
+Parts, each in its own process (a CUDA fault poisons the process that hit it; and importing
+tests/test_kv_quant_triton.py switches Triton to its interpreter for the whole process), each writing its
+JSON into DIR as soon as it ends, so a run cut short keeps what it measured:
+- `kernels`: `python -m plugins_cuda.check` (every kernel against its float64 reference, fp32/fp16/bf16);
+- `tests`: the GPU-capable test files, one pytest process each;
+- `engine`: LLMEngine over the torch backend (bf16, CUDA graphs, device sampling, overlapped scheduling)
+  against HF eager `generate` (static batch 64) on the same GPU, same random prompts, EOS ignored: output
+  tok/s, TTFT and TPOT p50, and a single stream's TTFT / TPOT; on random-weight models of SmolLM2-135M's
+  and Llama-3.2-1B's shapes (the weights do not change the speed; real ones cannot travel to a lent GPU).
+  The engine loop is timed as served: its step returns token ids, text is made on another thread.
+Sized for about 8 minutes on one H100/H200; `--parts` picks some. `--dry-run` runs the same code on the
+CPU at toy sizes (Triton interpreted), which is how this file is tested where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+PARTS = ("kernels", "tests", "engine")
+GPU_TESTS = (
+    "tests/test_torch_backend.py",
+    "tests/test_torch_sampler.py",
+    "tests/test_torch_kv_quant.py",
+    "tests/test_kv_quant_triton.py",
+    "tests/test_triton_kernels.py",
+)
+SHAPES = {  # random-weight models: (layers, hidden, intermediate, heads, kv heads, head_dim, vocab, tied)
+    "smollm2-135m": (30, 576, 1536, 9, 3, 64, 49152, True),
+    "llama-3.2-1b": (16, 2048, 8192, 32, 8, 64, 49152, True),
+}
+
+
+@click.command()
+@click.option("--out", type=click.Path(path_type=Path, file_okay=False), required=True)
+@click.option("--parts", default=",".join(PARTS), show_default=True)
+@click.option("--dry-run", is_flag=True, help="Toy sizes on the CPU (the plumbing, not the speed).")
+@click.option("--part-timeout-s", default=300, show_default=True, type=click.IntRange(10))
+def main(out: Path, parts: str, dry_run: bool, part_timeout_s: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    chosen = [p for p in parts.split(",") if p]
+    unknown = set(chosen) - set(PARTS)
+    if unknown:
+        raise click.UsageError(f"unknown part(s) {sorted(unknown)}; parts: {', '.join(PARTS)}")
+    _write(out / "environment.json", environment())
+    for part in chosen:
+        commands = _commands(part, out, dry_run)
+        for name, command in commands:
+            start = time.perf_counter()
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=part_timeout_s)
+                result = {"returncode": done.returncode, "tail": (done.stdout + done.stderr)[-6000:]}
+            except subprocess.TimeoutExpired as exc:
+                result = {"returncode": "timeout", "tail": str(exc.stdout or "")[-6000:]}
+            result["seconds"] = round(time.perf_counter() - start, 1)
+            _write(out / f"{name}.run.json", {"command": command, **result})  # the part's own figures: {name}.json
+            click.echo(f"{name}: {result['returncode']} in {result['seconds']} s")
+
+
+def _commands(part: str, out: Path, dry_run: bool) -> list[tuple[str, list[str]]]:
+    python = sys.executable
+    if part == "kernels":
+        return [("kernels", [python, "-m", "plugins_cuda.check", *(["--interpret"] if dry_run else [])])]
+    if part == "tests":
+        files = GPU_TESTS[:1] if dry_run else GPU_TESTS
+        return [
+            (f"tests-{Path(f).stem}", [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", f]) for f in files
+        ]
+    shapes = ["tiny"] if dry_run else list(SHAPES)
+    return [
+        (
+            f"engine-{s}",
+            [
+                python,
+                "-m",
+                "benchmarks.gpu_engine",
+                "--shape",
+                s,
+                "--out",
+                str(out / f"engine-{s}.json"),
+                *(["--dry-run"] if dry_run else []),
+            ],
+        )
+        for s in shapes
+    ]
+
+
+def environment() -> dict:
+    import platform
+
+    info: dict = {"python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        import torch
+        import triton
+
+        info.update(torch=torch.__version__, triton=triton.__version__, cuda=torch.cuda.is_available())
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            info.update(
+                gpu=props.name, memory_gib=round(props.total_memory / 2**30, 1), sm_count=props.multi_processor_count
+            )
+    except ImportError as exc:
+        info["missing"] = str(exc)
+    return info
+
+
+def _write(path: Path, value: dict) -> None:
+    path.write_text(json.dumps(value, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

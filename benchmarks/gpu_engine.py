@@ -1,0 +1,174 @@
+"""`python -m benchmarks.gpu_engine --shape llama-3.2-1b --out F.json`: one part of `benchmarks.gpu` (its own
+process). A random-weight model of the shape is written, built into an engine, then timed:
+
+- trtserve: LLMEngine over the torch backend in bfloat16 (CUDA graphs, device sampling, overlapped
+  scheduling, warmed up at start), 256 requests of 256 random prompt tokens -> 128 tokens each, EOS ignored,
+  all arriving at once; the loop is `step_tokens()`, as served (text is made on another thread);
+- HF eager `generate` in bfloat16, static batches of 64, the same prompts;
+- a single stream: one 256-token prompt -> 128 tokens, TTFT and TPOT.
+Each figure is one timed run after the warm-up. `--dry-run`: a two-layer toy on the CPU, a few requests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+from benchmarks.gpu import SHAPES
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def checkpoint(shape: str, out: Path) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from builder.tiny import make_tokenizer
+
+    layers, hidden, inter, heads, kv, head_dim, vocab, tied = SHAPES.get(shape, (2, 64, 128, 4, 2, 16, 512, True))
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        max_position_embeddings=2048,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    make_tokenizer().save_pretrained(out)
+    return out
+
+
+def trtserve(engine_dir: Path, prompts: list[list[int]], out_len: int, device: str) -> dict:
+    from executors.sampling import SamplingParams
+    from runtime.engine.engine_args import EngineArgs
+    from runtime.engine.llm_engine import LLMEngine
+
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    per_seq = math.ceil((max(len(p) for p in prompts) + out_len) / 16) + 1
+    engine = LLMEngine(
+        engine_dir,
+        EngineArgs(
+            backend="torch",
+            dtype=dtype,
+            max_num_seqs=len(prompts),
+            max_num_batched_tokens=2048,
+            num_kv_blocks=len(prompts) * per_seq,
+        ),
+    )
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    _sync()
+    start = time.perf_counter()
+    for p in prompts:
+        engine.add_request(p, params)
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    tokens = 0
+    while engine.has_unfinished_requests():
+        outs = engine.step_tokens()
+        now = time.perf_counter() - start
+        for o in outs:
+            if o.finish_reason == "error":
+                raise RuntimeError(f"the engine failed a request: {o.error}")
+            first.setdefault(o.request_id, now)
+            tokens += len(o.token_ids)
+            if o.finish_reason is not None:
+                done[o.request_id] = now
+    _sync()
+    wall = time.perf_counter() - start
+    ttft = [first[r] for r in done]
+    tpot = [(done[r] - first[r]) / max(out_len - 1, 1) for r in done]
+    return {
+        "out_tok_s": round(tokens / wall, 1),
+        "wall_s": round(wall, 3),
+        "tokens": tokens,
+        "ttft_p50_ms": round(1e3 * float(np.median(ttft)), 2),
+        "tpot_p50_ms": round(1e3 * float(np.median(tpot)), 3),
+    }
+
+
+def hf_eager(checkpoint_dir: Path, prompts: list[list[int]], out_len: int, batch: int, device: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=dtype).to(device).eval()
+    _sync()
+    start, total = time.perf_counter(), 0
+    for i in range(0, len(prompts), batch):
+        group = torch.tensor(prompts[i : i + batch], device=device)
+        with torch.no_grad():
+            out = model.generate(
+                group,
+                attention_mask=torch.ones_like(group),
+                max_new_tokens=out_len,
+                min_new_tokens=out_len,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        total += (out.shape[1] - group.shape[1]) * len(group)
+    _sync()
+    wall = time.perf_counter() - start
+    return {"out_tok_s": round(total / wall, 1), "wall_s": round(wall, 3), "batch": batch}
+
+
+@click.command()
+@click.option("--shape", required=True, type=click.Choice([*SHAPES, "tiny"]))
+@click.option("--out", type=click.Path(path_type=Path, dir_okay=False), required=True)
+@click.option("--dry-run", is_flag=True)
+def main(shape: str, out: Path, dry_run: bool) -> None:
+    import os
+
+    import torch
+
+    if dry_run or not torch.cuda.is_available():  # the kernels in Triton's interpreter, set before they load
+        os.environ["TRITON_INTERPRET"] = "1"
+    from builder.build import BuildOptions, build_engine
+
+    device = "cuda" if torch.cuda.is_available() and not dry_run else "cpu"
+    n, prompt_len, out_len, batch = (4, 16, 8, 2) if dry_run else (256, 256, 128, 64)
+    result: dict = {
+        "shape": shape,
+        "device": device,
+        "requests": n,
+        "prompt_tokens": prompt_len,
+        "output_tokens": out_len,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = checkpoint(shape, Path(tmp) / "checkpoint")
+        engine = Path(tmp) / "engine"
+        start = time.perf_counter()
+        build_engine(BuildOptions(model=str(ckpt), output=engine, max_batch_size=n, max_seq_len=1024, block_size=16))
+        result["build_s"] = round(time.perf_counter() - start, 1)
+        vocab = min(SHAPES.get(shape, (0,) * 6 + (512,))[6], 32000)
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(3, vocab, prompt_len).tolist() for _ in range(n)]
+        result["trtserve"] = trtserve(engine, prompts, out_len, device)
+        out.write_text(json.dumps(result, indent=2) + "\n")  # kept if what follows fails
+        result["single_stream"] = trtserve(engine, prompts[:1], out_len, device)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        result["hf_eager"] = hf_eager(ckpt, prompts, out_len, batch, device)
+        result["speedup_vs_hf"] = round(result["trtserve"]["out_tok_s"] / result["hf_eager"]["out_tok_s"], 2)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    click.echo(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""The GPU check's plumbing (benchmarks/gpu.py) and the host-overhead benchmark, run on the CPU at toy sizes:
+each part writes its JSON, the engine part fails loudly when a request fails, the host path reports every
+batch. What they measure on a GPU is not checked here (no GPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks import host_overhead
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_dry_run_writes_each_part(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--out", str(tmp_path), "--dry-run", "--parts",
+                           "engine"], capture_output=True, text=True, cwd=ROOT, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((tmp_path / "environment.json").read_text())["python"]
+    run = json.loads((tmp_path / "engine-tiny.run.json").read_text())
+    assert run["returncode"] == 0, run["tail"]
+    measured = json.loads((tmp_path / "engine-tiny.json").read_text())
+    assert measured["trtserve"]["tokens"] == 4 * 8 and measured["single_stream"]["tokens"] == 8
+    assert measured["hf_eager"]["out_tok_s"] > 0
+
+
+def test_host_overhead_times_the_core_step_and_the_text_apart(llama_engine):
+    step_s, text_s = host_overhead.time_steps(4, 6, llama_engine)
+    assert len(step_s) == 6 and len(text_s) == 6 and all(s > 0 for s in step_s + text_s)
