@@ -157,7 +157,7 @@ def correctness(interpret: bool, device: str) -> list[dict]:
             rows.append({"kernel": "paged_attention", "case": case.name, "dtype": name, **errors, "ok": ok,
                          "shape": asdict(case)})  # fmt: skip
         for shape in PROLOGUE_CASES["interpret" if interpret else "gpu"]:
-            for tactic in ("decode", "prefill"):
+            for tactic in ("decode", "prefill", "gemm"):
                 error = prologue_error(*shape, dtypes[name], device, tactic)
                 rows.append({"kernel": f"fused_rmsnorm_qkv_rope/{tactic}", "case": "x".join(map(str, shape)),
                              "dtype": name, "error": error, "ok": error <= TOLERANCE[name]})  # fmt: skip

@@ -120,7 +120,8 @@ class FakeGraph:
         if callable(grid):
             raise GraphHazard(f"{kernel}: a callable grid is evaluated per launch; a graph bakes one")
         launch = _Launch(kernel, tuple(grid), [], {})
-        launch.args = [self._buffer(f"argument {i}", a) for i, a in enumerate(args)]
+        names = list(getattr(kernel, "arg_names", ())) + [f"argument {i}" for i in range(len(args))]
+        launch.args = [self._buffer(names[i], a) for i, a in enumerate(args)]
         launch.kwargs = {k: self._buffer(k, v) for k, v in kwargs.items()}
         self.launches.append(launch)
 
