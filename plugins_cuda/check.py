@@ -169,11 +169,11 @@ def markdown(rows: list[dict], bench: list[dict]) -> str:
     for r in rows:
         error = r.get("error", max(r.get("ragged", 0.0), r.get("plugin", 0.0)))
         lines.append(f"| {r['kernel']} | {r['case']} | {r['dtype']} | {error:.2e} | {'yes' if r['ok'] else 'NO'} |")
-    for kind in dict.fromkeys(b["bench"] for b in bench):
-        group = [b for b in bench if b["bench"] == kind]
-        keys = list(group[0])
+    for kind in dict.fromkeys((b["bench"], b.get("mode")) for b in bench):
+        group = [b for b in bench if (b["bench"], b.get("mode")) == kind]
+        keys = list(dict.fromkeys(k for b in group for k in b))
         lines += ["", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-        lines += ["| " + " | ".join(str(b[k]) for k in keys) + " |" for b in group]
+        lines += ["| " + " | ".join(str(b.get(k, "")) for k in keys) + " |" for b in group]
     return "\n".join(lines) + "\n"
 
 
