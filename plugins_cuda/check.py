@@ -184,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("kernel-check"), help="directory for check.json/.md")
     args = parser.parse_args(argv)
     if args.interpret:
+        from plugins_cuda.interpreter import interpreter_problem
+
+        if problem := interpreter_problem():
+            print(problem, file=sys.stderr)
+            return 2
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
     import torch
 

@@ -8,13 +8,15 @@ one tile per query head would). Work index 0 is a sequence's *last* tile: causal
 with the index, and the longest start first (the short ones fill the tail of the wave).
 
 Why these tiles (16-bit): BLOCK_M 128 rows with 8 warps is two warpgroups of 64 rows, the
-shape sm_90's wgmma takes (and 4 MMA rows per warp on sm_80); BLOCK_N 64 keys at head_dim 128
-(128 at <= 64) keeps Q (32 KB) + 3 stages of K and V (96 KB) inside sm_80's and sm_90's shared
-memory; num_stages 3 (2 on the 99 KB parts). The key loop itself is attention_core's: causal
-tiles past the tile's last position are skipped, whole tiles run unmasked, exp2 softmax with
-the scale folded into log2(e). Hopper's TMA is not used: a 16-slot block scatters a 64-key
-tile over 4 pool blocks (a gather TMA only sm_100 has), and device-side tensor descriptors
-need the global scratch TensorRT's AOT plugins cannot provide.
+shape sm_90's wgmma takes; there BLOCK_N is 64 keys at head_dim 128 (128 at <= 64): 208
+registers, no spills, 99 KB of shared memory with 3 stages. Before sm_90 the dots are mma.sync
+with the S tile in registers: 64 keys at head_dim 128 spill, so 32 (64 at <= 64). num_stages 3,
+2 on the 99 KB parts (sm_86/89). The numbers: benchmarks/results/kernel-resources.md.
+The key loop itself is attention_core's: causal tiles past the tile's last position are
+skipped, whole tiles run unmasked, exp2 softmax with the scale folded into log2(e). Hopper's
+TMA is not used: a 16-slot block scatters a 64-key tile over 4 pool blocks (a gather TMA only
+sm_100 has), and device-side tensor descriptors need global scratch memory, which TensorRT's
+AOT plugins cannot provide.
 
 Verified under TRITON_INTERPRET=1 (CPU) and by AOT compilation for sm_80/sm_90 (registers,
 shared memory, spills: plugins_cuda/resources.py); timed only by plugins_cuda/bench.py on a GPU.
@@ -46,7 +48,10 @@ class PrefillTiles:
         if element_bytes == 4:  # verification builds: fp32 FMA dots, operands in registers
             return cls(max(32, triton.next_power_of_2(group)), 16, 4, 2)
         block_m = max(128, triton.next_power_of_2(group))
-        block_n = 64 if head_dim >= 128 else 128
+        # wgmma (sm_90) keeps the S tile's operands out of registers; with mma.sync 64 keys at
+        # head_dim 128 need 255 registers and spill (sm_80: 84 B a thread)
+        wide = 64 if arch >= 90 else 32
+        block_n = wide if head_dim >= 128 else 2 * wide
         return cls(block_m, block_n, 8, 2 if arch in SMALL_SMEM_ARCHS else 3)
 
     def rows(self, group: int) -> int:  # tokens per tile

@@ -17,6 +17,10 @@ import pytest
 
 pytest.importorskip("triton")
 torch = pytest.importorskip("torch")
+from plugins_cuda.interpreter import interpreter_problem  # noqa: E402
+
+if interpreter_problem():
+    pytest.skip(interpreter_problem(), allow_module_level=True)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
