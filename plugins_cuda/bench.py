@@ -6,8 +6,10 @@ when the GPU outruns it) and by CUDA-graph replays (do_bench_cudagraph: what the
 decode steps are), each part and mode in a process of its own: one illegal memory access kills
 every later CUDA call of its process, so a crash ends only its own process. The child appends a
 "pending" line before timing each implementation and the row after each case; when it dies the
-parent records which case and implementation it was timing, runs that case alone in a fresh
-process (did it crash alone, or only after the cases before it?), and resumes at the next case.
+parent knows the case and implementation it was timing, reruns that case alone in a fresh
+process (did it crash alone, or only after the cases before it?) and, if it crashes alone, once
+more without that implementation, so the others still get their numbers; then it resumes at
+the next case.
 The report (card, driver, CUDA, torch, Triton, numpy) is rewritten after every part:
 --out/<name>.json and .md. Without a GPU it exits 2; nothing here was timed on this repo's CI.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -37,21 +40,28 @@ def _timer(mode: str):
     return lambda fn: 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100)
 
 
-def child(part: str, mode: str, first: int, only: bool, quick: bool, rows_path: Path) -> int:
-    """Run cases[first:] (or just cases[first]) of `part`, appending JSON lines to rows_path."""
+def child(part: str, mode: str, first: int, only: bool, quick: bool, rows_path: Path, skip: str = "") -> int:
+    """Run cases[first:] (or just cases[first]) of `part`, appending JSON lines to rows_path;
+    the implementation named `skip` is not run (its time is null)."""
     from plugins_cuda import bench_cases
 
     todo = bench_cases.cases(part, quick)
     todo = todo[first : first + 1] if only else todo[first:]
-    timer = _timer(mode)
+    timer, current = _timer(mode), [""]
+
+    def timed(fn) -> float:
+        return math.nan if current[0] == skip else timer(fn)
+
     with rows_path.open("a") as out:
         for case in todo:
 
             def mark(impl: str, case=case) -> None:
+                current[0] = impl
                 out.write(json.dumps({"pending": impl, "case": case}) + "\n")
                 out.flush()
 
-            row = bench_cases.RUN[part](case, timer, mark)
+            row = bench_cases.RUN[part](case, timed, mark)
+            row = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}
             out.write(json.dumps({"row": {"bench": part, "mode": mode, **row}}) + "\n")
             out.flush()
     return 0
@@ -73,11 +83,13 @@ def environment() -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _spawn(part: str, mode: str, first: int, only: bool, quick: bool) -> tuple[list[dict], str | None, str]:
+def _spawn(part: str, mode: str, first: int, only: bool, quick: bool,
+           skip: str = "") -> tuple[list[dict], str | None, str]:  # fmt: skip
     """(rows, implementation being timed when the child died or None, stderr tail)."""
     with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as rows_file:
         cmd = [sys.executable, "-m", "plugins_cuda.bench", "--child", part, "--mode", mode, "--first", str(first),
-               "--rows", rows_file.name, *(["--only"] if only else []), *(["--quick"] if quick else [])]  # fmt: skip
+               "--rows", rows_file.name, "--skip", skip, *(["--only"] if only else []),
+               *(["--quick"] if quick else [])]  # fmt: skip
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
             code, err = proc.returncode, proc.stderr
@@ -91,7 +103,9 @@ def _spawn(part: str, mode: str, first: int, only: bool, quick: bool) -> tuple[l
 
 
 def run_part(part: str, mode: str, quick: bool) -> list[dict]:
-    """Every case of `part` in `mode`; a crash is a row naming the case and the implementation."""
+    """Every case of `part` in `mode`. When a case crashes its process it is rerun alone: if it
+    passes, its row notes the crash in sequence; if it crashes alone too, it is rerun once more
+    without the implementation that crashed, whose time is null and which the row names."""
     from plugins_cuda import bench_cases
 
     todo, rows, first = bench_cases.cases(part, quick), [], 0
@@ -102,15 +116,23 @@ def run_part(part: str, mode: str, quick: bool) -> list[dict]:
         if crashed is None:
             break
         if first >= len(todo):  # died after its last case (at exit)
-            rows.append({"bench": part, "mode": mode, "crashed": "after the last case", "error": err.splitlines()[-1:]})
+            rows.append({"bench": part, "mode": mode, "crashed": "after the last case", "error": _last_line(err)})
             break
-        case = todo[first]
-        alone, crashed_alone, _ = _spawn(part, mode, first, True, quick)
-        rows.append({"bench": part, "mode": mode, **case, "crashed": crashed, "error": err.strip().splitlines()[-1:],
-                     "alone": "crashed too" if crashed_alone else "passed"})  # fmt: skip
-        rows += [{**r, "note": "rerun alone after the crash"} for r in alone]
+        in_sequence = {"crashed_in_sequence": crashed, "error": _last_line(err)}
+        alone, crashed_alone, err_alone = _spawn(part, mode, first, True, quick)
+        if crashed_alone is None:
+            rows += [{**row, **in_sequence, "alone": "passed"} for row in alone]
+        else:
+            rest, _, _ = _spawn(part, mode, first, True, quick, skip=crashed_alone)
+            crash = {**in_sequence, "alone": f"{crashed_alone} crashed", "error": _last_line(err_alone)}
+            rows += [{**row, **crash} for row in rest] or [{"bench": part, "mode": mode, **todo[first], **crash}]
         first += 1
     return rows
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def markdown(report: dict) -> str:
@@ -159,9 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--skip", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        return child(args.child, args.mode, args.first, args.only, args.quick, args.rows)
+        return child(args.child, args.mode, args.first, args.only, args.quick, args.rows, args.skip)
     env = {} if os.environ.get("TRITON_INTERPRET") == "1" else environment()
     if not env or "error" in env:
         print(f"plugins_cuda.bench needs a CUDA GPU and TRITON_INTERPRET unset ({env.get('error', '')!s:.300})",

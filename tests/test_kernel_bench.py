@@ -32,26 +32,47 @@ def test_child_marks_each_implementation_before_timing_it(tmp_path, monkeypatch)
 
 
 def test_a_crash_is_recorded_rerun_alone_and_the_sweep_goes_on(monkeypatch):
-    cases = [{"batch": b} for b in (1, 8, 32, 128)]
+    cases = [{"batch": b} for b in (1, 8, 32, 128, 256)]
     monkeypatch.setattr(bench_cases, "cases", lambda part, quick=False: cases)
     calls = []
+    imx = "RuntimeError: an illegal memory access was encountered"
 
-    def fake_spawn(part, mode, first, only, quick):
-        calls.append((first, only))
+    def row(c, **extra):
+        return {"bench": "decode", "mode": "graph", **c, "after_us": 1.0, **extra}
+
+    def fake_spawn(part, mode, first, only, quick, skip=""):
+        calls.append((first, only, skip))
+        if only and cases[first]["batch"] == 8:  # case 8 passes alone: it crashed only after case 1
+            return [row(cases[first])], None, ""
+        if only and not skip:  # case 128 crashes alone too, in `before`
+            return [], "before", f"Traceback\n{imx}"
         if only:
-            return [{"bench": part, "mode": mode, **cases[first], "after_us": 1.0}], None, ""
-        if first <= 1:  # dies timing case 1 in sequence, as the decode sweep did
-            done = [{"bench": part, "mode": mode, **c, "after_us": 1.0} for c in cases[first:1]]
-            return done, "before", "RuntimeError: an illegal memory access was encountered"
-        return [{"bench": part, "mode": mode, **c, "after_us": 1.0} for c in cases[first:]], None, ""
+            return [row(cases[first], before_us=None)], None, ""
+        crash_at = {0: 1, 2: 3}.get(first, len(cases))  # dies at cases 8 and 128 in sequence
+        return [row(c) for c in cases[first:crash_at]], ("sdpa" if crash_at < len(cases) else None), imx
 
     monkeypatch.setattr(bench, "_spawn", fake_spawn)
     rows = bench.run_part("decode", "graph", False)
-    assert calls == [(0, False), (1, True), (2, False)]
-    crash = rows[1]
-    assert crash["batch"] == 8 and crash["crashed"] == "before" and crash["alone"] == "passed"
-    assert "illegal memory access" in crash["error"][0]
-    assert [r["batch"] for r in rows if "after_us" in r] == [1, 8, 32, 128]  # every case still timed
+    assert calls == [(0, False, ""), (1, True, ""), (2, False, ""), (3, True, ""), (3, True, "before"), (4, False, "")]
+    assert [r["batch"] for r in rows] == [1, 8, 32, 128, 256]  # every case has a row
+    assert rows[1]["crashed_in_sequence"] == "sdpa" and rows[1]["alone"] == "passed" and rows[1]["after_us"] == 1.0
+    assert rows[3]["alone"] == "before crashed" and rows[3]["before_us"] is None and rows[3]["after_us"] == 1.0
+    assert "illegal memory access" in rows[3]["error"]
+
+
+def test_the_child_skips_the_implementation_that_crashed(tmp_path, monkeypatch):
+    def fake_case(case, timer, mark):
+        times = {}
+        for name in ("before", "after"):
+            mark(name)
+            times[f"{name}_us"] = timer(lambda: None)
+        return {**case, **times}
+
+    monkeypatch.setitem(bench_cases.RUN, "decode", fake_case)
+    monkeypatch.setattr(bench, "_timer", lambda mode: lambda fn: 2.0)
+    rows = tmp_path / "rows.jsonl"
+    bench.child("decode", "plain", 0, True, False, rows, skip="before")
+    assert json.loads(rows.read_text().splitlines()[-1])["row"]["before_us"] is None
 
 
 def test_markdown_has_a_table_per_part_and_mode():
