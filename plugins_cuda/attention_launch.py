@@ -1,15 +1,25 @@
-"""How the paged-attention kernels are launched: tile sizes, the split-KV heuristic, the torch
-launchers (CUDA, or CPU under TRITON_INTERPRET=1) and the AOT signatures the plugins compile.
+"""How the paged-attention kernels are launched: the plugin path's tiles and split-KV heuristic,
+the torch launchers (CUDA, or CPU under TRITON_INTERPRET=1) and the AOT signatures the plugins
+compile.
 
-Split-KV heuristic (decode-path launches only; prefill tiles already give enough programs):
+Two launch paths share the K/V pool layout:
+- the TensorRT plugin pair (padded [batch, step] layout, `paged_attention_padded`): one AOT
+  kernel for decode and prefill (plugins_cuda/paged_attention.py, `AttentionTiles`) and the
+  merge plugin, with the split count computed from TensorRT shape expressions (below);
+- the torch backend (flat ragged layout, `launch_ragged`): decode steps go to
+  plugins_cuda/decode_attention.py (one launch unless a split pays, its own split plan from the
+  SM count and the context), longer steps to the FlashAttention-2 prefill kernel,
+  plugins_cuda/prefill_attention.py. Both are graph-capturable (no host synchronization, no
+  workspace outliving a launch).
+
+Plugin split-KV heuristic (decode-path launches only; prefill tiles already give enough programs):
     splits = min(MAX_SPLITS, target // (batch * kv_heads), ceil(context / MIN_SPLIT_KEYS)), >= 1
 with target = PROGRAMS_PER_SM * SM count (capped at SPLIT_SLOTS) and context the step's
-longest sequence (block-table width * block size). Few long sequences get many programs;
-a large batch, or short contexts, none. Written once over an arithmetic namespace so that
-the same formula runs on ints (torch launchers, tests) and on TensorRT shape expressions
-(plugins_cuda/trt_plugins.py), and the kernel never needs to recompute it: `splits` is a
-launch argument. The split workspace is never larger than SPLIT_SLOTS parts, so its shape
-is a constant (the plugin's second output).
+longest sequence (block-table width * block size). Written once over an arithmetic namespace
+so that the same formula runs on ints (torch launchers, tests) and on TensorRT shape
+expressions (plugins_cuda/trt_plugins.py), and the kernel never needs to recompute it:
+`splits` is a launch argument. The split workspace is never larger than SPLIT_SLOTS parts, so
+its shape is a constant (the plugin's second output).
 """
 
 from __future__ import annotations

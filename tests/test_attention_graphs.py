@@ -29,7 +29,12 @@ interpreted = pytest.mark.skipif(bool(interpreter_problem()), reason=str(interpr
 
 from executors.cpu_attention import AttentionShape  # noqa: E402
 from plugins_cuda import decode_attention  # noqa: E402
-from plugins_cuda.attention_launch import launch_ragged, paged_attention, ragged_layout  # noqa: E402
+from plugins_cuda.attention_launch import (  # noqa: E402
+    launch_ragged,
+    paged_attention,
+    paged_attention_padded,
+    ragged_layout,
+)
 from plugins_cuda.decode_attention import plan_splits  # noqa: E402
 from plugins_cuda.graph_record import FakeGraph, GraphHazard  # noqa: E402
 from tests.test_paged_attention import make_case, reference  # noqa: E402
@@ -54,6 +59,12 @@ class Step:
         return launch_ragged(self.q, self.k, self.v, self.tables, self.pos, self.query_start, self.max_rows,
                              SHAPE.num_kv_heads, sm_count=SMS)  # fmt: skip
 
+    def launch_plugin_pair(self) -> torch.Tensor:
+        """The TensorRT plugin pair's launches (padded layout; decodes only: one row a sequence)."""
+        batch = self.tables.shape[0]
+        return paged_attention_padded(self.q.view(batch, 1, -1), self.k, self.v, self.tables, self.pos.view(batch, 1),
+                                      SHAPE.num_kv_heads, SHAPE.head_dim**-0.5, sm_count=SMS).view(batch, -1)  # fmt: skip
+
     def refill(self) -> None:
         for t in (self.q, self.k, self.v):
             t.copy_(torch.from_numpy(self.rng.standard_normal(t.shape, dtype=np.float32)))
@@ -63,11 +74,12 @@ class Step:
         return reference(*(a.numpy() if isinstance(a, torch.Tensor) else a for a in args), SHAPE)
 
 
-def capture(step: Step) -> tuple[FakeGraph, torch.Tensor]:
-    step.launch()  # eager warm-up first, as do_bench_cudagraph and the backend's graphs do
+def capture(step: Step, plugin: bool = False) -> tuple[FakeGraph, torch.Tensor]:
+    launch = step.launch_plugin_pair if plugin else step.launch
+    launch()  # eager warm-up first, as do_bench_cudagraph and the backend's graphs do
     graph = FakeGraph()
     with graph.capture():
-        out = step.launch()
+        out = launch()
     return graph, out
 
 
@@ -79,6 +91,16 @@ def test_decode_sweep_and_prefill_replay_after_every_capture():
     assert 1 in splits and max(splits) > 1  # both the one-launch and the split + merge paths
     graphs = [capture(step) for step in steps]
     assert [len(g.launches) for g, _ in graphs[:-1]] == [1 + (n > 1) for n in splits]
+    for step, (graph, out) in reversed(list(zip(steps, graphs, strict=True))):
+        step.refill()
+        graph.replay()
+        np.testing.assert_allclose(out.numpy(), step.want(), atol=2e-5)
+
+
+@interpreted
+def test_the_plugin_pair_replays_after_every_capture():
+    steps = [Step([(ctx - 1, 1)] * batch, seed) for seed, (batch, ctx) in enumerate(SWEEP[:3])]
+    graphs = [capture(step, plugin=True) for step in steps]
     for step, (graph, out) in reversed(list(zip(steps, graphs, strict=True))):
         step.refill()
         graph.replay()
