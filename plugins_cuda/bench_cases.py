@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, BLOCK = 32, 8, 128, 4096, 16
+DEVICE, DTYPE = "cuda", "bfloat16"  # a CPU test swaps these (and the sizes) to run every case once
 MAX_CACHED_TOKENS = 2**21  # batch x context cap: 4 GiB of bf16 K (and V), twice with SDPA's copy
 DECODE = [{"batch": b, "context": c} for c in (512, 4096, 32768) for b in (1, 8, 32, 128, 256)
           if b * c <= MAX_CACHED_TOKENS]  # fmt: skip
@@ -36,8 +37,8 @@ def _pool(batch: int, context: int):
     import torch
 
     per_seq = -(-context // BLOCK)
-    tables = torch.randperm(batch * per_seq, device="cuda").view(batch, per_seq)
-    pools = [torch.randn(batch * per_seq, BLOCK, KV_HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    tables = torch.randperm(batch * per_seq, device=DEVICE).view(batch, per_seq)
+    pools = [torch.randn(batch * per_seq, BLOCK, KV_HEADS * HEAD_DIM, device=DEVICE, dtype=getattr(torch, DTYPE))
              for _ in range(2)]  # fmt: skip
     return pools, tables
 
@@ -79,9 +80,9 @@ def decode(case: dict, timer: Timer, mark: Mark) -> dict:
 
     batch, context = case["batch"], case["context"]
     (k, v), tables = _pool(batch, context)
-    q = torch.randn(batch, HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    positions = torch.full((batch,), context - 1, device="cuda", dtype=torch.int64)
-    query_start = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, HEADS * HEAD_DIM, device=DEVICE, dtype=getattr(torch, DTYPE))
+    positions = torch.full((batch,), context - 1, device=DEVICE, dtype=torch.int64)
+    query_start = torch.arange(batch + 1, device=DEVICE, dtype=torch.int32)
     scale = HEAD_DIM**-0.5
     impls = {
         "before": lambda: before.paged_attention_padded(q[:, None], k, v, tables, positions[:, None], KV_HEADS, scale),
@@ -110,9 +111,9 @@ def prefill(case: dict, timer: Timer, mark: Mark) -> dict:
 
     length = case["tokens"]
     (k, v), tables = _pool(1, length)
-    q = torch.randn(length, HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    query_start = torch.tensor([0, length], device="cuda", dtype=torch.int32)
-    positions = torch.arange(length, device="cuda")
+    q = torch.randn(length, HEADS * HEAD_DIM, device=DEVICE, dtype=getattr(torch, DTYPE))
+    query_start = torch.tensor([0, length], device=DEVICE, dtype=torch.int32)
+    positions = torch.arange(length, device=DEVICE)
     times = {}
     for name, module in (("before", before), ("after", after)):
         mark(name)
@@ -133,14 +134,14 @@ def prologue(case: dict, timer: Timer, mark: Mark) -> dict:
     from plugins_cuda import fused_qkv as after
     from plugins_cuda.baseline import fused_qkv as before
 
-    tokens, dtype, half = case["tokens"], torch.bfloat16, HEAD_DIM // 2
+    tokens, dtype, half = case["tokens"], getattr(torch, DTYPE), HEAD_DIM // 2
     width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
-    w = torch.randn(HIDDEN, width, device="cuda", dtype=dtype) / math.sqrt(HIDDEN)
-    norm, bias = torch.ones(HIDDEN, device="cuda", dtype=dtype), torch.zeros(width, device="cuda", dtype=dtype)
-    angles = torch.arange(8192, device="cuda")[:, None] / 10000 ** (torch.arange(half, device="cuda") / half)
+    w = torch.randn(HIDDEN, width, device=DEVICE, dtype=dtype) / math.sqrt(HIDDEN)
+    norm, bias = torch.ones(HIDDEN, device=DEVICE, dtype=dtype), torch.zeros(width, device=DEVICE, dtype=dtype)
+    angles = torch.arange(8192, device=DEVICE)[:, None] / 10000 ** (torch.arange(half, device=DEVICE) / half)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=dtype)
-    positions = torch.arange(tokens, device="cuda")
+    x = torch.randn(tokens, HIDDEN, device=DEVICE, dtype=dtype)
+    positions = torch.arange(tokens, device=DEVICE)
     rotated = HEADS + KV_HEADS
 
     def unfused():

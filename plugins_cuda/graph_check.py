@@ -18,9 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
-
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -55,8 +54,9 @@ def _launchers(s: Setup, k, v, q, tables, positions, query_start, batch: int, ro
     sms = {"sm_count": 4} if s.device == "cpu" else {}  # a small GPU on CPU: small batches split
     return {
         "ragged": lambda: launch_ragged(q, k, v, tables, positions, query_start, rows, s.kv_heads, **sms),
-        "padded": lambda: paged_attention_padded(padded_q, k, v, tables, padded_pos, s.kv_heads, s.head_dim**-0.5,
-                                                 **sms),  # fmt: skip
+        "padded": lambda: paged_attention_padded(
+            padded_q, k, v, tables, padded_pos, s.kv_heads, s.head_dim**-0.5, **sms
+        ),
     }
 
 

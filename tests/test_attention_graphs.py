@@ -62,8 +62,10 @@ class Step:
     def launch_plugin_pair(self) -> torch.Tensor:
         """The TensorRT plugin pair's launches (padded layout; decodes only: one row a sequence)."""
         batch = self.tables.shape[0]
-        return paged_attention_padded(self.q.view(batch, 1, -1), self.k, self.v, self.tables, self.pos.view(batch, 1),
-                                      SHAPE.num_kv_heads, SHAPE.head_dim**-0.5, sm_count=SMS).view(batch, -1)  # fmt: skip
+        q, pos = self.q.view(batch, 1, -1), self.pos.view(batch, 1)
+        out = paged_attention_padded(q, self.k, self.v, self.tables, pos, SHAPE.num_kv_heads, SHAPE.head_dim**-0.5,
+                                     sm_count=SMS)  # fmt: skip
+        return out.view(batch, -1)
 
     def refill(self) -> None:
         for t in (self.q, self.k, self.v):

@@ -6,6 +6,7 @@ need a CUDA GPU: `python -m plugins_cuda.bench` there."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -93,3 +94,31 @@ def test_refuses_without_a_gpu():
 @pytest.mark.parametrize("part", ["decode", "prefill", "prologue"])
 def test_quick_cases_are_a_subset(part):
     assert all(case in bench_cases.cases(part) for case in bench_cases.cases(part, quick=True))
+
+
+DRY_RUN = """
+import json, os
+os.environ["TRITON_INTERPRET"] = "1"
+from plugins_cuda import bench_cases as b
+b.DEVICE, b.DTYPE = "cpu", "float32"
+b.HEADS, b.KV_HEADS, b.HEAD_DIM, b.HIDDEN = 4, 2, 32, 64
+marks = []
+timer = lambda fn: (fn(), 2.0)[1]
+rows = [b.decode({"batch": 2, "context": 1100}, timer, marks.append), b.prefill({"tokens": 40}, timer, marks.append),
+        b.prologue({"tokens": 65}, timer, marks.append)]
+print(json.dumps({"rows": rows, "marks": marks}))
+"""
+
+
+def test_every_case_runs_once_on_cpu_at_small_sizes():
+    """The cases' plumbing (before/after launchers, SDPA, the unfused prologue) at toy sizes under
+    the interpreter: what would otherwise first run on a GPU, at that machine's cost."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", DRY_RUN], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["marks"] == ["before", "before_ragged", "after", "sdpa", "before", "after", "sdpa", "unfused",
+                            "before_decode", "before_prefill", "after", "after_gemm"]  # fmt: skip
+    decode, prefill, prologue = out["rows"]
+    assert decode["after_vs_sdpa"] == 1.0 and decode["sdpa_backend"]
+    assert prefill["after_TFLOP/s"] > 0 and prologue["after_tactic"] == "gemm"
