@@ -1,15 +1,25 @@
-"""How the paged-attention kernels are launched: tile sizes, the split-KV heuristic, the torch
-launchers (CUDA, or CPU under TRITON_INTERPRET=1) and the AOT signatures the plugins compile.
+"""How the paged-attention kernels are launched: the plugin path's tiles and split-KV heuristic,
+the torch launchers (CUDA, or CPU under TRITON_INTERPRET=1) and the AOT signatures the plugins
+compile.
 
-Split-KV heuristic (decode-path launches only; prefill tiles already give enough programs):
+Two launch paths share the K/V pool layout:
+- the TensorRT plugin pair (padded [batch, step] layout, `paged_attention_padded`): one AOT
+  kernel for decode and prefill (plugins_cuda/paged_attention.py, `AttentionTiles`) and the
+  merge plugin, with the split count computed from TensorRT shape expressions (below);
+- the torch backend (flat ragged layout, `launch_ragged`): decode steps go to
+  plugins_cuda/decode_attention.py (one launch unless a split pays, its own split plan from the
+  SM count and the context), longer steps to the FlashAttention-2 prefill kernel,
+  plugins_cuda/prefill_attention.py. Both are graph-capturable (no host synchronization, no
+  workspace outliving a launch).
+
+Plugin split-KV heuristic (decode-path launches only; prefill tiles already give enough programs):
     splits = min(MAX_SPLITS, target // (batch * kv_heads), ceil(context / MIN_SPLIT_KEYS)), >= 1
 with target = PROGRAMS_PER_SM * SM count (capped at SPLIT_SLOTS) and context the step's
-longest sequence (block-table width * block size). Few long sequences get many programs;
-a large batch, or short contexts, none. Written once over an arithmetic namespace so that
-the same formula runs on ints (torch launchers, tests) and on TensorRT shape expressions
-(plugins_cuda/trt_plugins.py), and the kernel never needs to recompute it: `splits` is a
-launch argument. The split workspace is never larger than SPLIT_SLOTS parts, so its shape
-is a constant (the plugin's second output).
+longest sequence (block-table width * block size). Written once over an arithmetic namespace
+so that the same formula runs on ints (torch launchers, tests) and on TensorRT shape
+expressions (plugins_cuda/trt_plugins.py), and the kernel never needs to recompute it:
+`splits` is a launch argument. The split workspace is never larger than SPLIT_SLOTS parts, so
+its shape is a constant (the plugin's second output).
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ import triton
 
 from plugins_cuda import paged_attention as kernels
 from plugins_cuda.aot import compile_kernel, triton_pointer
+from plugins_cuda.decode_attention import DecodeTiles, launch_decode
+from plugins_cuda.prefill_attention import PrefillTiles, launch_prefill
 
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
 MAX_SPLITS = 64
@@ -30,6 +42,7 @@ MIN_SPLIT_KEYS = 256  # a part below this reads too little K/V to pay for its pa
 PROGRAMS_PER_SM = 4
 SPLIT_SLOTS = 1024  # >= PROGRAMS_PER_SM * SMs of any current GPU
 DEFAULT_SMS = 132  # H100/H200 SXM, when no GPU says otherwise (interpreter, `trtserve kernels`)
+DEFAULT_ARCH = 90
 
 ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 INTS = SimpleNamespace(max=builtins.max, min=builtins.min, cdiv=triton.cdiv,
@@ -108,6 +121,16 @@ def sm_count_of(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def arch_of(device) -> int:
+    """Compute capability as an int (90 for sm_90); DEFAULT_ARCH off a GPU (the interpreter)."""
+    import torch
+
+    if device.type != "cuda":
+        return DEFAULT_ARCH
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
 def _constexprs(scale: float, window: int, num_kv_heads: int, tiles: AttentionTiles, block_size: int) -> dict:
     return {"SCALE": float(scale), "WINDOW": int(window), "NUM_KV_HEADS": num_kv_heads, "GROUP": tiles.group,
             "HEAD_DIM": tiles.head_dim, "BLOCK_SIZE": block_size, **tiles.constexprs()}  # fmt: skip
@@ -147,8 +170,13 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_of_token, positions, 
 
 
 def launch_ragged(q, k_cache, v_cache, block_tables, positions, query_start, max_rows: int, num_kv_heads: int,
-                  window: int = 0, scale: float | None = None, sm_count: int | None = None):  # fmt: skip
-    """paged_attention with its layout already known (no host synchronization: graph-capturable)."""
+                  window: int = 0, scale: float | None = None, sm_count: int | None = None,
+                  arch: int | None = None):  # fmt: skip
+    """paged_attention with its layout already known (no host synchronization: graph-capturable).
+    Steps of at most DecodeTiles.rows rows per sequence take the decode kernel (split-KV when it
+    pays, plugins_cuda/decode_attention.py), longer ones the prefill kernel
+    (plugins_cuda/prefill_attention.py). `arch` (80, 90, ...) picks the pipeline depth; default:
+    the device's."""
     import torch
 
     tiles, block_size = _shape(q.shape[1], k_cache, num_kv_heads)
@@ -157,22 +185,17 @@ def launch_ragged(q, k_cache, v_cache, block_tables, positions, query_start, max
     if not batch:
         return out
     tables = block_tables[:batch].to(torch.int64).contiguous()
-    splits = num_splits(batch, max_rows, tables.shape[1], block_size, num_kv_heads, tiles,
-                        sm_count or sm_count_of(q.device))  # fmt: skip
-    partials = torch.empty((batch * num_kv_heads * splits, tiles.slot_width), dtype=torch.float32, device=q.device)
+    positions = positions.to(torch.int64).contiguous()
     scale = tiles.head_dim**-0.5 if scale is None else scale
-    grid = (work_items(max_rows, splits, tiles), num_kv_heads, batch)
-    launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
-    kernels.paged_attention_ragged_kernel[grid](
-        q.contiguous(), k_cache, v_cache, tables, positions.to(torch.int64).contiguous(), query_start,
-        max_rows, tables.shape[1], splits, out, partials,
-        **_constexprs(scale, window, num_kv_heads, tiles, block_size), **launch,
-    )  # fmt: skip
-    if splits > 1:
-        kernels.paged_attention_ragged_merge_kernel[(1, num_kv_heads, batch)](
-            partials, query_start, max_rows, splits, out, NUM_KV_HEADS=num_kv_heads, GROUP=tiles.group,
-            HEAD_DIM=tiles.head_dim, DECODE_M=tiles.decode_m, **launch,
-        )  # fmt: skip
+    arch = arch or arch_of(q.device)
+    decode = DecodeTiles(tiles.group, tiles.head_dim, tiles.element_bytes, arch)
+    if max_rows <= decode.rows:
+        launch_decode(q.contiguous(), k_cache, v_cache, tables, positions, query_start, num_kv_heads, decode,
+                      block_size, scale, window, sm_count or sm_count_of(q.device), out)  # fmt: skip
+    else:
+        prefill = PrefillTiles.for_shape(tiles.group, tiles.head_dim, tiles.element_bytes, arch)
+        launch_prefill(q.contiguous(), k_cache, v_cache, tables, positions, query_start, max_rows, num_kv_heads,
+                       tiles.group, tiles.head_dim, prefill, block_size, scale, window, out)  # fmt: skip
     return out
 
 

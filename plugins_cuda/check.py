@@ -157,7 +157,7 @@ def correctness(interpret: bool, device: str) -> list[dict]:
             rows.append({"kernel": "paged_attention", "case": case.name, "dtype": name, **errors, "ok": ok,
                          "shape": asdict(case)})  # fmt: skip
         for shape in PROLOGUE_CASES["interpret" if interpret else "gpu"]:
-            for tactic in ("decode", "prefill"):
+            for tactic in ("decode", "prefill", "gemm"):
                 error = prologue_error(*shape, dtypes[name], device, tactic)
                 rows.append({"kernel": f"fused_rmsnorm_qkv_rope/{tactic}", "case": "x".join(map(str, shape)),
                              "dtype": name, "error": error, "ok": error <= TOLERANCE[name]})  # fmt: skip
@@ -169,11 +169,11 @@ def markdown(rows: list[dict], bench: list[dict]) -> str:
     for r in rows:
         error = r.get("error", max(r.get("ragged", 0.0), r.get("plugin", 0.0)))
         lines.append(f"| {r['kernel']} | {r['case']} | {r['dtype']} | {error:.2e} | {'yes' if r['ok'] else 'NO'} |")
-    for kind in dict.fromkeys(b["bench"] for b in bench):
-        group = [b for b in bench if b["bench"] == kind]
-        keys = list(group[0])
+    for kind in dict.fromkeys((b["bench"], b.get("mode")) for b in bench):
+        group = [b for b in bench if (b["bench"], b.get("mode")) == kind]
+        keys = list(dict.fromkeys(k for b in group for k in b))
         lines += ["", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-        lines += ["| " + " | ".join(str(b[k]) for k in keys) + " |" for b in group]
+        lines += ["| " + " | ".join(str(b.get(k, "")) for k in keys) + " |" for b in group]
     return "\n".join(lines) + "\n"
 
 
@@ -184,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("kernel-check"), help="directory for check.json/.md")
     args = parser.parse_args(argv)
     if args.interpret:
+        from plugins_cuda.interpreter import interpreter_problem
+
+        if problem := interpreter_problem():
+            print(problem, file=sys.stderr)
+            return 2
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
     import torch
 

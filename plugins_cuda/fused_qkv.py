@@ -15,14 +15,16 @@ weight read over every SM; `prefill`, 64-token tiles that read the weights a qua
 often. They are the plugin's two tactics: TensorRT times them and keeps the faster
 (plugins_cuda/trt_plugins.py; whether it picks per optimization profile is unverified).
 
-Why fused, not norm and RoPE around a TensorRT GEMM: the plugin op and its ONNX reference
-stay as they are; decode (the steady state) is weight-bandwidth bound, and the decode tiles
-read W once per 16 tokens at full column parallelism, the roofline cuBLAS reaches too, saving
-the normalized-x and qkv round trips and two launches per layer. Long prefills are compute
-bound, where TensorRT's GEMM tactics (wgmma/TMA on sm_90) may beat one untuned Triton tile:
-`python -m plugins_cuda.check` times both tactics against the torch/cuBLAS sequence, and
-should the prefill tactic lose, the fallback is RMSNorm + MatMul left to TensorRT with a
-RoPE epilogue plugin (a plugin-graph change).
+Why fused, not norm and RoPE around a GEMM: decode (the steady state) is weight-bandwidth
+bound, and the decode tiles read W once per 16 tokens at full column parallelism, saving the
+normalized-x and qkv round trips and two launches per layer (5.6x the unfused torch sequence
+at 32 tokens on an H200). Long prefills are compute bound, where one untuned Triton tile loses
+to cuBLAS (0.94x at 2,048 tokens with the prefill tiles, 0.18x with the decode tiles): the
+torch launcher therefore picks by token count (`default_tactic`): the fused decode tiles up to
+FUSED_MAX_TOKENS, above that the GEMM tactic (plugins_cuda/prologue_gemm.py: cuBLAS matmul with
+RMSNorm and bias + RoPE fused around it). The TensorRT plugin keeps its two fused tactics; the
+GEMM tactic there would be RMSNorm + MatMul left to TensorRT with a RoPE epilogue plugin (a
+plugin-graph change, not made).
 
 Weights: float16, bfloat16 or float32 (the calibrated INT4/FP8 formats keep their Q/DQ
 MatMul in TensorRT and bypass this plugin). Verified only under TRITON_INTERPRET=1 and by
@@ -52,6 +54,14 @@ class PrologueTiles:
 
 
 TACTICS = {"decode": PrologueTiles(16, 16, 128), "prefill": PrologueTiles(64, 64, 64)}
+FUSED_MAX_TOKENS = 64  # measured on an H200: the decode tiles win at 32 tokens (5.6x), cuBLAS at 2,048
+
+
+def default_tactic(tokens: int) -> str:
+    """The torch launcher's choice: the fused decode tiles while the projection is bound by the
+    weight read, else the GEMM tactic (plugins_cuda/prologue_gemm.py: cuBLAS matmul, norm and
+    RoPE fused around it). The fused "prefill" tiles stay the TensorRT plugin's second tactic."""
+    return "decode" if tokens <= FUSED_MAX_TOKENS else "gemm"
 
 
 def tiles_for(tactic: str, element_bytes: int) -> PrologueTiles:
@@ -149,14 +159,20 @@ def grid(tokens: int, heads: int, head_dim: int, tiles: PrologueTiles) -> tuple[
 def fused_rmsnorm_qkv_rope(x, norm_weight, w_qkv, bias, cos, sin, positions, num_q_heads, num_kv_heads, eps,
                            tactic: str | None = None):  # fmt: skip
     """Launch on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1); returns q [T, Hq*D],
-    k and v [T, Hkv*D], as the plugin. `tactic` defaults to decode tiles up to 64 tokens."""
+    k and v [T, Hkv*D], as the plugin. `tactic`: "decode" / "prefill" (the fused kernel's tiles)
+    or "gemm" (prologue_gemm.py); default `default_tactic(tokens)`."""
     import torch
 
     tokens, hidden = x.shape
     heads = num_q_heads + 2 * num_kv_heads
     head_dim = w_qkv.shape[1] // heads
     check_head_dim(head_dim)
-    tiles = tiles_for(tactic or ("decode" if tokens <= 64 else "prefill"), w_qkv.element_size())
+    tactic = tactic or default_tactic(tokens)
+    if tactic == "gemm":
+        from plugins_cuda.prologue_gemm import rmsnorm_gemm_rope
+
+        return rmsnorm_gemm_rope(x, norm_weight, w_qkv, bias, cos, sin, positions, num_q_heads, num_kv_heads, eps)
+    tiles = tiles_for(tactic, w_qkv.element_size())
     q, k, v = (torch.empty((tokens, n * head_dim), dtype=x.dtype, device=x.device)
                for n in (num_q_heads, num_kv_heads, num_kv_heads))  # fmt: skip
     fused_rmsnorm_qkv_rope_kernel[grid(tokens, heads, head_dim, tiles)](

@@ -2,10 +2,12 @@
 
 Contract as the CPU kernel and engine_format/INTERFACE.md: each query token of a sequence
 attends to its sequence's keys at positions [max(0, pos - window + 1), pos], read in place
-from the paged pool through the block table. Queries come in one of two layouts: the plugin
-graph's padded [batch, step] (a sequence's real row count is read off its positions: they
-run past_len, past_len + 1, ... and padding repeats the last one) or the flat ragged layout
-(`query_start`, the torch API). No attention is computed for padding rows; they get zeros.
+from the paged pool through the block table. Queries come in the plugin graph's padded
+[batch, step] layout (a sequence's real row count is read off its positions: they run
+past_len, past_len + 1, ... and padding repeats the last one). No attention is computed for
+padding rows; they get zeros. The torch API's flat ragged layout has kernels of its own
+(decode_attention.py, prefill_attention.py: FlashAttention-2 tiles, one launch when a split
+does not pay); they share this file's split-part layout and its ragged merge kernel.
 
 Grid (work, kv heads, sequences). A program's M tile packs query tokens x the GROUP query
 heads sharing its kv head (row r = token r // GROUP, head r % GROUP), so one K/V tile feeds
@@ -157,24 +159,6 @@ def paged_attention_kernel(
     n_real = (tl.load(positions_ptr + row0 + step - 1) - tl.load(positions_ptr + row0) + 1).to(tl.int32)
     _dispatch(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, positions_ptr, out_ptr, partials_ptr,
               k_cache_ptr, v_cache_ptr, seq, row0, n_real, step, step, splits, table_width,
-              SCALE, WINDOW, NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, DECODE_M, PREFILL_M, BLOCK_N, 0)  # fmt: skip
-
-
-@triton.jit
-def paged_attention_ragged_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, positions_ptr,  # q [T, Hq*D], positions [T]
-    query_start_ptr,  # [B + 1] int32: sequence b owns rows query_start[b] .. query_start[b + 1] - 1
-    max_rows, table_width, splits, out_ptr, partials_ptr,
-    SCALE: tl.constexpr, WINDOW: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DECODE_M: tl.constexpr, PREFILL_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """The flat ragged layout (torch API): rows of a sequence are contiguous, positions consecutive."""
-    seq = tl.program_id(2)
-    row0 = tl.load(query_start_ptr + seq).to(tl.int64)
-    n_real = (tl.load(query_start_ptr + seq + 1) - row0).to(tl.int32)
-    _dispatch(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, positions_ptr, out_ptr, partials_ptr,
-              k_cache_ptr, v_cache_ptr, seq, row0, n_real, n_real, max_rows, splits, table_width,
               SCALE, WINDOW, NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, DECODE_M, PREFILL_M, BLOCK_N, 0)  # fmt: skip
 
 

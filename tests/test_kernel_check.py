@@ -28,7 +28,7 @@ def test_interpret_mode_checks_every_kernel_on_cpu(tmp_path):
     rows = report["correctness"]
     assert report["device"] == "cpu" and report["bench"] == []
     assert {r["kernel"] for r in rows} == {"paged_attention", "fused_rmsnorm_qkv_rope/decode",
-                                           "fused_rmsnorm_qkv_rope/prefill"}  # fmt: skip
+                                           "fused_rmsnorm_qkv_rope/prefill", "fused_rmsnorm_qkv_rope/gemm"}  # fmt: skip
     assert {r["dtype"] for r in rows} == {"float32", "float16"} and all(r["ok"] for r in rows)
     fp32 = [r for r in rows if r["kernel"] == "paged_attention" and r["dtype"] == "float32"]
     assert fp32 and all(r["kv_write"] == 0 and r["plugin"] < 1e-4 and r["ragged"] < 1e-4 for r in fp32)
@@ -52,3 +52,16 @@ def test_without_a_gpu_the_gpu_mode_refuses_clearly(tmp_path):
     assert result.returncode == 2
     assert "needs a CUDA GPU" in result.stderr and "--interpret" in result.stderr
     assert not (tmp_path / "check.json").exists()
+
+
+def test_interpreter_runs_are_refused_with_the_numpy_that_breaks_them(tmp_path):
+    """Triton 3.6 (the GPU image's) with numpy 2.5: a clear refusal, not a TypeError in a kernel."""
+    from plugins_cuda.interpreter import interpreter_problem
+
+    assert interpreter_problem("3.6.0", "2.5.2") and "numpy<2.4" in interpreter_problem("3.6.0", "2.4.0")
+    assert interpreter_problem("3.6.0", "2.3.5") is None and interpreter_problem("3.9.0", "2.5.2") is None
+    assert interpreter_problem("3.7.0+git1234", "2.4.1") is None
+    fake = ("import importlib.metadata as m\nreal = m.version\n"
+            "m.version = lambda name: {'numpy': '2.5.2', 'triton': '3.6.0'}.get(name) or real(name)\n")  # fmt: skip
+    result = run_check(["--interpret", "--out", str(tmp_path)], fake)
+    assert result.returncode == 2 and "only 0-dimensional arrays" in result.stderr

@@ -17,6 +17,10 @@ import pytest
 
 pytest.importorskip("triton")
 torch = pytest.importorskip("torch")
+from plugins_cuda.interpreter import interpreter_problem  # noqa: E402
+
+if interpreter_problem():
+    pytest.skip(interpreter_problem(), allow_module_level=True)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -162,7 +166,7 @@ def prologue(case, tactic, **override):
     return torch.cat(out, 1).double()
 
 
-@pytest.mark.parametrize("tactic", ["decode", "prefill"])
+@pytest.mark.parametrize("tactic", ["decode", "prefill", "gemm"])
 @pytest.mark.parametrize(
     ("tokens", "hidden", "num_q", "num_kv", "head_dim", "bias"),
     [
@@ -184,6 +188,24 @@ def test_fused_prologue_float16_and_a_caught_fault():
     torch.testing.assert_close(prologue(half, "decode"), want, atol=2e-2, rtol=2e-2)
     shifted = case["positions"] + 1  # RoPE at the wrong positions must be caught
     assert (prologue(case, "decode", positions=shifted) - want).abs().max() > 1e-2
+    torch.testing.assert_close(prologue(half, "gemm"), want, atol=2e-2, rtol=2e-2)
+    assert (prologue(case, "gemm", positions=shifted) - want).abs().max() > 1e-2
+    no_norm = {**case, "norm": torch.ones_like(case["norm"])}  # the GEMM path must apply the norm weight
+    assert (prologue(no_norm, "gemm") - want).abs().max() > 1e-2
+
+
+def test_prologue_tactic_by_token_count(monkeypatch):
+    """The fused decode tiles up to FUSED_MAX_TOKENS tokens, the GEMM tactic above."""
+    from plugins_cuda import fused_qkv, prologue_gemm
+
+    assert [fused_qkv.default_tactic(n) for n in (1, 64, 65, 2048)] == ["decode", "decode", "gemm", "gemm"]
+    calls = []
+    real = prologue_gemm.rmsnorm_gemm_rope
+    monkeypatch.setattr(prologue_gemm, "rmsnorm_gemm_rope", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for tokens in (64, 65):
+        case = prologue_case(tokens, 64, 2, 1, 32, False)
+        torch.testing.assert_close(prologue(case, None), prologue_reference(**case), atol=2e-5, rtol=1e-4)
+    assert calls == [65]
 
 
 # ---- AOT compilation -----------------------------------------------------------------------------
