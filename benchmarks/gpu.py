@@ -3,7 +3,11 @@
 Parts, each in its own process (a CUDA fault poisons the process that hit it; and importing
 tests/test_kv_quant_triton.py switches Triton to its interpreter for the whole process), each writing its
 JSON into DIR as soon as it ends, so a run cut short keeps what it measured:
-- `kernels`: `python -m plugins_cuda.check` (every kernel against its float64 reference, fp32/fp16/bf16);
+- `kernels`: `python -m plugins_cuda.check --no-bench` (every kernel against its float64 reference,
+  fp32/fp16/bf16);
+- `graphs`: `python -m plugins_cuda.graph_check` (the attention launchers captured in CUDA graphs and
+  replayed, every decode bucket and a prefill, against the same launches run plainly);
+- `bench`: `python -m plugins_cuda.bench` (the kernels before/after, plain launches and graph replays);
 - `tests`: the GPU-capable test files, one pytest process each;
 - `engine`: LLMEngine over the torch backend (bf16, CUDA graphs, device sampling, overlapped scheduling)
   against HF eager `generate` (static batch 64) on the same GPU, same random prompts, EOS ignored: output
@@ -24,7 +28,7 @@ from pathlib import Path
 
 import click
 
-PARTS = ("kernels", "tests", "engine")
+PARTS = ("kernels", "graphs", "tests", "bench", "engine")
 GPU_TESTS = (
     "tests/test_torch_backend.py",
     "tests/test_torch_sampler.py",
@@ -67,7 +71,12 @@ def main(out: Path, parts: str, dry_run: bool, part_timeout_s: int) -> None:
 def _commands(part: str, out: Path, dry_run: bool) -> list[tuple[str, list[str]]]:
     python = sys.executable
     if part == "kernels":
-        return [("kernels", [python, "-m", "plugins_cuda.check", *(["--interpret"] if dry_run else [])])]
+        return [("kernels", [python, "-m", "plugins_cuda.check", "--no-bench", *(["--interpret"] if dry_run else [])])]
+    if part == "graphs":
+        graphs = [python, "-m", "plugins_cuda.graph_check", "--out", str(out / "graphs")]
+        return [("graphs", graphs + (["--dry-run"] if dry_run else []))]
+    if part == "bench":  # no CPU form: its cases run interpreted at toy sizes in tests/test_kernel_bench.py
+        return [] if dry_run else [("bench", [python, "-m", "plugins_cuda.bench", "--out", str(out)])]
     if part == "tests":
         files = GPU_TESTS[:1] if dry_run else GPU_TESTS
         return [
