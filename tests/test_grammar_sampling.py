@@ -76,8 +76,14 @@ def test_the_mask_reaches_only_grammar_rows_and_only_refused_tokens(llg_tokenize
 CASES = {
     "greedy": SamplingParams(temperature=0, guided_json=json.dumps(SCHEMA)),
     "seeded": SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=11, guided_json=json.dumps(SCHEMA)),
-    "penalized+logprobs": SamplingParams(temperature=0.7, seed=3, repetition_penalty=1.3, frequency_penalty=0.5,
-                                         logprobs=3, guided_regex=r"[a-z]{2,6}-[0-9]{1,3}"),  # fmt: skip
+    "penalized+logprobs": SamplingParams(
+        temperature=0.7,
+        seed=3,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        logprobs=3,
+        guided_regex=r"[a-z]{2,6}-[0-9]{1,3}",
+    ),
 }
 
 
