@@ -16,13 +16,13 @@ several with `parallel_tool_calls`, OpenAI's default).
 
 from __future__ import annotations
 
-import functools
 import json
+from collections import OrderedDict
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr, model_validator
 
-from engine_format.grammars import GUIDED_FIELDS, grammar_problem
+from engine_format.grammars import GUIDED_FIELDS, GrammarSpec, grammar_problem, guided_spec
 from engine_format.requests import FIELD, MAX_GRAMMAR_CHARS, InvalidRequest
 from engine_format.tool_calls import FUNCTION_NAME, call_grammar
 from runtime.gateway.errors import GatewayError
@@ -120,6 +120,10 @@ class GuidedExtras(Strict):
         return out
 
 
+MAX_CHECKED = 1024  # grammars whose check is remembered (by hash: a cache of texts would hold 128 MiB)
+_checked: OrderedDict[str, str | None] = OrderedDict()
+
+
 def check_grammar(field: str, text: str, param: str) -> None:
     """A 400 naming `param` unless the contract field `field` with `text` compiles."""
     problem = _problem(field, text)
@@ -127,16 +131,20 @@ def check_grammar(field: str, text: str, param: str) -> None:
         raise GatewayError.invalid(f"'{param}': {problem}", param, "invalid_grammar")
 
 
-@functools.lru_cache(maxsize=1024)
 def _problem(field: str, text: str) -> str | None:
-    from engine_format.grammars import guided_spec
-
+    key = GrammarSpec(field, text).key
+    if key in _checked:
+        _checked.move_to_end(key)
+        return _checked[key]
     try:
         spec = guided_spec({field: json.loads(text) if field == "guided_choice" else text})
+        problem = None if spec is None else grammar_problem(spec)
     except InvalidRequest as exc:
-        return str(exc).partition(": ")[2]
-    assert spec is not None
-    return grammar_problem(spec)
+        problem = str(exc).partition(": ")[2]
+    _checked[key] = problem
+    if len(_checked) > MAX_CHECKED:
+        _checked.popitem(last=False)
+    return problem
 
 
 Guided = dict[str, str | list[str]]
