@@ -30,6 +30,8 @@ MAX_CHOICES = 16  # OpenAI's `n` (and prompts x n): choice j samples with seed +
 OPENAI_MAX_STRING = 10_485_760  # OpenAI's longest accepted string (prompt or message content), in characters
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # what the engine's chat templates are given
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+MAX_GRAMMAR_CHARS = 131_072  # a JSON schema, regex, grammar or tool list (engine_format/grammars.py)
+MAX_GUIDED_CHOICES, MAX_CHOICE_CHARS = 256, 1024
 
 
 class InvalidRequest(ValueError):
@@ -185,6 +187,18 @@ FIELDS: tuple[RequestField, ...] = (
                  Range(1, 256)),
     RequestField("stream_interval", Kind.INT, "Tokens per streamed response (at least the server's).",
                  Range(1, INT32_MAX)),
+    # Structured output: at most one of the four (engine_format/grammars.py says what each means and checks them).
+    RequestField("guided_json", Kind.TEXT, "Constrain the output to this JSON schema (JSON text; '{\"type\": "
+                 "\"object\"}' is any JSON object).", Range(1, MAX_GRAMMAR_CHARS)),
+    RequestField("guided_regex", Kind.TEXT, "Constrain the output to match this regular expression (Rust regex "
+                 "syntax, anchored at both ends).", Range(1, MAX_GRAMMAR_CHARS)),
+    RequestField("guided_grammar", Kind.TEXT, "Constrain the output to this context-free grammar (GBNF with a "
+                 "`root` rule, or Lark with a `start` rule).", Range(1, MAX_GRAMMAR_CHARS)),
+    RequestField("guided_choice", Kind.TEXTS, "Constrain the output to exactly one of these strings.",
+                 Range(1, MAX_CHOICE_CHARS), max_items=MAX_GUIDED_CHOICES),
+    RequestField("tools", Kind.TEXT, "Functions the model may call (with `messages`): a JSON list of OpenAI tool "
+                 "definitions, rendered by the chat template (engine_format/tool_calls.py).",
+                 Range(1, MAX_GRAMMAR_CHARS), sampling=False),
 )
 # fmt: on
 FIELD = {f.name: f for f in FIELDS}

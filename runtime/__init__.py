@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "AsyncLLM": "runtime.async_llm",
+    "ChatPrompt": "runtime.engine.chat_tools",
     "CompletionOutput": "runtime.engine.outputs",
     "EngineArgs": "runtime.engine.engine_args",
     "InvalidRequest": "runtime.engine.errors",
@@ -28,6 +29,7 @@ _EXPORTS = {
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "ChatPrompt",
     "CompletionOutput",
     "EngineArgs",
     "InvalidRequest",
@@ -40,6 +42,7 @@ __all__ = [
 if TYPE_CHECKING:
     from executors.sampling.params import SamplingParams
     from runtime.async_llm import AsyncLLM
+    from runtime.engine.chat_tools import ChatPrompt
     from runtime.engine.engine_args import EngineArgs
     from runtime.engine.errors import InvalidRequest, Overloaded
     from runtime.engine.llm_engine import LLMEngine

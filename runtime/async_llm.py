@@ -101,6 +101,7 @@ class AsyncLLM:
             raise InvalidRequest("request_id", f"{request_id!r} is already in use")
         loop = asyncio.get_running_loop()
         prompt_ids = await loop.run_in_executor(None, self.engine.tokenize, prompt)
+        await self.engine.grammars.prepare(params)  # structured output (hook): its grammar compiled off this loop
         if request_id in self._streams:  # taken while this one was tokenized
             raise InvalidRequest("request_id", f"{request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()

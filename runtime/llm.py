@@ -8,6 +8,7 @@ from typing import Any, cast
 
 from executors.sampling import SamplingParams
 from runtime.engine.admission import Prompt
+from runtime.engine.chat_tools import ChatPrompt
 from runtime.engine.llm_engine import EngineArgs, LLMEngine
 from runtime.engine.outputs import CompletionOutput
 
@@ -27,11 +28,11 @@ class LLM:
     ) -> list[CompletionOutput]:
         """Run every prompt to completion with in-flight batching; results in input order.
 
-        A prompt is text, a list of token ids, or a list of chat messages
-        ({"role": ..., "content": ...}); a bare string is one prompt.
+        A prompt is text, a list of token ids, a list of chat messages
+        ({"role": ..., "content": ...}), or a ChatPrompt (messages with tools); a bare string is one prompt.
         """
         # A prompt may itself be a sequence, so which one `prompts` is is decided at run time.
-        single = isinstance(prompts, str) or _is_single_list_prompt(prompts)
+        single = isinstance(prompts, str | ChatPrompt) or _is_single_list_prompt(prompts)
         batch = [cast(Prompt, prompts)] if single else list(cast(Sequence[Prompt], prompts))
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(batch)
@@ -53,6 +54,6 @@ class LLM:
         return list(results.values())
 
 
-def _is_single_list_prompt(prompts: Prompt | Sequence[Prompt]) -> bool:
+def _is_single_list_prompt(prompts: Sequence[Any]) -> bool:
     """A flat token-id list or a flat message list is one prompt, not a batch."""
     return bool(prompts) and all(isinstance(x, int | dict) for x in prompts)

@@ -222,8 +222,12 @@ def test_trtserve_extra_body_fields(sdk, engine):
         ({"stream": "yes"}, "stream", "valid boolean"),
         ({"top_p": 1.5}, "top_p", "less than or equal to 1"),
         ({"n": 0}, "n", "greater than or equal to 1"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
+            "response_format.json_schema.schema",
+            "Invalid type: objec",
+        ),  # checked before any work
+        ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
         ({"logit_bias": {"5": 1}}, "logit_bias", "not supported"),
         ({"extra_body": {"frobnicate": 1}}, "frobnicate", "unknown parameter"),
         ({"extra_body": {"top_k": -1}}, "top_k", "greater than or equal to 0"),

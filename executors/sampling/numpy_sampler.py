@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from executors.sampling.grammar import mask_logits
 from executors.sampling.params import SamplingParams
 from executors.sampling.state import FLOAT32_TINY, SampleResult, SamplingState, TokenLogprobs, check_batch
 
@@ -24,11 +25,11 @@ class Sampler:
 
     Logprobs are the log-softmax of the *penalized* logits, before temperature and filtering
     (vLLM's "raw_logprobs" is taken before penalties too, so the two differ only when a
-    penalty is active).
+    penalty is active). A request with a grammar samples from its masked logits (grammar.py), logprobs too.
     """
 
     def sample(self, logits: np.ndarray, states: Sequence[SamplingState]) -> SampleResult:
-        logits = _check(logits, states)
+        logits = mask_logits(_check(logits, states), states)  # structured output: -inf where a grammar refuses
         if all(s.argmax_only for s in states):
             return SampleResult(np.argmax(logits, axis=1).astype(np.int64), [None] * len(states))
         greedy = np.array([s.params.greedy for s in states], dtype=bool)
@@ -42,7 +43,7 @@ class Sampler:
 
     def distribution(self, logits: np.ndarray, states: Sequence[SamplingState]) -> np.ndarray:
         """[B, V] float64: the distribution each row draws from (greedy rows: one-hot argmax)."""
-        logits = _check(logits, states)
+        logits = mask_logits(_check(logits, states), states)  # structured output: -inf where a grammar refuses
         x = apply_penalties(logits, states)
         out = np.zeros(x.shape, dtype=np.float64)
         out[np.arange(len(states)), np.argmax(x, axis=1)] = 1.0

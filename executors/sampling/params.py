@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from engine_format.grammars import GUIDED_FIELDS, GrammarSpec, guided_spec
 from engine_format.requests import FIELD, SAMPLING_FIELDS, InvalidRequest
 
 MAX_LOGPROBS = 20
@@ -46,6 +47,11 @@ class SamplingParams:
     itl_target_s: float | None = _DEFAULTS["itl_target_s"]
     cache_salt: str | None = _DEFAULTS["cache_salt"]
     stream_interval: int | None = _DEFAULTS["stream_interval"]  # None: the server's (the larger applies)
+    # Structured output, at most one (engine_format/grammars.py; enforced by executors/sampling/grammar.py).
+    guided_json: str | None = _DEFAULTS["guided_json"]
+    guided_regex: str | None = _DEFAULTS["guided_regex"]
+    guided_grammar: str | None = _DEFAULTS["guided_grammar"]
+    guided_choice: tuple[str, ...] | None = _DEFAULTS["guided_choice"]
     # The Python API's own.
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
@@ -57,11 +63,18 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.guided_choice, list):
+            object.__setattr__(self, "guided_choice", tuple(self.guided_choice))
         self.validate()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """The grammar the output is constrained to (None: free), from whichever guided field is set."""
+        return guided_spec({name: getattr(self, name) for name in GUIDED_FIELDS})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
@@ -85,6 +98,9 @@ class SamplingParams:
                 raise InvalidRequest(name, "must be true or false")
         if self.deadline_s is not None and not (_finite(self.deadline_s) and self.deadline_s > 0):
             raise InvalidRequest("deadline_s", f"must be a number of seconds > 0 (got {self.deadline_s!r})")
+        if self.grammar is not None and self.ignore_eos:  # a complete grammar allows nothing but the end
+            raise InvalidRequest("ignore_eos", "cannot be combined with guided decoding (a finished grammar allows "
+                                               "only the end of the sequence)")  # fmt: skip
         if self.ttft_target_s is not None and self.deadline_s is not None and self.ttft_target_s > self.deadline_s:
             raise InvalidRequest(
                 "ttft_target_s", f"must not exceed deadline_s ({self.ttft_target_s} > {self.deadline_s})"

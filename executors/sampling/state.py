@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from executors.sampling.grammar import GrammarState
 from executors.sampling.params import SamplingParams
 
 # Read once at import: ONNX Runtime flushes denormals on the engine thread, where numpy would
@@ -25,13 +26,14 @@ class SamplingState:
     """Per-request sampling state that lives as long as the request (survives preemption).
 
     The caller append()s each token it keeps; sampling only advances the rng, so tokens a caller
-    discards (e.g. rejected speculative drafts) never reach the penalty counts. Both samplers draw
-    one `rng.random()` per random row per step, so a seeded request's stream is the same on either.
+    discards (e.g. rejected speculative drafts) never reach the penalty counts or the grammar's matcher.
+    Both samplers draw one `rng.random()` per random row per step, so a seeded request's stream is the same on either.
     """
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     vocab_size: int
+    grammar: GrammarState | None = None  # structured output: the matcher both samplers mask by (grammar.py)
     rng: np.random.Generator = field(init=False, repr=False)
     # Sized [V] only when a penalty is active (else empty): big for 150k-token vocabularies.
     output_counts: np.ndarray = field(init=False, repr=False)  # int32 [V]
@@ -58,7 +60,9 @@ class SamplingState:
         return self.params.greedy and not self.penalized and self.params.logprobs is None
 
     def append(self, token_id: int) -> None:
-        """Record a generated token (updates the penalty counts)."""
+        """Record a generated token (updates the penalty counts; advances the grammar's matcher)."""
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if self.output_counts.size:
             self.output_counts[token_id] += 1
             self.seen[token_id] = True

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from executors.sampling.grammar import grammar_rows
 from executors.sampling.params import SamplingParams
 from executors.sampling.state import FLOAT32_TINY, DeviceSample, SampleResult, SamplingState, TokenLogprobs, check_batch
 
@@ -71,6 +72,7 @@ class TorchSampler:
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> SampleResult:
         """The numpy Sampler.sample of the same logits and states: one token per row (and its logprobs)."""
         check_batch(tuple(logits.shape), rows)
+        logits = self._masked(logits, rows)  # structured output: -inf where a grammar refuses
         greedy = np.array([r.params.greedy for r in rows], dtype=bool)
         if all(r.argmax_only for r in rows):
             return SampleResult(logits.argmax(dim=1).cpu().numpy().astype(np.int64), [None] * len(rows))
@@ -83,6 +85,21 @@ class TorchSampler:
             token_ids[index] = self._draw(x[index], [rows[i].params for i in rand], u)
         logprobs = self._logprobs(x, token_ids, rows)
         return SampleResult(token_ids.cpu().numpy().astype(np.int64), logprobs)
+
+    def _masked(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tensor:
+        """grammar.mask_logits on the device: the grammar rows' bitmasks (filled on the host) cross in one copy
+        and are unpacked there; `logits` itself when no row has a grammar."""
+        picked = grammar_rows(rows)
+        if not picked:
+            return logits
+        host = np.stack([rows[i].grammar.mask() for i in picked])  # type: ignore[union-attr]
+        bitmask = torch.from_numpy(host).to(self.device, non_blocking=True)
+        vocab = torch.arange(logits.shape[1], device=self.device)
+        allowed = ((bitmask[:, vocab >> 5] >> (vocab & 31)) & 1).bool()  # int32 >> is arithmetic: & 1 after
+        out = logits.float().clone()
+        index = self._index(picked)
+        out[index] = torch.where(allowed, out[index], torch.full_like(out[index], -torch.inf))
+        return out
 
     def _index(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)

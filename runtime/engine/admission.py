@@ -10,10 +10,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, TypeGuard
 
-from engine_format.requests import CHAT_ROLES, OPENAI_MAX_STRING, InvalidRequest
+from engine_format.requests import OPENAI_MAX_STRING, InvalidRequest
 from executors.sampling import SamplingParams
+from runtime.engine.chat_tools import ChatPrompt, check_messages, render
 
-Prompt = str | Sequence[int] | Sequence[dict[str, Any]]  # text, token ids, or chat messages
+Prompt = str | Sequence[int] | Sequence[dict[str, Any]] | ChatPrompt  # text, token ids, chat messages (with tools)
 
 
 def _all_messages(prompt: Sequence[object]) -> TypeGuard[Sequence[dict[str, Any]]]:
@@ -37,6 +38,8 @@ class Admission:
             if not prompt:
                 raise InvalidRequest("prompt", "must not be empty")
             return self.tokenizer.encode(prompt)
+        if isinstance(prompt, ChatPrompt):
+            return self._chat(prompt.messages, prompt.tools)
         if not isinstance(prompt, Sequence) or not prompt:
             raise InvalidRequest("prompt", "must be a non-empty string, token id list or message list")
         if _all_messages(prompt):
@@ -48,14 +51,13 @@ class Admission:
             raise InvalidRequest("prompt", f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
         return list(prompt)
 
-    def _chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        for i, message in enumerate(messages):
-            if message.get("role") not in CHAT_ROLES or not isinstance(message.get("content"), str):
-                raise InvalidRequest(f"messages[{i}]", f"needs 'role' (one of {', '.join(CHAT_ROLES)}) and string "
-                                                       "'content'")  # fmt: skip
+    def _chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        if not messages:
+            raise InvalidRequest("messages", "must not be empty")
+        check_messages(messages)
         if not self.tokenizer.chat_template:
             raise InvalidRequest("messages", "this model has no chat template; send a text prompt")
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        text = render(self.tokenizer, ChatPrompt(list(messages), tools))
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def max_prompt_chars(self, context_tokens: int, cap: int = OPENAI_MAX_STRING) -> int:
@@ -71,7 +73,8 @@ class Admission:
         never run is rejected now rather than queued forever, naming the field to change."""
         context = min(self.max_seq_len, self.max_tokens_in_pool)
         if len(prompt_ids) >= context:  # the prompt alone leaves no room: it is what to change
-            field = "messages" if isinstance(prompt, Sequence) and prompt and _all_messages(prompt) else "prompt"
+            chat = isinstance(prompt, ChatPrompt) or (isinstance(prompt, Sequence) and prompt and _all_messages(prompt))
+            field = "messages" if chat else "prompt"
             limit = "the engine's max sequence length" if context == self.max_seq_len else "the KV cache"
             raise InvalidRequest(field, f"the prompt ({len(prompt_ids)} tokens) exceeds {limit} ({context} tokens, "
                                         "the first output token included)")  # fmt: skip

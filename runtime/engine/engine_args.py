@@ -35,6 +35,9 @@ DEFAULT_DRAFT_PROMPT_LOOKUP_MIN = 3
 # for a lone request only.
 DEFAULT_SPECULATIVE_DISABLE_BATCH_SIZE = {"ngram": 4, "draft": 1}
 SPECULATIVE_METHODS = ("ngram", "draft")
+# Structured output: the longest a grammar may take to compile before its request is refused. The 20 test schemas
+# compile in 2 ms median, 6 ms at most, on SmolLM2's vocabulary (benchmarks/results/grammar_engines.md).
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 DISABLE_BATCH_SIZE_DEFAULTS = ", ".join(f"{n} with {m}" for m, n in DEFAULT_SPECULATIVE_DISABLE_BATCH_SIZE.items())
 
 
@@ -111,6 +114,10 @@ class EngineArgs:
                                        flag="--overlap-scheduling/--no-overlap-scheduling")  # fmt: skip
     stream_interval: int = setting(1, "Tokens per streamed response, the first and last at once; fewer responses cost "
                                    "the server less (a request may ask for more).", lo=1)  # fmt: skip
+    grammar_compile_timeout_s: float = setting(DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, "Longest a structured-output "
+                                               "grammar (guided_json, response_format, tools, ...) may take to "
+                                               "compile; slower ones are refused. Compiles run off the engine "
+                                               "loop, once per distinct grammar.", lo=0)  # fmt: skip
 
     @property
     def disable_batch_size(self) -> int:
@@ -151,6 +158,9 @@ class EngineArgs:
             raise ValueError(f"EngineArgs.draft_prompt_lookup_min must be an integer >= 0 (got {lookup!r})")
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"EngineArgs.num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}")
+        timeout = self.grammar_compile_timeout_s
+        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
+            raise ValueError(f"EngineArgs.grammar_compile_timeout_s must be a positive number (got {timeout!r})")
         if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
             raise ValueError("EngineArgs.ngram_prompt_lookup_min must be <= ngram_prompt_lookup_max")
 

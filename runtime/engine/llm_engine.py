@@ -27,6 +27,7 @@ from executors.sampling import SamplingParams, SamplingState
 from runtime.engine.admission import Admission, Prompt
 from runtime.engine.engine_args import EngineArgs
 from runtime.engine.errors import InvalidRequest, Overloaded
+from runtime.engine.grammar_cache import GrammarCache
 from runtime.engine.kv_cache_manager import KVCacheManager
 from runtime.engine.output_processor import OutputProcessor
 from runtime.engine.outputs import RequestOutput, TokenOutput
@@ -93,6 +94,9 @@ class LLMEngine:
         self.spec = create_spec_decoder(args, config, max_num_seqs, clock)
         self.admission = Admission(self.tokenizer, config.model.vocab_size, config.max_seq_len, self.kv.capacity_tokens)
         self.eos_token_ids = frozenset(stop_token_ids(self.tokenizer, config))
+        # Structured output (hook): compiles grammars off the loop, once each; gives each request its matcher.
+        self.grammars = GrammarCache(self.tokenizer, config.model.vocab_size, sorted(self.eos_token_ids),
+                                     args.grammar_compile_timeout_s)  # fmt: skip
         self.counters = EngineCounters()
         self.update = StepUpdate(self.scheduler, self.spec, self.counters, clock, self.itl_target_s)
         self.outputs = OutputProcessor(self.tokenizer, self.finish_by_text)
@@ -116,6 +120,7 @@ class LLMEngine:
         prompt_ids = self.tokenize(prompt) if prompt_ids is None else prompt_ids
         try:
             params = self.admission.fit(prompt, prompt_ids, params)
+            grammar = self.grammars.matcher(params)  # structured output (hook): the request's matcher, or None
         except InvalidRequest:
             self.counters.rejected_invalid += 1
             raise
@@ -126,7 +131,7 @@ class LLMEngine:
                 request_id=request_id,
                 all_token_ids=prompt_ids,
                 params=params,
-                sampling=SamplingState(params, prompt_ids, self.config.model.vocab_size),
+                sampling=SamplingState(params, prompt_ids, self.config.model.vocab_size, grammar),
                 arrival_order=next(self._arrivals),
                 timing=RequestTiming(arrival=self.clock()),
                 stop_token_ids=frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids),
@@ -319,6 +324,7 @@ class LLMEngine:
                 step_cost=self.cost_model.coefficients,
                 spec_decode=None if self.spec is None else self.spec.counters.snapshot(),
                 kv_max_concurrency=self.kv.capacity_tokens / self.config.max_seq_len,
+                grammar=self.grammars.stats(),  # structured output (hook)
             )
 
     def take_step_records(self) -> list[StepRecord]:

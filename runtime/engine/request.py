@@ -102,9 +102,9 @@ class Request:
 
     @property
     def host_sampled(self) -> bool:
-        """Its tokens are sampled from host state that must hold every earlier token: penalties (counts) or
-        logprobs. Such a request keeps the engine's steps from overlapping."""
-        return self.sampling.penalized or self.params.logprobs is not None
+        """Its tokens are sampled from host state that must hold every earlier token: penalties (counts),
+        logprobs or a grammar's matcher. Such a request keeps the engine's steps from overlapping."""
+        return self.sampling.penalized or self.params.logprobs is not None or self.sampling.grammar is not None
 
     @property
     def is_finished(self) -> bool:

@@ -100,6 +100,19 @@ class SpecDecodeCounters:
         return SpecDecodeStats(self.drafts, self.draft_tokens, self.accepted_tokens, tuple(self.accepted_per_position))
 
 
+@dataclass(frozen=True)
+class GrammarStats:
+    """Structured output since the engine started (runtime/engine/grammar_cache.py)."""
+
+    requests: int = 0  # requests that generated under a grammar
+    cache_hits: int = 0  # grammar lookups that found it compiled (or compiling)
+    compiles: int = 0
+    compile_failures: int = 0  # grammars refused as invalid
+    compile_timeouts: int = 0  # requests refused because their grammar compiled too slowly
+    masked_steps: int = 0  # rows sampled or verified under a grammar's mask
+    violations: int = 0  # kept tokens a grammar refused (0 unless a sampler skipped a mask)
+
+
 @dataclass
 class EngineCounters:
     prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
@@ -154,3 +167,4 @@ class EngineStats:
     step_cost: StepCost | None = None  # the learned cost model's coefficients
     spec_decode: SpecDecodeStats | None = None  # None: speculation off
     kv_max_concurrency: float = 0.0  # sequences of max_seq_len the pool holds (4x with an int8/fp8 cache)
+    grammar: GrammarStats = field(default_factory=GrammarStats)  # structured output

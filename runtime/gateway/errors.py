@@ -16,9 +16,8 @@ from starlette.responses import JSONResponse
 # Parameters of OpenAI's API this server does not implement: named as unsupported, not unknown.
 UNSUPPORTED = frozenset({
     "audio", "best_of", "echo", "function_call", "functions", "logit_bias", "metadata", "modalities",
-    "parallel_tool_calls", "prediction", "prompt_cache_key", "reasoning_effort", "response_format",
-    "safety_identifier", "service_tier", "store", "suffix", "tool_choice", "tools", "verbosity",
-    "web_search_options",
+    "prediction", "prompt_cache_key", "reasoning_effort", "safety_identifier", "service_tier", "store", "suffix",
+    "verbosity", "web_search_options",
 })  # fmt: skip
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 # Retry-After of a 503: a tritonserver that died is restarted by `trtserve serve`'s supervisor within seconds.

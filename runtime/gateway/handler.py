@@ -143,7 +143,7 @@ class Call:
         self.gateway.metrics.cancelled.labels(self.endpoint).inc()
 
     def _header(self, exchange: Exchange, body: Generation) -> Header:
-        return Header(self.kind, exchange.model, body.logprobs_n is not None)
+        return Header(self.kind, exchange.model, body.logprobs_n is not None, body.tool_names)
 
     def _finished(self, exchange: Exchange, choices: list[Choice]) -> None:
         self.gateway.account(exchange, choices)
@@ -161,8 +161,10 @@ class Call:
             while pending or not exchange.finished:
                 event = pending.pop(0) if pending else await exchange.next()
                 choices[event.index].add(event.delta)
-                yield form.chunk(event.index, event.delta, event.index not in started)
+                chunk = form.chunk(event.index, event.delta, event.index not in started)
                 started.add(event.index)
+                if chunk:  # empty: a tool-call parser holds this delta's text back (responses.ChunkFormat)
+                    yield chunk
             if body.include_usage:
                 yield responses.usage_chunk(header, choices)
             client_left = False

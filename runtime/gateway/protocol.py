@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from engine_format.requests import CHAT_ROLES, FIELD, MAX_CHOICES, Limits
 from runtime.gateway.errors import GatewayError
+from runtime.gateway.strict import Strict as _Strict
+from runtime.gateway.structured import GuidedExtras, ResponseFormat, Tool, ToolChoice, chat_guided, upstream_tools
 from runtime.gateway.wire import GenerateRequest
 
 LIMITS = Limits()  # the model's default bounds (its max_prompt_chars may be lower: it knows the tokenizer)
@@ -51,15 +53,6 @@ Seconds = Annotated[float, bounds("ttft_target_s")]
 StopText = Annotated[str, bounds("stop")]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_absent(cls, data: Any) -> Any:
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
-
-
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -73,18 +66,48 @@ ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 assert set(get_args(ChatRole)) - {"developer"} == set(CHAT_ROLES), "the contract's roles, and OpenAI's 'developer'"
 
 
+class CallFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    """A call the assistant made earlier in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
 class ChatMessage(_Strict):
     role: ChatRole
-    content: PromptText | Annotated[list[TextPart], Field(max_length=LIMITS.max_messages)]
+    content: PromptText | Annotated[list[TextPart], Field(max_length=LIMITS.max_messages)] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1)] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call answered
 
-    def as_upstream(self) -> dict[str, str]:
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise GatewayError.invalid("only assistant messages carry 'tool_calls'", "messages.tool_calls")
+        if self.content is None and self.tool_calls is None:
+            raise GatewayError.invalid("a message needs 'content' (or, from the assistant, 'tool_calls')",
+                                       "messages.content")  # fmt: skip
+        return self
+
+    def as_upstream(self) -> dict[str, Any]:
         """Text content for the model's chat template; 'developer' is OpenAI's new name for 'system'."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls is not None:
+            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
-class Generation(_Strict):
-    """Fields both endpoints share, OpenAI's and trtserve's extras (sent as extra body fields)."""
+class Generation(GuidedExtras):
+    """Fields both endpoints share, OpenAI's and trtserve's extras (sent as extra body fields; the guided_*
+    ones in GuidedExtras)."""
 
     model: str
     max_tokens: MaxTokens | None = default("max_tokens")
@@ -120,6 +143,15 @@ class Generation(_Strict):
         return self
 
     @property
+    def tool_names(self) -> frozenset[str] | None:
+        """The functions whose calls the answer is parsed for (None: it is text)."""
+        return None
+
+    def structured(self) -> tuple[dict[str, str | list[str]], list[dict[str, Any]] | None]:
+        """The contract's guided_* fields and the tools this body sends upstream (checked: a 400 otherwise)."""
+        return self.guided(), None
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -140,7 +172,7 @@ class Generation(_Strict):
     def prompt_chars(self) -> int:
         return sum(len(p or "") + sum(len(m["content"]) for m in ms or []) for p, ms in self._inputs())
 
-    def _inputs(self) -> list[tuple[str | None, list[dict[str, str]] | None]]:
+    def _inputs(self) -> list[tuple[str | None, list[dict[str, Any]] | None]]:
         """(prompt, messages) per prompt."""
         raise NotImplementedError
 
@@ -159,12 +191,13 @@ class Generation(_Strict):
         for target in ("ttft_target_s", "itl_target_s"):
             if getattr(self, target) is not None:
                 params[target] = getattr(self, target)
+        guided, tools = self.structured()
         requests = []
         for prompt, messages in self._inputs():
             for j in range(self.n):
                 seed = {"seed": self.seed + j} if self.seed is not None else {}
                 requests.append(GenerateRequest(prompt, messages, {**params, **seed}, self.stop_strings,
-                                                cache_salt=cache_salt))  # fmt: skip
+                                                cache_salt=cache_salt, texts=guided, tools=tools))  # fmt: skip
         return requests
 
 
@@ -173,6 +206,12 @@ class ChatCompletionRequest(Generation):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, bounds("logprobs")] | None = None
+    # Structured output and tool calling (runtime/gateway/structured.py).
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    _parse_tools: bool = PrivateAttr(False)
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
@@ -180,7 +219,21 @@ class ChatCompletionRequest(Generation):
             raise GatewayError.invalid("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise GatewayError.invalid("give 'max_completion_tokens' or 'max_tokens', not both", "max_tokens")
+        if self.tools:
+            names = [t.function.name for t in self.tools]
+            twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+            if twice is not None:
+                raise GatewayError.invalid(f"function '{twice}' is defined twice", "tools")
+        self._guided, self._parse_tools = chat_guided(self.response_format, self.tools, self.tool_choice,
+                                                      self.parallel_tool_calls, self.guided())  # fmt: skip
         return self
+
+    @property
+    def tool_names(self) -> frozenset[str] | None:
+        return frozenset(t.function.name for t in self.tools or ()) if self._parse_tools else None
+
+    def structured(self) -> tuple[dict[str, str | list[str]], list[dict[str, Any]] | None]:
+        return self._guided, upstream_tools(self.tools) if self._parse_tools else None
 
     @property
     def token_limit(self) -> int | None:
@@ -190,7 +243,7 @@ class ChatCompletionRequest(Generation):
     def logprobs_n(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def _inputs(self) -> list[tuple[str | None, list[dict[str, str]] | None]]:
+    def _inputs(self) -> list[tuple[str | None, list[dict[str, Any]] | None]]:
         return [(None, [m.as_upstream() for m in self.messages])]
 
 
@@ -218,5 +271,5 @@ class CompletionRequest(Generation):
     def logprobs_n(self) -> int | None:
         return self.logprobs
 
-    def _inputs(self) -> list[tuple[str | None, list[dict[str, str]] | None]]:
+    def _inputs(self) -> list[tuple[str | None, list[dict[str, Any]] | None]]:
         return [(p, None) for p in self.prompts]

@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from runtime.gateway.tool_parser import CallDelta, ToolCallParser, parse_whole
 from runtime.gateway.wire import Delta, TokenLogprob
 
 Kind = Literal["chat", "text"]
@@ -43,6 +44,7 @@ class Header:
     kind: Kind
     model: str
     want_logprobs: bool
+    tool_names: frozenset[str] | None = None  # the answer is parsed for calls of these (None: it is text)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -63,10 +65,8 @@ def completion(header: Header, choices: list[Choice]) -> dict[str, Any]:
     if header.kind == "chat":
         body = header.base("chat.completion")
         body["choices"] = [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text},
-             "logprobs": _logprobs(header, c.logprobs), "finish_reason": c.finish_reason}
-            for c in choices
-        ]  # fmt: skip
+            {"index": c.index, "logprobs": _logprobs(header, c.logprobs), **_message(header, c)} for c in choices
+        ]
     else:
         body = header.base("text_completion")
         body["choices"] = [
@@ -78,6 +78,23 @@ def completion(header: Header, choices: list[Choice]) -> dict[str, Any]:
     return body
 
 
+def _message(header: Header, choice: Choice) -> dict[str, Any]:
+    """A chat choice's message and finish reason: its text, or (tools) its content and calls."""
+    if header.tool_names is None:
+        return {"message": {"role": "assistant", "content": choice.text}, "finish_reason": choice.finish_reason}
+    content, calls = parse_whole(choice.text, header.tool_names)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name,
+                                  "arguments": c.arguments}} for c in calls]  # fmt: skip
+    return {"message": message, "finish_reason": _call_finish(bool(calls), choice.finish_reason)}
+
+
+def _call_finish(called: bool, reason: str | None) -> str | None:
+    """OpenAI's "tool_calls" when the model called tools and stopped on its own."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 class ChunkFormat:
     """The SSE events of one streamed response, one per upstream delta (chat's first chunk of a choice
     announces the role). What every chunk shares (id, object, created, model, and the usage null OpenAI
@@ -86,7 +103,9 @@ class ChunkFormat:
     inside the whole object: the result is byte for byte `sse(body)` of the chunk's dict (tests check)."""
 
     def __init__(self, header: Header, include_usage: bool) -> None:
-        self.header = header
+        self.header, self.include_usage = header, include_usage
+        self._parsers: dict[int, ToolCallParser] = {}  # per choice, when the answer is parsed for tool calls
+        self._started: set[int] = set()  # choices whose first tool-parsed event went out
         base = _JSON.encode(header.base("chat.completion.chunk" if header.kind == "chat" else "text_completion"))
         self._head = f'data: {base[:-1]}, "choices": [{{"index": '  # the object left open
         self._tail = "}]" + (', "usage": null' if include_usage else "") + "}\n\n"
@@ -98,10 +117,46 @@ class ChunkFormat:
             self._after_text = ', "logprobs": '
 
     def chunk(self, index: int, delta: Delta, first: bool) -> str:
+        if self.header.tool_names is not None:
+            return self._tool_chunks(index, delta)
         logprobs = "null" if not self.header.want_logprobs else _JSON.encode(_logprobs(self.header, delta.logprobs))
         finish = "null" if delta.finish_reason is None else _JSON.encode(delta.finish_reason)
         return (f"{self._head}{index}{self._first if first else self._next}{_JSON.encode(delta.text)}"
                 f'{self._after_text}{logprobs}, "finish_reason": {finish}{self._tail}')  # fmt: skip
+
+    def _tool_chunks(self, index: int, delta: Delta) -> str:
+        """The events of one upstream delta of a choice parsed for tool calls (ToolCallParser): its content,
+        then one event per call delta (a call's id and name, then its arguments' pieces), then the finish;
+        the choice's first event carries the role. Empty when the parser holds everything back."""
+        if index not in self._parsers:
+            self._parsers[index] = ToolCallParser(self.header.tool_names or frozenset())
+        parser = self._parsers[index]
+        text, calls = parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            text += parser.finish()[0]
+        deltas: list[dict[str, Any]] = ([{"content": text}] if text else []) + [_call_delta(c) for c in calls]
+        finish = None if delta.finish_reason is None else _call_finish(bool(parser.calls), delta.finish_reason)
+        if finish is not None and not deltas:
+            deltas = [{}]
+        events = []
+        for i, item in enumerate(deltas):
+            if index not in self._started:
+                item = {"role": "assistant", **item}
+                self._started.add(index)
+            body = self.header.base("chat.completion.chunk")
+            body["choices"] = [{"index": index, "delta": item, "logprobs": None,
+                                "finish_reason": finish if i == len(deltas) - 1 else None}]  # fmt: skip
+            if self.include_usage:
+                body["usage"] = None
+            events.append(sse(body))
+        return "".join(events)
+
+
+def _call_delta(call: CallDelta) -> dict[str, Any]:
+    if call.name is None:
+        return {"tool_calls": [{"index": call.index, "function": {"arguments": call.arguments}}]}
+    return {"tool_calls": [{"index": call.index, "id": call.id, "type": "function",
+                            "function": {"name": call.name, "arguments": call.arguments}}]}  # fmt: skip
 
 
 def usage_chunk(header: Header, choices: list[Choice]) -> str:

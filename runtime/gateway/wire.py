@@ -29,11 +29,13 @@ class GenerateRequest:
     """One upstream generation: exactly one of `prompt` (raw text) or `messages` (chat)."""
 
     prompt: str | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     params: Mapping[str, int | float | bool]  # scalar fields of the request contract (engine_format/requests.py)
     stop: tuple[str, ...] = ()
     request_id: str = ""
     cache_salt: str | None = None  # the tenant's (service.Gateway.cache_salt)
+    texts: Mapping[str, str | list[str]] = field(default_factory=dict)  # string fields: guided_* (structured.py)
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template (with messages)
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,10 @@ def build_request(model: str, request: GenerateRequest, stream: bool) -> Any:
         values["stop"] = [s.encode() for s in request.stop]
     if request.cache_salt is not None:
         values["cache_salt"] = [request.cache_salt.encode()]
+    for name, text in request.texts.items():
+        values[name] = [t.encode() for t in text] if isinstance(text, list) else [text.encode()]
+    if request.tools is not None:
+        values["tools"] = [json.dumps(request.tools).encode()]
     message = pb.ModelInferRequest(model_name=model, id=request.request_id)
     for name, value in values.items():
         message.inputs.add(name=name, datatype=FIELD[name].triton_type, shape=[len(value)])

@@ -27,8 +27,10 @@ from engine_format.requests import (
     RequestField,
     json_depth_exceeds,
 )
+from engine_format.tool_calls import check_tools
 from runtime import SamplingParams
 from runtime.engine.admission import Prompt
+from runtime.engine.chat_tools import ChatPrompt
 
 # The Triton door's defaults where they differ from the engine's: greedy, and up to the end of the context.
 TRITON_DEFAULTS = {f.name: f.default_for("triton") for f in SAMPLING_FIELDS if f.default_for("triton") != f.default}
@@ -72,9 +74,13 @@ def parse_request(
             raise InvalidRequest("text_input", f"is {len(text)} characters; the limit is {limits.max_prompt_chars}")
         prompt = text
     elif messages is not None and text is None:
-        prompt = _messages(messages, limits)
+        chat = _messages(messages, limits)
+        tools = _text(inputs, "tools", 4 * _max_chars(FIELD["tools"]))
+        prompt = chat if tools is None else ChatPrompt(chat, _tools(tools, limits))
     else:
         raise InvalidRequest("text_input", "give exactly one of 'text_input' (a string) or 'messages' (JSON)")
+    if "tools" in inputs and messages is None:
+        raise InvalidRequest("tools", "needs 'messages' (the chat template renders the tools)")
     values: dict[str, Any] = dict(TRITON_DEFAULTS)
     for field in SAMPLING_FIELDS:
         if field.name in inputs:
@@ -93,8 +99,12 @@ def _value(array: np.ndarray, field: RequestField, limits: Limits) -> Any:
     if field.kind is Kind.TEXTS:
         return _texts(array, field, limits)
     if field.kind is Kind.TEXT:
-        return _text({field.name: array}, field.name, 4 * int(field.range.hi if field.range and field.range.hi else 1))
+        return _text({field.name: array}, field.name, 4 * _max_chars(field))
     return _scalar(array, field)
+
+
+def _max_chars(field: RequestField) -> int:
+    return int(field.range.hi if field.range and field.range.hi else 1)
 
 
 def _text(inputs: Mapping[str, np.ndarray], name: str, max_bytes: int) -> str | None:
@@ -133,24 +143,45 @@ def _messages(raw: str, limits: Limits) -> list[dict[str, Any]]:
         raise InvalidRequest("messages", f"has {len(messages)} messages; the limit is {limits.max_messages}")
     chars = 0
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not all(isinstance(message.get(k), str) for k in ("role", "content")):
-            raise InvalidRequest(f"messages[{i}]", 'must be an object with string "role" and "content"')
-        chars += len(message["content"])
+        content = message.get("content") if isinstance(message, dict) else None
+        calls_only = content is None and isinstance(message, dict) and message.get("tool_calls")
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not (isinstance(content, str) or calls_only)
+        ):
+            raise InvalidRequest(f"messages[{i}]", 'must be an object with string "role" and "content" (or '
+                                                   '"tool_calls")')  # fmt: skip
+        chars += len(content or "")
     if chars > limits.max_prompt_chars:
         raise InvalidRequest("messages", f"hold {chars} characters of content; the limit is {limits.max_prompt_chars}")
     return messages
 
 
+def _tools(text: str, limits: Limits) -> list[dict[str, Any]]:
+    if json_depth_exceeds(text, 2 * limits.max_json_depth):  # a tool's parameters are a JSON schema
+        raise InvalidRequest("tools", f"is nested more than {2 * limits.max_json_depth} levels deep")
+    try:
+        tools = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        raise InvalidRequest("tools", "is not valid JSON") from None
+    return check_tools(tools)
+
+
 def _texts(array: np.ndarray, field: RequestField, limits: Limits) -> tuple[str, ...]:
-    """Strings of a list input, their count and sizes bounded by `limits` before any is decoded."""
+    """Strings of a list input, their count and sizes bounded before any is decoded: `stop`'s by `limits`,
+    the others' by their contract field."""
+    stop = field.name == "stop"
+    most = limits.max_stop_strings if stop else int(field.max_items or 1)
+    longest = limits.max_stop_chars if stop else _max_chars(field)
     values = np.asarray(array).reshape(-1)
-    if values.size > limits.max_stop_strings:
-        raise InvalidRequest(field.name, f"has {values.size} strings; the limit is {limits.max_stop_strings}")
-    if any(isinstance(v, bytes | str) and len(v) > 4 * limits.max_stop_chars for v in values):
-        raise InvalidRequest(field.name, f"strings may have at most {limits.max_stop_chars} characters")
+    if values.size > most:
+        raise InvalidRequest(field.name, f"has {values.size} strings; the limit is {most}")
+    if any(isinstance(v, bytes | str) and len(v) > 4 * longest for v in values):
+        raise InvalidRequest(field.name, f"strings may have at most {longest} characters")
     texts = tuple(_decode(v, field.name) for v in values)
-    if any(len(t) > limits.max_stop_chars for t in texts):
-        raise InvalidRequest(field.name, f"strings may have at most {limits.max_stop_chars} characters")
+    if any(len(t) > longest for t in texts):
+        raise InvalidRequest(field.name, f"strings may have at most {longest} characters")
     return texts
 
 

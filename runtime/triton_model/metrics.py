@@ -23,6 +23,7 @@ from runtime.engine.stats import (
 )
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+GRAMMAR_COMPILE_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5]
 
 
@@ -73,6 +74,16 @@ COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
     "trtserve_ttft_slo_missed_total": ("First tokens past their TTFT target.", _slo("ttft_missed")),
     "trtserve_itl_slo_met_total": ("Inter-token latencies within their ITL target.", _slo("itl_met")),
     "trtserve_itl_slo_missed_total": ("Inter-token latencies past their ITL target.", _slo("itl_missed")),
+    # Structured output (runtime/engine/grammar_cache.py).
+    "trtserve_grammar_requests_total": ("Requests generated under a grammar (guided_*, response_format, tools).",
+                                        lambda s: s.grammar.requests),
+    "trtserve_grammar_masked_steps_total": ("Tokens sampled or verified under a grammar's mask.",
+                                            lambda s: s.grammar.masked_steps),
+    "trtserve_grammar_cache_hits_total": ("Grammar lookups that found it compiled or compiling.",
+                                          lambda s: s.grammar.cache_hits),
+    "trtserve_grammar_compile_failures_total": ("Grammars refused as invalid.", lambda s: s.grammar.compile_failures),
+    "trtserve_grammar_compile_timeouts_total": ("Requests refused: grammar compile past grammar_compile_timeout_s.",
+                                                lambda s: s.grammar.compile_timeouts),
 }  # fmt: skip
 # Speculative decoding, exported while it is on (vLLM's names where vLLM has them: its
 # vllm:spec_decode_* counters; it derives the rate and the mean length in PromQL).
@@ -107,6 +118,8 @@ HISTOGRAMS = {
     "trtserve_step_duration_seconds": ("Engine step wall time (schedule, model, sample, detokenize).",
                                        list(STEP_TIME_BUCKETS)),
     "trtserve_prefill_tokens_per_step": ("Prompt tokens computed per engine step.", list(PREFILL_TOKEN_BUCKETS)),
+    "trtserve_grammar_compile_seconds": ("Time to compile a distinct grammar (off the engine loop).",
+                                         GRAMMAR_COMPILE_BUCKETS),
 }  # fmt: skip
 
 
@@ -163,11 +176,14 @@ class TritonMetrics:
             if out.finish_reason in self.finished:
                 self.finished[out.finish_reason].increment(1)
 
-    def update(self, stats: EngineStats, steps: Sequence[StepRecord] = ()) -> None:
-        """Refresh gauges and counters from `stats`; observe `steps` (LLMEngine.take_step_records())."""
+    def update(self, stats: EngineStats, steps: Sequence[StepRecord] = (), compiles: Sequence[float] = ()) -> None:
+        """Refresh gauges and counters from `stats`; observe `steps` (LLMEngine.take_step_records()) and grammar
+        `compiles` (seconds: GrammarCache.take_compile_seconds())."""
         with self._lock:
             if self._closed:
                 return
+            for seconds in compiles:
+                self.histograms["trtserve_grammar_compile_seconds"].observe(seconds)
             for step in steps:
                 self.histograms["trtserve_step_duration_seconds"].observe(step.seconds)
                 self.histograms["trtserve_prefill_tokens_per_step"].observe(step.prefill_tokens)

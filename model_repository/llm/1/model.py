@@ -129,7 +129,8 @@ class TritonPythonModel:
             self._update_metrics()
 
     def _update_metrics(self) -> None:
-        self.metrics.update(self.engine.stats(), self.engine.take_step_records())
+        grammar_compiles = self.engine.engine.grammars.take_compile_seconds()
+        self.metrics.update(self.engine.stats(), self.engine.take_step_records(), grammar_compiles)
 
     def finalize(self):
         """Every thread of ours ends here, joined: the stub tears down the backend's objects (response

@@ -123,7 +123,8 @@ class SpecDecoder:
             [r.max_tokens - r.num_output_tokens for r in live],
         )  # fmt: skip
         for request, tokens in zip(live, drafts, strict=True):
-            request.draft_token_ids = list(tokens)
+            grammar = request.sampling.grammar  # structured output: drafts its grammar refuses are never verified
+            request.draft_token_ids = list(tokens if grammar is None else tokens[: grammar.valid_prefix(tokens)])
         return self.proposer.caught_up
 
     def release(self, request: Request) -> None:

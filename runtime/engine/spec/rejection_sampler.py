@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from executors.sampling import Sampler, SamplingState, TokenLogprobs
+from executors.sampling.grammar import apply_bitmask, grammar_rows
 from executors.sampling.numpy_sampler import apply_penalties, draw, token_logprobs
 
 
@@ -62,6 +63,8 @@ class RejectionSampler:
         needed = int((counts + 1).sum())
         if logits.ndim != 2 or (logits.shape[0] if rows is None else len(rows)) != needed:
             raise ValueError(f"logits must be [{needed}, vocab] for drafts of {counts.tolist()}")
+        if grammar_rows(states):  # structured output: row j masked by the grammar after d_1..d_j
+            logits, rows = _grammar_masked(logits if rows is None else logits[rows], drafts, states, starts), None
         probs = [] if draft_probs is None else list(draft_probs)
         one_hot = all(q is None for q in probs)
         if one_hot and all(s.argmax_only for s in states):
@@ -192,8 +195,26 @@ def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     return out if out.sum() > 0 else p
 
 
+def _grammar_masked(
+    logits: np.ndarray, drafts: Sequence[Sequence[int]], states: Sequence[SamplingState], starts: np.ndarray
+) -> np.ndarray:
+    """`logits` (request after request, k + 1 rows each) with each grammar request's rows masked: row j by the
+    bitmask after its drafts d_1..d_j (GrammarState.draft_masks, which leaves the matcher where it was). A draft
+    the grammar refuses cannot be drawn from the row before it, so it is rejected there."""
+    rows: list[int] = []
+    masks: list[np.ndarray] = []
+    for i in grammar_rows(states):
+        masks.append(states[i].grammar.draft_masks(drafts[i]))  # type: ignore[union-attr]
+        rows.extend(range(int(starts[i]), int(starts[i]) + len(drafts[i]) + 1))
+    return apply_bitmask(logits, rows, np.concatenate(masks))
+
+
 def _row_states(state: SamplingState, drafts: Sequence[int]) -> list[SamplingState]:
-    """The sampling state of each verify row: row j sees d_1..d_j as already generated (penalties)."""
+    """The sampling state of each verify row: row j sees d_1..d_j as already generated (penalties). Without
+    the grammar: its masks are already in the logits (_grammar_masked), and rows must not advance its matcher."""
+    if state.grammar is not None:
+        state = copy.copy(state)
+        state.grammar = None
     if not state.penalized:
         return [state] * (len(drafts) + 1)
     rows = [state]
