@@ -35,6 +35,11 @@ DEFAULT_DRAFT_PROMPT_LOOKUP_MIN = 3
 # for a lone request only.
 DEFAULT_SPECULATIVE_DISABLE_BATCH_SIZE = {"ngram": 4, "draft": 1}
 SPECULATIVE_METHODS = ("ngram", "draft")
+# Prefill/decode disaggregation (runtime/engine/disagg.py): what a worker does with KV handles.
+ROLES = ("both", "prefill", "decode")
+# How long a prefill worker keeps a handed-off request's blocks pinned for its decode worker: a read normally
+# ends in milliseconds; the pin outlives a gateway's pick and a decode worker's wait for free blocks.
+DEFAULT_KV_PIN_TIMEOUT_S = 30.0
 DISABLE_BATCH_SIZE_DEFAULTS = ", ".join(f"{n} with {m}" for m, n in DEFAULT_SPECULATIVE_DISABLE_BATCH_SIZE.items())
 
 
@@ -102,6 +107,12 @@ class EngineArgs:
                                          "token than steps without (per batch size); off: always.",
                                          flag="--speculative-adaptive/--no-speculative-adaptive",
                                          only_with="speculative")  # fmt: skip
+    role: str = setting("both", "Prefill/decode disaggregation: 'prefill' runs prompts and hands their KV on (pinned "
+                        "until read), 'decode' reads KV from prefill workers (NIXL) and decodes; 'both' does "
+                        "whole requests.", choices=ROLES)  # fmt: skip
+    kv_pin_timeout_s: float = setting(DEFAULT_KV_PIN_TIMEOUT_S, "Seconds a prefill worker keeps a handed-off "
+                                      "request's KV blocks pinned unless a decode worker reads them first.",
+                                      flag="--kv-pin-timeout", lo=0.001)  # fmt: skip
     stream_interval: int = setting(1, "Tokens per streamed response, the first and last at once; fewer responses cost "
                                    "the server less (a request may ask for more).", lo=1)  # fmt: skip
 
@@ -129,6 +140,11 @@ class EngineArgs:
             if getattr(self, name) not in (None, *BACKENDS):
                 choices = ", ".join(BACKENDS)
                 raise ValueError(f"EngineArgs.{name} must be one of {choices} (got {getattr(self, name)!r})")
+        if self.role not in ROLES:
+            raise ValueError(f"EngineArgs.role must be one of {', '.join(ROLES)} (got {self.role!r})")
+        pin = self.kv_pin_timeout_s
+        if not isinstance(pin, int | float) or isinstance(pin, bool) or not 0 < pin < math.inf:
+            raise ValueError(f"EngineArgs.kv_pin_timeout_s must be a positive number of seconds (got {pin!r})")
         if self.speculative not in (None, *SPECULATIVE_METHODS):
             raise ValueError(f"EngineArgs.speculative must be 'ngram', 'draft' or None (got {self.speculative!r})")
         if self.speculative == "draft" and self.draft_engine is None:

@@ -24,6 +24,7 @@ from executors.base import EngineBackend
 from executors.sampling import SamplingParams, SamplingState
 from runtime.engine.admission import Admission, Prompt
 from runtime.engine.detokenizer import DetokenizedStream
+from runtime.engine.disagg import Disagg
 from runtime.engine.engine_args import EngineArgs
 from runtime.engine.errors import InvalidRequest, Overloaded
 from runtime.engine.kv_cache_manager import KVCacheManager
@@ -87,6 +88,9 @@ class LLMEngine:
                                   self.eos_token_ids, clock, self.itl_target_s, self.tokenizer)  # fmt: skip
         self._lock = threading.RLock()
         self._arrivals = itertools.count()
+        # disagg hook (runtime/engine/disagg.py): the worker's role, pinned and pulled KV blocks; inert for "both"
+        self.disagg = Disagg.create(args.role, args.kv_pin_timeout_s, config, self.backend, self.kv, self.scheduler,
+                                    max_num_seqs, self.requests, self._lock, clock)  # fmt: skip
         log.info(
             "KV cache: %d blocks x %d = %d tokens; max concurrency at max_seq_len %d: %.1f sequences "
             "(max_num_seqs %d)",
@@ -127,7 +131,9 @@ class LLMEngine:
                 skip_special_tokens=params.skip_special_tokens,
             )
             try:
-                self.scheduler.add(request)  # raises Overloaded: queue full, or its TTFT target unreachable
+                # disagg hook: a request with a KV handle runs from its pulled blocks (or queues to recompute)
+                if not self.disagg.adopt(request, stream):
+                    self.scheduler.add(request)  # raises Overloaded: queue full, or its TTFT target unreachable
             except Overloaded as exc:
                 if exc.reason == "slo":
                     self.counters.rejected_slo += 1
@@ -178,7 +184,8 @@ class LLMEngine:
                 return outputs + [self.post.finish(r, "error", error=str(exc)) for r in failed]
         with self._lock:
             self.counters.steps += 1
-            stepped = self.post.run(scheduled, logits)
+            # disagg hook: prefill-only requests with their first token end here, their KV pinned for a decode worker
+            stepped = self.disagg.hand_off(self.post.run(scheduled, logits), self.post.finish)
             seconds = target_s = self.clock() - step_start
             if self.spec is not None:  # the drafting for the next step is the proposer's time, not the target's
                 decodes = len(scheduled) if all(s.num_tokens - len(s.drafts) == 1 for s in scheduled) else None
@@ -253,4 +260,5 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         with self._lock:
-            self.kv.check_invariants(list(self.requests.values()))
+            # disagg hook: pinned and staged blocks are references too
+            self.kv.check_invariants(list(self.requests.values()), held=self.disagg.held_blocks())
