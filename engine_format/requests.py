@@ -30,6 +30,7 @@ MAX_CHOICES = 16  # OpenAI's `n` (and prompts x n): choice j samples with seed +
 OPENAI_MAX_STRING = 10_485_760  # OpenAI's longest accepted string (prompt or message content), in characters
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # what the engine's chat templates are given
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+MAX_KV_HANDLE_CHARS = 16 * 2**20  # a handle lists its prompt's tokens: ~10 characters a token, plus metadata
 
 
 class InvalidRequest(ValueError):
@@ -185,6 +186,13 @@ FIELDS: tuple[RequestField, ...] = (
                  Range(1, 256)),
     RequestField("stream_interval", Kind.INT, "Tokens per streamed response (at least the server's).",
                  Range(1, INT32_MAX)),
+    # Prefill/decode disaggregation (docs/disaggregation.md): set by the gateway, between workers; never an
+    # OpenAI body field.
+    RequestField("prefill_only", Kind.BOOL, "A prefill worker runs the prompt and the first token only, keeps the "
+                 "KV pinned and answers with `kv_handle` (finish reason handoff).", default=False, sampling=False),
+    RequestField("kv_handle", Kind.TEXT, "A prefill worker's KV handle (JSON, engine_format/kv_handle.py): a decode "
+                 "worker reads that KV and continues after its first token.", Range(1, MAX_KV_HANDLE_CHARS),
+                 sampling=False),
 )
 # fmt: on
 FIELD = {f.name: f for f in FIELDS}
@@ -205,6 +213,7 @@ OUTPUTS: tuple[OutputField, ...] = (
     OutputField("prompt_tokens", "INT32", "Tokens in the prompt."),
     OutputField("completion_tokens", "INT32", "Tokens generated so far."),
     OutputField("logprobs", "BYTES", "JSON: each token's text, log-probability and alternatives."),
+    OutputField("kv_handle", "BYTES", "Finish reason handoff (a prefill_only request): the KV handle's JSON."),
 )
 OUTPUT_NAMES = tuple(o.name for o in OUTPUTS)
 

@@ -30,7 +30,7 @@ from typing import Any
 from engine_format import EngineConfig
 from engine_format.kv_handle import KVHandle
 from engine_format.kv_identity import kv_identity, kv_layout
-from executors.kv_transfer import KVConnector, create_connector, kv_memory
+from executors.kv_transfer import KVConnector, KVTransferError, create_connector, kv_memory
 from runtime.engine.engine_args import ROLES
 from runtime.engine.errors import InvalidRequest
 from runtime.engine.kv_cache_manager import KVCacheManager
@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 HANDOFF = "handoff"  # finish reason of a prefill-only request that handed its KV on
 REAP_INTERVAL_S = 0.02
+
+__all__ = ["HANDOFF", "Disagg", "DisaggStats", "KVTransferError"]
 
 
 @dataclass(frozen=True)
