@@ -76,6 +76,10 @@ class KVConnector(Protocol):
         """Best effort: a message to a peer (a read that will not happen, so it can unpin now)."""
         ...
 
+    def dismiss(self, handle: KVHandle) -> None:
+        """Best effort: tell a handle's peer, even one the handshake refused, that its blocks will not be read."""
+        ...
+
     def take_notifications(self) -> list[bytes]:
         """Messages peers sent this agent since the last call (finished reads: handle ids to unpin)."""
         ...

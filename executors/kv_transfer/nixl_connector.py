@@ -141,6 +141,23 @@ class NixlConnector:
         except Exception as exc:  # the peer may be gone: its pins die with it, or time out
             log.info("notification to %s not sent: %s", peer, exc)
 
+    def dismiss(self, handle: KVHandle) -> None:
+        """The metadata is loaded for this message alone when the peer is not ours (a refused one): NIXL cannot
+        message an agent it does not know. Reading from it stays refused."""
+        message = handle.handle_id.encode()
+        if handle.agent in self._peers:
+            self.notify(handle.agent, message)
+            return
+        try:
+            with self._lock:
+                self._agent.add_remote_agent(base64.b64decode(handle.agent_metadata))
+                try:
+                    self._agent.send_notif(handle.agent, message)
+                finally:
+                    self._agent.remove_remote_agent(handle.agent)
+        except Exception as exc:
+            log.info("could not tell %s its blocks will not be read: %s", handle.agent, exc)
+
     def take_notifications(self) -> list[bytes]:
         with self._lock:
             notes = self._agent.get_new_notifs()

@@ -27,7 +27,7 @@ from typing import Any
 
 from engine_format import ceil_div
 from engine_format.kv_handle import KVHandle, KVHandleError
-from executors.kv_transfer import KVConnector, KVTransferError, Transfer, TransferState
+from executors.kv_transfer import KVConnector, KVTransferError, PeerMismatch, Transfer, TransferState
 from runtime.engine.errors import InvalidRequest, Overloaded
 from runtime.engine.kv_cache_manager import KVCacheManager, block_hash, salt_root
 from runtime.engine.request import Request, RequestStatus
@@ -97,12 +97,16 @@ class KVImports:
             if time.time() > last_start:
                 raise KVTransferError(f"the KV handle expired {time.time() - handle.expires_at:+.1f} s ago (pins "
                                       "time out: raise --kv-pin-timeout on the prefill workers)")  # fmt: skip
+            try:
+                connector.add_peer(handle)  # the handshake: PeerMismatch names what differs
+            except PeerMismatch:
+                connector.dismiss(handle)  # the peer may unpin now
+                raise
+            imp.handshaken = True
             while not self._stage(imp):
                 if time.time() > last_start:
                     raise Overloaded("overloaded: no KV blocks free on this decode worker before the handle expired")
                 await asyncio.sleep(ROOM_POLL_S)
-            connector.add_peer(handle)  # the handshake: PeerMismatch names what differs
-            imp.handshaken = True
             start, missing = time.perf_counter(), slice(imp.num_hits, len(imp.block_ids))
             if imp.num_hits < len(imp.block_ids):
                 remote, local = handle.block_ids[missing], imp.block_ids[missing]
