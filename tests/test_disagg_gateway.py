@@ -58,8 +58,9 @@ def test_the_comparison_names_the_first_field_that_differs():
     assert compatibility_problem({"weights_sha256": "ab"}, LAYOUT, peer) == (
         "KV layout differs: peer agent 'agent-p' has block_size 16, this worker 8"
     )
-    assert "engine differs: peer agent 'agent-p' has weights_sha256 'ab', this worker 'cd'" == compatibility_problem(
-        {"weights_sha256": "cd"}, LAYOUT, handle()
+    assert (
+        compatibility_problem({"weights_sha256": "cd"}, LAYOUT, handle())
+        == "engine differs: peer agent 'agent-p' has weights_sha256 'ab', this worker 'cd'"
     )
 
 
@@ -75,7 +76,7 @@ def test_role_is_an_engine_setting_at_every_door():
     args = EngineArgs(role="decode", kv_pin_timeout_s=5)
     assert to_parameters(args) == {"role": "decode", "kv_pin_timeout_s": "5"}
     assert from_parameters({"role": "prefill"}).role == "prefill"
-    with pytest.raises(ValueError, match="EngineArgs.role must be one of both, prefill, decode"):
+    with pytest.raises(ValueError, match=r"EngineArgs\.role must be one of both, prefill, decode"):
         EngineArgs(role="middle")
     with pytest.raises(ValueError, match="kv_pin_timeout_s"):
         EngineArgs(kv_pin_timeout_s=0)
