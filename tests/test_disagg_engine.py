@@ -233,3 +233,21 @@ def wait_until(condition, rounds: int = 500) -> None:
             return
         time.sleep(0.01)
     assert condition()
+
+
+@pytest.mark.slow
+def test_smollm2_prefill_then_decode_equals_one_worker(smollm2_engine):
+    """The real model, a chat prompt long enough for several blocks and prefill chunks, greedy."""
+    args = EngineArgs(max_num_batched_tokens=64)
+    prefill = LLMEngine(smollm2_engine, dataclasses.replace(args, role="prefill"))
+    decode = LLMEngine(smollm2_engine, dataclasses.replace(args, role="decode"))
+    try:
+        params = SamplingParams(temperature=0, max_tokens=24)
+        prompt = prefill.tokenize([{"role": "user", "content": "Explain in three sentences why the sky is blue. " * 3}])
+        tokens, text = disaggregated(prefill, decode, prompt, params, "s")
+        both = LLMEngine(smollm2_engine, args)
+        assert (tokens, text) == whole(both, prompt, params, "w")
+        assert len(tokens) > 1 and decode.disagg.stats().pulled_bytes > 0
+    finally:
+        prefill.disagg.close()
+        decode.disagg.close()
