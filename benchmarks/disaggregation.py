@@ -241,10 +241,10 @@ def on_paper() -> dict:
     links = {"NVLink 4 (H100 SXM, ~450 GB/s one way)": 450e9, "InfiniBand NDR 400 Gb/s (one NIC, 50 GB/s)": 50e9,
              "RoCE 100 Gb/s (12.5 GB/s)": 12.5e9, "PCIe 5 x16 host copy (~55 GB/s)": 55e9}  # fmt: skip
     prefill_s = flops / h100_flops
+    per_link = {name: {"ms": round(1000 * kv_bytes / rate, 2), "of_prefill": round(kv_bytes / rate / prefill_s, 3)}
+                for name, rate in links.items()}  # fmt: skip
     return {"kv_mib": round(kv_bytes / 2**20, 1), "prefill_tflop": round(flops / 1e12, 1),
-            "prefill_ms": round(1000 * prefill_s, 1),
-            "links": {name: {"ms": round(1000 * kv_bytes / rate, 2),
-                             "of_prefill": round(kv_bytes / rate / prefill_s, 3)} for name, rate in links.items()}}  # fmt: skip
+            "prefill_ms": round(1000 * prefill_s, 1), "links": per_link}  # fmt: skip
 
 
 @click.command()
