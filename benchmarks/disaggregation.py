@@ -63,7 +63,7 @@ class Config:
     long_tokens: int = 1024  # the long prompts mixed in
     long_output_tokens: int = 8
     long_rate: float = 0.15  # long prompts per second (Poisson)
-    max_num_seqs: int = 16
+    max_num_seqs: int = 8
 
 
 @contextlib.contextmanager
@@ -82,7 +82,7 @@ def pinned(cores: set[int] | None) -> Iterator[None]:
 def system(cfg: Config, kind: str) -> Iterator[tuple[Endpoint, dict[str, TritonServer]]]:
     """The gateway's endpoint and the workers of `kind`, started and stopped."""
     params = {"max_num_seqs": str(cfg.max_num_seqs), "max_waiting": "4096"}
-    roles = {"both": {None: None}} if kind == "both" else {"prefill": {0}, "decode": {1}}
+    roles: dict[str | None, set[int] | None] = {None: None} if kind == "both" else {"prefill": {0}, "decode": {1}}
     servers: dict[str, TritonServer] = {}
     try:
         for role, cores in roles.items():
