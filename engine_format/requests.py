@@ -32,6 +32,7 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")  # what the engine's chat t
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 MAX_GRAMMAR_CHARS = 131_072  # a JSON schema, regex, grammar or tool list (engine_format/grammars.py)
 MAX_GUIDED_CHOICES, MAX_CHOICE_CHARS = 256, 1024
+MAX_KV_HANDLE_CHARS = 16 * 2**20  # a handle lists its prompt's tokens: ~10 characters a token, plus metadata
 
 
 class InvalidRequest(ValueError):
@@ -199,6 +200,13 @@ FIELDS: tuple[RequestField, ...] = (
     RequestField("tools", Kind.TEXT, "Functions the model may call (with `messages`): a JSON list of OpenAI tool "
                  "definitions, rendered by the chat template (engine_format/tool_calls.py).",
                  Range(1, MAX_GRAMMAR_CHARS), sampling=False),
+    # Prefill/decode disaggregation (docs/disaggregation.md): set by the gateway, between workers; never an
+    # OpenAI body field.
+    RequestField("prefill_only", Kind.BOOL, "A prefill worker runs the prompt and the first token only, keeps the "
+                 "KV pinned and answers with `kv_handle` (finish reason handoff).", default=False, sampling=False),
+    RequestField("kv_handle", Kind.TEXT, "A prefill worker's KV handle (JSON, engine_format/kv_handle.py): a decode "
+                 "worker reads that KV and continues after its first token.", Range(1, MAX_KV_HANDLE_CHARS),
+                 sampling=False),
 )
 # fmt: on
 FIELD = {f.name: f for f in FIELDS}
@@ -219,6 +227,7 @@ OUTPUTS: tuple[OutputField, ...] = (
     OutputField("prompt_tokens", "INT32", "Tokens in the prompt."),
     OutputField("completion_tokens", "INT32", "Tokens generated so far."),
     OutputField("logprobs", "BYTES", "JSON: each token's text, log-probability and alternatives."),
+    OutputField("kv_handle", "BYTES", "Finish reason handoff (a prefill_only request): the KV handle's JSON."),
 )
 OUTPUT_NAMES = tuple(o.name for o in OUTPUTS)
 

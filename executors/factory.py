@@ -50,8 +50,10 @@ def create_backend(
 
     kind = kind or default_backend(config)
     if dtype is not None and dtype != config.dtype and kind != "torch":
-        raise ValueError(f"only the torch backend computes in another dtype than the engine's ({config.dtype}): "
-                         f"backend {kind!r} cannot run it in {dtype}")
+        raise ValueError(
+            f"only the torch backend computes in another dtype than the engine's ({config.dtype}): "
+            f"backend {kind!r} cannot run it in {dtype}"
+        )
     if kind in BACKENDS:
         require_kv_support(config, kind)
     if kind == "tensorrt":

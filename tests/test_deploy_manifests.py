@@ -223,12 +223,17 @@ def test_the_gateway_configs_load_and_find_the_replicas():
     [config_map] = find("ConfigMap", "trtserve-gateway")
     config = GatewayConfig.from_dict(yaml.safe_load(config_map["data"]["gateway.yaml"]))
     [backend] = config.backends.values()
-    [headless] = [s for s in find("Service") if s["spec"].get("clusterIP") == "None"]
-    namespace = headless["metadata"]["namespace"]
-    assert backend.discover is not None
-    assert backend.discover.host == f"{headless['metadata']['name']}.{namespace}.svc.cluster.local"
-    ports = {p["name"]: p["port"] for p in headless["spec"]["ports"]}
-    assert (backend.discover.grpc_port, backend.discover.metrics_port) == (ports["grpc"], ports["metrics"])
+    # The backend's own replicas (its `both` workers), and its prefill and decode pools: each discovers the
+    # headless Service of the Deployment that runs that role.
+    for source, service in ((backend, "trtserve-triton"), (backend.prefill, "trtserve-prefill"),
+                            (backend.decode, "trtserve-decode")):  # fmt: skip
+        [headless] = find("Service", service)
+        assert headless["spec"].get("clusterIP") == "None"
+        namespace = headless["metadata"]["namespace"]
+        assert source is not None and source.discover is not None
+        assert source.discover.host == f"{service}.{namespace}.svc.cluster.local"
+        ports = {p["name"]: p["port"] for p in headless["spec"]["ports"]}
+        assert (source.discover.grpc_port, source.discover.metrics_port) == (ports["grpc"], ports["metrics"])
 
     compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
     local = GatewayConfig.load(DOCKER / "gateway.compose.yaml")
@@ -294,14 +299,35 @@ def test_autoscaling_queries_name_metrics_that_are_exported():
     from prometheus_client import CollectorRegistry
 
     from runtime.gateway.fair_queue import FairQueue
-    from runtime.triton_model.metrics import GAUGES
+    from runtime.triton_model import disagg_metrics
+    from runtime.triton_model.metrics import GAUGES, HISTOGRAMS
 
     registry = CollectorRegistry()
     FairQueue(1, 1, 1, registry)
-    exported = set(GAUGES) | {m.name for m in registry.collect()}
-    [scaled] = find("ScaledObject")
-    queries = [t["metadata"]["query"] for t in scaled["spec"]["triggers"]]
-    names = {n for q in queries for n in re.findall(r"([A-Za-z_:][\w:]*)\{", q)}
-    assert names == {"vllm:num_requests_waiting", "trtserve_gateway_queue_depth", "vllm:kv_cache_usage_perc"}
-    assert names <= exported
+    exported = set(GAUGES) | {m.name for m in registry.collect()} | {f"{h}_bucket" for h in HISTOGRAMS}
+    exported |= set(disagg_metrics.GAUGES) | set(disagg_metrics.COUNTERS)
+    names = {}
+    for scaled in find("ScaledObject"):
+        queries = [t["metadata"]["query"] for t in scaled["spec"]["triggers"]]
+        names[scaled["metadata"]["name"]] = {n for q in queries for n in re.findall(r"([A-Za-z_:][\w:]*)\{", q)}
+        # Each pool counts its own pods (their names start with their Deployment's): no signal of another pool.
+        target = scaled["spec"]["scaleTargetRef"]["name"]
+        assert all(f'pod=~"{target}-.*"' in q for q in queries if "trtserve_gateway" not in q), queries
+    assert names == {
+        "trtserve-triton": {"vllm:num_requests_waiting", "trtserve_gateway_queue_depth", "vllm:kv_cache_usage_perc"},
+        "trtserve-prefill": {"vllm:num_requests_waiting", "trtserve_time_to_first_token_seconds_bucket"},
+        "trtserve-decode": {"vllm:kv_cache_usage_perc", "trtserve_kv_staged_blocks"},
+    }
+    assert set().union(*names.values()) <= exported
     assert "vllm:num_requests_wating" not in exported  # a misspelt name would be caught
+
+
+def test_each_pool_runs_its_role():
+    """The prefill and decode Deployments start `trtserve serve` with their role (and no pod-local gateway)."""
+    for role in ("prefill", "decode"):
+        [deployment] = find("Deployment", f"trtserve-{role}")
+        [container] = deployment["spec"]["template"]["spec"]["containers"]
+        args = container["args"]
+        assert args[args.index("--role") + 1] == role and "--no-openai" in args
+    triton = find("Deployment", "trtserve-triton")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--role" not in triton  # the unified pool: role both, the gateway's fallback

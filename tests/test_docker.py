@@ -48,7 +48,7 @@ def test_commands_are_the_projects_console_scripts(commands):
     runs = " ".join(c.value[0] for c in commands if c.cmd == "RUN")
     assert "build-engine --model smollm2-135m" in runs and "build-engine" in scripts
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    for extra in ("kernels", "gpu", "gateway"):  # gateway: `trtserve serve` starts the OpenAI endpoint
+    for extra in ("kernels", "gpu", "gateway", "disagg"):  # gateway: `serve` starts the OpenAI endpoint; disagg: NIXL
         assert extra in extras and f"{extra}" in runs
 
 

@@ -59,6 +59,11 @@ class SamplingState:
         """Greedy, without penalties or logprobs: the token is the raw logits' argmax, nothing else is computed."""
         return self.params.greedy and not self.penalized and self.params.logprobs is None
 
+    @property
+    def tracks_tokens(self) -> bool:
+        """append() must see every kept token: penalty counts or a grammar's matcher depend on them."""
+        return self.penalized or self.grammar is not None
+
     def append(self, token_id: int) -> None:
         """Record a generated token (updates the penalty counts; advances the grammar's matcher)."""
         if self.grammar is not None:

@@ -38,6 +38,11 @@ SPECULATIVE_METHODS = ("ngram", "draft")
 # Structured output: the longest a grammar may take to compile before its request is refused. The 20 test schemas
 # compile in 2 ms median, 6 ms at most, on SmolLM2's vocabulary (benchmarks/results/grammar_engines.md).
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+# Prefill/decode disaggregation (runtime/engine/disagg.py): what a worker does with KV handles.
+ROLES = ("both", "prefill", "decode")
+# How long a prefill worker keeps a handed-off request's blocks pinned for its decode worker: a read normally
+# ends in milliseconds; the pin outlives a gateway's pick and a decode worker's wait for free blocks.
+DEFAULT_KV_PIN_TIMEOUT_S = 30.0
 DISABLE_BATCH_SIZE_DEFAULTS = ", ".join(f"{n} with {m}" for m, n in DEFAULT_SPECULATIVE_DISABLE_BATCH_SIZE.items())
 
 
@@ -112,6 +117,12 @@ class EngineArgs:
                                        "(backends that sample on their device; steps run one by one while a "
                                        "request uses penalties, logprobs or speculation).",
                                        flag="--overlap-scheduling/--no-overlap-scheduling")  # fmt: skip
+    role: str = setting("both", "Prefill/decode disaggregation: 'prefill' runs prompts and hands their KV on (pinned "
+                        "until read), 'decode' reads KV from prefill workers (NIXL) and decodes; 'both' does "
+                        "whole requests.", choices=ROLES)  # fmt: skip
+    kv_pin_timeout_s: float = setting(DEFAULT_KV_PIN_TIMEOUT_S, "Seconds a prefill worker keeps a handed-off "
+                                      "request's KV blocks pinned unless a decode worker reads them first.",
+                                      flag="--kv-pin-timeout", lo=0.001)  # fmt: skip
     stream_interval: int = setting(1, "Tokens per streamed response, the first and last at once; fewer responses cost "
                                    "the server less (a request may ask for more).", lo=1)  # fmt: skip
     grammar_compile_timeout_s: float = setting(DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, "Longest a structured-output "
@@ -143,6 +154,11 @@ class EngineArgs:
             if getattr(self, name) not in (None, *BACKENDS):
                 choices = ", ".join(BACKENDS)
                 raise ValueError(f"EngineArgs.{name} must be one of {choices} (got {getattr(self, name)!r})")
+        if self.role not in ROLES:
+            raise ValueError(f"EngineArgs.role must be one of {', '.join(ROLES)} (got {self.role!r})")
+        pin = self.kv_pin_timeout_s
+        if not isinstance(pin, int | float) or isinstance(pin, bool) or not 0 < pin < math.inf:
+            raise ValueError(f"EngineArgs.kv_pin_timeout_s must be a positive number of seconds (got {pin!r})")
         if self.speculative not in (None, *SPECULATIVE_METHODS):
             raise ValueError(f"EngineArgs.speculative must be 'ngram', 'draft' or None (got {self.speculative!r})")
         if self.speculative == "draft" and self.draft_engine is None:

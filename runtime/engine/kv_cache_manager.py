@@ -129,12 +129,13 @@ class KVCacheManager:
         request.block_ids = []
         request.num_cached_blocks = 0
 
-    def check_invariants(self, live_requests: Sequence[Request] | None = None) -> None:
-        """Pool invariants; with every live request given, also that the block tables
-        account for every reference."""
+    def check_invariants(self, live_requests: Sequence[Request] | None = None,
+                         held: Sequence[Sequence[int]] = ()) -> None:  # fmt: skip
+        """Pool invariants; with every live request given, also that the block tables (and `held`: references
+        taken outside requests, runtime/engine/disagg.py's pins and staged pulls) account for every reference."""
         self.pool.check_invariants()
         if live_requests is not None:
             refs = np.zeros(self.pool.num_blocks, np.int64)
-            for request in live_requests:
-                np.add.at(refs, request.block_ids, 1)
+            for block_ids in [*(r.block_ids for r in live_requests), *held]:
+                np.add.at(refs, list(block_ids), 1)
             assert refs.tolist() == [b.ref_cnt for b in self.pool.blocks], "ref counts != block tables"

@@ -25,6 +25,7 @@ from executors.base import EngineBackend, SequenceChunk
 from executors.device_sampling import PLACEHOLDER, OverlappedSampling
 from executors.sampling import SamplingParams, SamplingState
 from runtime.engine.admission import Admission, Prompt
+from runtime.engine.disagg import Disagg
 from runtime.engine.engine_args import EngineArgs
 from runtime.engine.errors import InvalidRequest, Overloaded
 from runtime.engine.grammar_cache import GrammarCache
@@ -73,7 +74,10 @@ class LLMEngine:
         # The backend's own sampler, and its overlapped launches, if it has them (checked once: a runtime Protocol
         # check is slow).
         self.device_sampling: DeviceSampling | None = self.backend if isinstance(self.backend, DeviceSampling) else None
-        can_overlap = args.overlap_scheduling and isinstance(self.backend, OverlappedSampling)
+        # A prefill worker hands requests off at their first token, which an overlapped step has not resolved yet.
+        can_overlap = (
+            args.overlap_scheduling and isinstance(self.backend, OverlappedSampling) and args.role != "prefill"
+        )
         self.overlap: OverlappedSampling | None = self.backend if can_overlap else None  # type: ignore[assignment]
         self._in_flight: InFlight | None = None
         self.tokenizer = load_tokenizer(engine_dir)
@@ -102,6 +106,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.finish_by_text)
         self._lock = threading.RLock()
         self._arrivals = itertools.count()
+        # disagg hook (runtime/engine/disagg.py): the worker's role, pinned and pulled KV blocks; inert for "both"
+        self.disagg = Disagg.create(args.role, args.kv_pin_timeout_s, config, self.backend, self.kv, self.scheduler,
+                                    max_num_seqs, self.requests, self._lock, clock)  # fmt: skip
         log.info(
             "KV cache: %d blocks x %d = %d tokens; max concurrency at max_seq_len %d: %.1f sequences "
             "(max_num_seqs %d)",
@@ -138,7 +145,9 @@ class LLMEngine:
             )
             self.outputs.add(request_id, prompt_ids, params)  # before the core can produce anything for it
             try:
-                self.scheduler.add(request)  # raises Overloaded: queue full, or its TTFT target unreachable
+                # disagg hook: a request with a KV handle runs from its pulled blocks (or queues to recompute)
+                if not self.disagg.adopt(request, self.outputs.replay):
+                    self.scheduler.add(request)  # raises Overloaded: queue full, or its TTFT target unreachable
             except (Overloaded, InvalidRequest) as exc:  # queue full, or its TTFT target unreachable
                 self.outputs.forget(request_id)
                 if isinstance(exc, InvalidRequest) or exc.reason == "slo":  # unreachable TTFT target
@@ -210,7 +219,8 @@ class LLMEngine:
             return outputs + self._fail(scheduled, exc)
         with self._lock:
             self.counters.steps += 1
-            stepped = self.update.run(scheduled, logits)
+            # disagg hook: prefill-only requests with their first token end here, their KV pinned for a decode worker
+            stepped = self.disagg.hand_off(self.update.run(scheduled, logits), self.update.finish)
             seconds = target_s = self.clock() - step_start
             if self.spec is not None:  # the drafting for the next step is the proposer's time, not the target's
                 decodes = len(scheduled) if all(s.num_tokens - len(s.drafts) == 1 for s in scheduled) else None
@@ -336,4 +346,5 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         with self._lock:
-            self.kv.check_invariants(list(self.requests.values()))
+            # disagg hook: pinned and staged blocks are references too
+            self.kv.check_invariants(list(self.requests.values()), held=self.disagg.held_blocks())

@@ -81,10 +81,12 @@ class OutputProcessor:
                               num_prompt_tokens=out.num_prompt_tokens,
                               num_output_tokens=text.num_output_tokens)  # fmt: skip
         if out.finish_reason is not None:
-            delta.text += text.stream.finish()
-            if text.stream.stopped:  # the detokenizer's last characters completed a stop string
-                out.finish_reason = "stop"
+            if out.kv_handle is None:  # (a handed-off request's held-back text is its decode worker's to send)
+                delta.text += text.stream.finish()
+                if text.stream.stopped:  # the detokenizer's last characters completed a stop string
+                    out.finish_reason = "stop"
             self.forget(out.request_id)
+            delta.kv_handle = out.kv_handle
             delta.finished, delta.finish_reason, delta.stats, delta.error = (
                 True,
                 out.finish_reason,
@@ -103,6 +105,14 @@ class OutputProcessor:
                              logprobs=None if logprobs is None else logprobs[:kept],
                              num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=text.num_output_tokens,
                              stats=None if final is None else final.stats)  # fmt: skip
+
+    def replay(self, request_id: str, token_id: int) -> None:
+        """A token whose text went out elsewhere (a prefill worker's first token): this request's detokenizer
+        takes it as context, and it counts as delivered."""
+        with self._lock:
+            text = self._texts[request_id]
+        text.stream.add(token_id)
+        text.num_output_tokens += 1
 
     def forget(self, request_id: str) -> None:
         """Drop a request's text state (it finished, or was refused before it ran)."""

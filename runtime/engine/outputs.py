@@ -19,7 +19,8 @@ __all__ = [
     "TokenOutput",
 ]
 
-FINISH_REASONS = ("stop", "length", "abort", "deadline", "error")
+# "handoff": a prefill worker's prefill-only request, its KV handed to a decode worker (runtime/engine/disagg.py)
+FINISH_REASONS = ("stop", "length", "abort", "deadline", "error", "handoff")
 
 
 class RequestTimingStats(TypedDict):
@@ -50,6 +51,7 @@ class TokenOutput:
     finish_reason: str | None = None
     stats: RequestStats | None = None
     error: str | None = None
+    kv_handle: str | None = None  # finish_reason "handoff": as RequestOutput.kv_handle
 
 
 @dataclass
@@ -66,6 +68,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     stats: RequestStats | None = None  # per-request timing, on the final output
     error: str | None = None  # why, when finish_reason is "error" (the engine failed the step)
+    kv_handle: str | None = None  # finish_reason "handoff": the KV handle's JSON (engine_format/kv_handle.py)
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by `later` (of the same request), as one delta."""

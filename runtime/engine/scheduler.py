@@ -93,6 +93,14 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.num_host_sampled += request.host_sampled
 
+    def add_running(self, request: Request) -> None:
+        """Run a request that arrives with its prompt's KV computed (a decode worker's pulled blocks) from the
+        next step, in its sort_key place."""
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=Request.sort_key)
+        self.requests[request.request_id] = request
+        self.num_host_sampled += request.host_sampled
+
     def _check_ttft_target(self, request: Request) -> None:
         target = request.params.ttft_target_s
         if target is None:

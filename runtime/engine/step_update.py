@@ -118,7 +118,7 @@ class StepUpdate:
         """Account a token just placed as the request's `num_output`-th; why it finishes the request, if it does.
         Once per request per step: only what every token needs, the rest behind a test."""
         timing, params, counters = request.timing, request.params, self.counters
-        if request.sampling.penalized:
+        if request.sampling.tracks_tokens:
             request.sampling.append(token)
         last = timing.last_token
         if last is None:

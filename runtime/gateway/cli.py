@@ -22,9 +22,34 @@ API_KEY_ENV = "TRTSERVE_API_KEY"
     "--triton-url",
     "triton_urls",
     multiple=True,
-    default=["127.0.0.1:8001"],
-    show_default=True,
-    help="gRPC address of a tritonserver serving the trtserve `llm` model; repeat for replicas.",
+    help="gRPC address of a tritonserver serving the trtserve `llm` model; repeat for replicas [default: "
+    "127.0.0.1:8001, none with --prefill-url: then these are `both` workers, the fallback that recomputes].",
+)
+@click.option(
+    "--prefill-url",
+    "prefill_urls",
+    multiple=True,
+    help="Disaggregation: gRPC address of a tritonserver started with `trtserve serve --role prefill`; repeat "
+    "for replicas. Each request's prompt runs there (prefix-aware), then on a --decode-url worker.",
+)
+@click.option(
+    "--decode-url",
+    "decode_urls",
+    multiple=True,
+    help="Disaggregation: gRPC address of a tritonserver started with `--role decode`; repeat for replicas "
+    "(the least loaded reads the prefill's KV and decodes).",
+)
+@click.option(
+    "--prefill-metrics-url",
+    "prefill_metrics_urls",
+    multiple=True,
+    help="Prometheus endpoint of each --prefill-url replica, in the same order.",
+)
+@click.option(
+    "--decode-metrics-url",
+    "decode_metrics_urls",
+    multiple=True,
+    help="Prometheus endpoint of each --decode-url replica, in the same order.",
 )
 @click.option(
     "--triton-http-url",
@@ -130,7 +155,9 @@ API_KEY_ENV = "TRTSERVE_API_KEY"
     show_default=True,
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
 )
-def gateway(triton_urls: tuple[str, ...], triton_http_url: str | None, metrics_urls: tuple[str, ...], model_name: str,
+def gateway(triton_urls: tuple[str, ...], prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...],
+            prefill_metrics_urls: tuple[str, ...], decode_metrics_urls: tuple[str, ...],
+            triton_http_url: str | None, metrics_urls: tuple[str, ...], model_name: str,
             config_path: Path | None, tenants_path: Path | None, routing: ReplicaPolicy | None,
             ready_wait_s: float | None, host: str, port: int, api_key: str | None, max_queued: int,
             max_concurrent: int, per_key_concurrency: int, header_timeout_s: float, body_timeout_s: float, nice: int,
@@ -147,17 +174,34 @@ def gateway(triton_urls: tuple[str, ...], triton_http_url: str | None, metrics_u
     import uvicorn
 
     from runtime.gateway.app import create_app
-    from runtime.gateway.replica_config import Replica, check_http_url
+    from runtime.gateway.replica_config import Replica, RoleSource, check_http_url
     from runtime.gateway.routing import Backend, GatewayConfig
     from runtime.gateway.service import Gateway, GatewaySettings
     from runtime.gateway.tenants import tenants_file
     from runtime.gateway.timeouts import ReadTimeouts, timed_protocol
 
-    if metrics_urls and len(metrics_urls) != len(triton_urls):
-        raise click.UsageError(f"{len(metrics_urls)} --metrics-url for {len(triton_urls)} --triton-url")
+    if bool(prefill_urls) != bool(decode_urls):
+        raise click.UsageError("give --prefill-url and --decode-url together (a pool of each)")
+    if (prefill_urls or triton_urls) and config_path:
+        raise click.UsageError("--config lists the backends: give it alone, or --triton-url / --prefill-url")
+    triton_urls = triton_urls or (() if prefill_urls or config_path else ("127.0.0.1:8001",))
+    for urls, metric, flag in ((triton_urls, metrics_urls, "url"), (prefill_urls, prefill_metrics_urls, "prefill-url"),
+                               (decode_urls, decode_metrics_urls, "decode-url")):  # fmt: skip
+        if metric and len(metric) != len(urls):
+            raise click.UsageError(f"{len(metric)} metrics URLs for {len(urls)} --{flag}")
     try:
         if config_path:
             config = GatewayConfig.load(config_path)
+        elif prefill_urls:
+
+            def source(urls: tuple[str, ...], metrics: tuple[str, ...]) -> RoleSource:
+                return RoleSource(replicas=tuple(Replica(u, m) for u, m in zip(urls, metrics or [None] * len(urls),
+                                                                                strict=True)))  # fmt: skip
+
+            both = tuple(Replica(u, m) for u, m in zip(triton_urls, metrics_urls or [None] * len(triton_urls),
+                                                       strict=True))  # fmt: skip
+            config = GatewayConfig({model_name: Backend(model_name, replicas=both, prefill=source(
+                prefill_urls, prefill_metrics_urls), decode=source(decode_urls, decode_metrics_urls))})  # fmt: skip
         elif len(triton_urls) == 1 and not metrics_urls:
             config = GatewayConfig.single(model_name, triton_urls[0])
         else:

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, replace
 
+from runtime.gateway.disagg import DisaggPools, disaggregated
 from runtime.gateway.errors import GatewayError, client_gone
 from runtime.gateway.replicas import ReplicaPool
 from runtime.gateway.routing import RouteDecision, Router
@@ -47,9 +48,11 @@ class Event:
 class Exchange:
     def __init__(self, decision: RouteDecision, pools: dict[str, ReplicaPool], router: Router,
                  requests: list[GenerateRequest], stream: bool, want_logprobs: bool,
-                 on_client_left: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+                 on_client_left: Callable[[], None] = lambda: None,
+                 disagg: dict[str, DisaggPools] | None = None) -> None:  # fmt: skip
         self.decision = decision
         self._pools, self._router = pools, router
+        self._disagg = disagg or {}  # backends served by prefill + decode pools (runtime/gateway/disagg.py)
         self.requests, self._stream, self._want_logprobs = requests, stream, want_logprobs
         self._on_client_left = on_client_left  # called once if a leaving client cut upstream work short
         self._events: asyncio.Queue[Event | GatewayError] = asyncio.Queue()
@@ -169,8 +172,19 @@ class Exchange:
             yield delta if self._want_logprobs else replace(delta, logprobs=[])
 
     async def _generate(self, backend: str, request: GenerateRequest, stream: bool) -> AsyncIterator[Delta]:
-        """One generation on a replica of `backend`, retried on others while nothing has been yielded."""
-        pool = self._pools[backend]
+        """One generation of `backend`: on one of its replicas, or, disaggregated, on a prefill then a decode worker."""
+        disagg = self._disagg.get(backend)
+        if disagg is None:
+            async for delta in self._generate_on(self._pools[backend], request, stream):
+                yield delta
+            return
+        prefill = self._generate_on(disagg.prefill, replace(request, prefill_only=True), stream=False)
+        async for delta in disaggregated(disagg, request, stream, prefill):
+            yield delta
+
+    async def _generate_on(self, pool: ReplicaPool, request: GenerateRequest, stream: bool) -> AsyncIterator[Delta]:
+        """One generation on a replica of `pool`, retried on others while nothing has been yielded."""
+        backend = pool.name
         hashes = pool.prefix_key(request)
         tried: set[str] = set()
         failed: GatewayError | None = None

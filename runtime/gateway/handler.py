@@ -111,7 +111,7 @@ class Call:
         await gateway.check_health(decision)
         requests = body.upstream_requests(gateway.cache_salt(tenant, body.cache_salt))
         exchange = Exchange(decision, gateway.pools, gateway.router, requests, body.stream,
-                            body.logprobs_n is not None, self._client_left)  # fmt: skip
+                            body.logprobs_n is not None, self._client_left, gateway.disagg)  # fmt: skip
         watcher = asyncio.create_task(self._close_on_disconnect(exchange))
         committed = False
         try:

@@ -32,6 +32,7 @@ class GatewayMetrics:
     replica_running: Gauge
     replica_kv_usage: Gauge
     replica_index_chunks: Gauge
+    disagg: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> GatewayMetrics:
@@ -67,6 +68,10 @@ class GatewayMetrics:
             replica_index_chunks=Gauge("trtserve_gateway_replica_prefix_index_chunks",
                                        "Prompt-prefix chunk hashes remembered for the replica", REPLICA,
                                        registry=registry),
+            disagg=Counter("trtserve_gateway_disagg_requests",
+                           "Disaggregated generations by outcome: decoded (prefill then decode), prefill_finished "
+                           "(ended on its first token), recomputed (the KV could not be read: a worker recomputed "
+                           "it), failed", ["backend", "outcome"], registry=registry),
         )  # fmt: skip
 
     def forget_replica(self, backend: str, replica: str) -> None:

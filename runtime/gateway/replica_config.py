@@ -111,9 +111,39 @@ def discovery_from(path: str, value: object) -> Discovery:
     return Discovery(**item)
 
 
-def check_sources(path: str, url: str, replicas: tuple[Replica, ...], discover: Discovery | None) -> None:
-    """A backend's replicas come from exactly one of `url`, `replicas`, `discover`."""
+@dataclass(frozen=True)
+class RoleSource:
+    """A disaggregated backend's pool of one role (`prefill:` or `decode:`): its replicas, from exactly one of
+    `url`, `replicas`, `discover`, as a backend's own."""
+
+    url: str = ""
+    replicas: tuple[Replica, ...] = ()
+    discover: Discovery | None = None
+
+    @property
+    def configured_replicas(self) -> tuple[Replica, ...]:
+        return self.replicas or ((Replica(self.url),) if self.url else ())
+
+
+def role_source_from(path: str, value: object) -> RoleSource:
+    """A `prefill:` or `decode:` section: a "host:port" string, or a mapping of url / replicas / discover."""
+    item = _fields_of(RoleSource, path, {"url": value} if isinstance(value, str) else value)
+    if "replicas" in item:
+        item["replicas"] = replicas_from(f"{path}.replicas", item["replicas"])
+    if "discover" in item:
+        item["discover"] = discovery_from(f"{path}.discover", item["discover"])
+    source = RoleSource(**item)
+    check_sources(path, source.url, source.replicas, source.discover)
+    return source
+
+
+def check_sources(path: str, url: str, replicas: tuple[Replica, ...], discover: Discovery | None,
+                  optional: bool = False) -> None:  # fmt: skip
+    """A backend's replicas come from exactly one of `url`, `replicas`, `discover` (or none, when `optional`:
+    a disaggregated backend's own replicas, its `both` workers, are its fallback)."""
     given = [name for name, value in (("url", url), ("replicas", replicas), ("discover", discover)) if value]
+    if not given and optional:
+        return
     if not given:
         raise ValueError(f"{path}.url: required field missing (or list `replicas`, or `discover` them)")
     if len(given) > 1:

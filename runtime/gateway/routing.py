@@ -29,12 +29,14 @@ from runtime.gateway.replica_config import (
     Discovery,
     Replica,
     ReplicaPolicy,
+    RoleSource,
     RoutingSettings,
     check_policy,
     check_routing,
     check_sources,
     discovery_from,
     replicas_from,
+    role_source_from,
     routing_from,
 )
 from runtime.gateway.tenants import Tenant, tenants_from
@@ -54,7 +56,11 @@ ESCALATED = "escalated"  # recorded by the caller when a cascade's strong model 
 
 @dataclass(frozen=True)
 class Backend:
-    """A model clients name, served by replicas: exactly one of `url` (one replica), `replicas`, `discover`."""
+    """A model clients name, served by replicas: exactly one of `url` (one replica), `replicas`, `discover`.
+
+    Disaggregated (`prefill` and `decode` given): each request runs its prompt on a prefill worker, then decodes
+    on a decode worker that reads the KV (runtime/gateway/disagg.py); the backend's own replicas, if any, are
+    `both` workers that recompute a request whose KV could not be read."""
 
     name: str  # the OpenAI model name clients use
     url: str = ""  # tritonserver's gRPC host:port
@@ -62,11 +68,17 @@ class Backend:
     replicas: tuple[Replica, ...] = ()
     discover: Discovery | None = None
     routing: ReplicaPolicy | None = None  # this backend's replica policy; None: the routing section's
+    prefill: RoleSource | None = None  # tritonservers started with --role prefill
+    decode: RoleSource | None = None  # tritonservers started with --role decode
 
     @property
     def configured_replicas(self) -> tuple[Replica, ...]:
         """The replicas listed in the config (none with `discover`: DNS supplies them at run time)."""
         return self.replicas or ((Replica(self.url),) if self.url else ())
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill is not None
 
 
 @dataclass(frozen=True)
@@ -224,6 +236,9 @@ def _entry(path: str, entry: object, kind: type[Backend] | type[VirtualModel]) -
             values["replicas"] = replicas_from(f"{path}.replicas", values["replicas"])
         if "discover" in values:
             values["discover"] = discovery_from(f"{path}.discover", values["discover"])
+        for role in ("prefill", "decode"):
+            if role in values:
+                values[role] = role_source_from(f"{path}.{role}", values[role])
     return values
 
 
@@ -234,7 +249,10 @@ def _validate(config: GatewayConfig) -> None:
     for key, backend in config.backends.items():
         path = f"backends.{key}"
         _check_name(path, key, backend.name)
-        check_sources(path, backend.url, backend.replicas, backend.discover)
+        if (backend.prefill is None) != (backend.decode is None):
+            missing = "decode" if backend.decode is None else "prefill"
+            raise ValueError(f"{path}.{missing}: a disaggregated backend needs both a prefill and a decode pool")
+        check_sources(path, backend.url, backend.replicas, backend.discover, optional=backend.disaggregated)
         _check_str(f"{path}.triton_model", backend.triton_model)
         if backend.routing is not None:
             check_policy(f"{path}.routing", backend.routing)

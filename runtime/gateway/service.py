@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 from starlette.requests import Request
 
+from runtime.gateway.disagg import DisaggPools
 from runtime.gateway.errors import GatewayError
 from runtime.gateway.exchange import Exchange
 from runtime.gateway.fair_queue import FairQueue
@@ -59,6 +60,22 @@ class Gateway:
             for b in config.backends.values()
         }  # fmt: skip
         discover = {b.name: b.discover for b in config.backends.values() if b.discover is not None}
+        # Disaggregated backends: a prefill pool (routed as the backend's replicas are) and a decode pool (least
+        # loaded), beside the backend's own pool (its `both` workers: the fallback), all watched by the monitor.
+        self.disagg: dict[str, DisaggPools] = {}
+        for b in config.backends.values():
+            if b.prefill is None or b.decode is None:
+                continue
+            roles = {}
+            for role, source, policy in (("prefill", b.prefill, settings.routing or b.routing or config.routing.policy),
+                                         ("decode", b.decode, "least_loaded")):  # fmt: skip
+                name = f"{b.name}:{role}"
+                roles[role] = self.pools[name] = ReplicaPool(name, b.triton_model, source.configured_replicas,
+                                                             config.routing, policy, self.metrics)  # fmt: skip
+                if source.discover is not None:
+                    discover[name] = source.discover
+            both = self.pools[b.name] if b.configured_replicas or b.discover is not None else None
+            self.disagg[b.name] = DisaggPools(b.name, roles["prefill"], roles["decode"], both)
         self.monitor = Monitor(self.pools, discover, self._retire)
         self.model_ids = config.models  # backends, then virtual models
         self.started = time.time()
@@ -78,13 +95,21 @@ class Gateway:
     async def check_health(self, decision: RouteDecision) -> None:
         """503 unless a replica of the decision's backend answers (all probed again now if none did), or
         it has served before and may wait for one to come back (runtime.gateway.exchange)."""
-        pool = self.pools[decision.model]
+        disagg = self.disagg.get(decision.model)
+        if disagg is not None:  # the prefill and the decode pools must both answer
+            for pool in (disagg.prefill, disagg.decode):
+                await self._check_pool(pool, decision.model)
+            return
+        await self._check_pool(self.pools[decision.model], decision.model)
+
+    async def _check_pool(self, pool: ReplicaPool, model: str) -> None:
         if not pool.healthy:
             await asyncio.gather(*(r.upstream.probe() for r in pool.replicas.values()))
             pool.publish_health()
             if not pool.healthy and not (pool.ever_healthy and pool.settings.ready_wait_s > 0):
-                raise GatewayError.unavailable(f"no healthy backend for model {decision.model!r} "
-                                               f"(none of its {len(pool.replicas)} replicas is ready)")  # fmt: skip
+                raise GatewayError.unavailable(f"no healthy backend for model {model!r} "
+                                               f"(none of the {len(pool.replicas)} replicas of {pool.name!r} "
+                                               "is ready)")  # fmt: skip
 
     async def add_replica(self, backend: str, replica: Replica) -> ReplicaState:
         """Serve `backend` from one more replica too (probed now: it takes traffic once ready)."""

@@ -51,6 +51,10 @@ STUB_DEAD = "is not healthy"  # Triton's words for a Python-backend model whose 
 UNAVAILABLE = ("unknown model", "is not ready", STUB_DEAD, ENGINE_STOPPED)
 DEAD = (STUB_DEAD, ENGINE_STOPPED)
 DRAINING_CODE = "backend_draining"  # the model's drain (engine_format/serving.py): it will not come back
+# A decode worker could not read a prefill worker's KV (runtime/triton_model/kv_door.py's words): the decode
+# worker is fine, the request is re-prefilled elsewhere (runtime/gateway/disagg.py).
+KV_TRANSFER_FAILED = "kv transfer failed"
+KV_TRANSFER_CODE = "kv_transfer_failed"
 
 
 def model_died(message: str) -> bool:
@@ -62,6 +66,8 @@ def classify(message: str, backend: str) -> GatewayError:
     """The model's error message -> the client's error (the gRPC stream carries no status code)."""
     if message.startswith("overloaded"):  # runtime.engine Overloaded: the engine's waiting queue is full
         return GatewayError.overloaded(f"backend {backend!r} is overloaded: {message}")
+    if message.startswith(KV_TRANSFER_FAILED):
+        return GatewayError.unavailable(f"backend {backend!r} could not read the KV: {message}", code=KV_TRANSFER_CODE)
     if message.startswith(("engine error", "internal error")):
         return GatewayError(500, f"backend {backend!r} failed: {message}", "server_error", code="upstream_error")
     if any(marker in message for marker in UNAVAILABLE):  # Triton's own, or the model's drain
@@ -147,7 +153,7 @@ class Upstream:
                 if response.error_message:
                     finished = True
                     failure = classify(response.error_message, self.name)
-                    if failure.status == 503:  # Triton answers but its model is not ready: out until a probe
+                    if failure.status == 503 and failure.code != KV_TRANSFER_CODE:  # not ready: out until a probe
                         self.healthy = False
                     if model_died(response.error_message):
                         self.fail_open(response.error_message)

@@ -20,7 +20,8 @@ from tritonclient.grpc import service_pb2 as pb
 from engine_format.requests import FIELD, OUTPUT_NAMES
 
 LOGPROBS = "logprobs"  # read (so asked for: Triton sends only the outputs asked) when the request wants them
-OUTPUTS = tuple(name for name in OUTPUT_NAMES if name != LOGPROBS)  # what every generation reads
+KV_HANDLE = "kv_handle"  # read from prefill-only requests (disaggregation)
+OUTPUTS = tuple(name for name in OUTPUT_NAMES if name not in (LOGPROBS, KV_HANDLE))  # what every generation reads
 NUMPY_TYPES = {"INT64": np.int64, "FP32": np.float32, "BOOL": np.bool_}
 
 
@@ -36,6 +37,8 @@ class GenerateRequest:
     cache_salt: str | None = None  # the tenant's (service.Gateway.cache_salt)
     texts: Mapping[str, str | list[str]] = field(default_factory=dict)  # string fields: guided_* (structured.py)
     tools: list[dict[str, Any]] | None = None  # rendered by the chat template (with messages)
+    prefill_only: bool = False  # disaggregation: to a prefill worker, answered with the first token and a handle
+    kv_handle: str | None = None  # disaggregation: to a decode worker, which reads that KV
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class Delta:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    kv_handle: str | None = None  # a prefill worker's answer to a prefill-only request (finish reason handoff)
 
 
 def token_name(token_id: int, text: str | None = None) -> str:
@@ -94,11 +98,20 @@ def build_request(model: str, request: GenerateRequest, stream: bool) -> Any:
         values[name] = [t.encode() for t in text] if isinstance(text, list) else [text.encode()]
     if request.tools is not None:
         values["tools"] = [json.dumps(request.tools).encode()]
+    if request.prefill_only:
+        values["prefill_only"] = [True]
+    if request.kv_handle is not None:
+        values[KV_HANDLE] = [request.kv_handle.encode()]
     message = pb.ModelInferRequest(model_name=model, id=request.request_id)
     for name, value in values.items():
         message.inputs.add(name=name, datatype=FIELD[name].triton_type, shape=[len(value)])
         message.raw_input_contents.append(_encode(name, value))
-    for name in (*OUTPUTS, LOGPROBS) if LOGPROBS in request.params else OUTPUTS:
+    wanted = (
+        *OUTPUTS,
+        *((LOGPROBS,) if LOGPROBS in request.params else ()),
+        *((KV_HANDLE,) if request.prefill_only else ()),
+    )
+    for name in wanted:
         message.outputs.add(name=name)
     return message
 
@@ -117,11 +130,14 @@ def parse_response(response: Any) -> Delta:
         prompt = int.from_bytes(raw["prompt_tokens"][:4], "little", signed=True)
         completion = int.from_bytes(raw["completion_tokens"][:4], "little", signed=True)
         logprobs = _element(raw[LOGPROBS]) if LOGPROBS in raw else b""
+        handle = _element(raw[KV_HANDLE]) if KV_HANDLE in raw else b""
     else:  # typed contents: KServe's other encoding
         typed = {o.name: o.contents for o in response.outputs}
         text, finish = typed["text_output"].bytes_contents[0], typed["finish_reason"].bytes_contents[0]
         prompt = int(typed["prompt_tokens"].int_contents[0])
         completion = int(typed["completion_tokens"].int_contents[0])
         logprobs = typed[LOGPROBS].bytes_contents[0] if LOGPROBS in typed else b""
+        handle = typed[KV_HANDLE].bytes_contents[0] if KV_HANDLE in typed else b""
     return Delta(text.decode("utf-8", errors="replace"), finish.decode() or None, prompt, completion,
-                 parse_logprobs(logprobs) if logprobs not in (b"", b"[]") else [])  # fmt: skip
+                 parse_logprobs(logprobs) if logprobs not in (b"", b"[]") else [],
+                 handle.decode() if handle else None)  # fmt: skip

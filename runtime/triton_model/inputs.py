@@ -49,6 +49,8 @@ class ParsedRequest:
     prompt: Prompt
     params: SamplingParams
     stream: bool
+    prefill_only: bool = False  # disaggregation: end after the first token, answering with a KV handle
+    kv_handle: str | None = None  # disaggregation: read this prefill worker's KV, continue after its first token
 
 
 def parse_request(
@@ -86,7 +88,13 @@ def parse_request(
         if field.name in inputs:
             values[field.name] = _value(inputs[field.name], field, limits)
     stream = bool(_scalar(inputs["stream"], FIELD["stream"])) if "stream" in inputs else False
-    return ParsedRequest(prompt, SamplingParams(**values), stream)
+    prefill_only = bool(_scalar(inputs["prefill_only"], FIELD["prefill_only"])) if "prefill_only" in inputs else False
+    kv_handle = _value(inputs["kv_handle"], FIELD["kv_handle"], limits) if "kv_handle" in inputs else None
+    if prefill_only and kv_handle is not None:
+        raise InvalidRequest(
+            "kv_handle", "give prefill_only (to a prefill worker) or kv_handle (to a decode worker), not both"
+        )
+    return ParsedRequest(prompt, SamplingParams(**values), stream, prefill_only, kv_handle)
 
 
 def door_error(error: InvalidRequest) -> InvalidRequest:

@@ -25,6 +25,7 @@ def output_arrays(wanted: Collection[str], text: str, delta: RequestOutput,
         "logprobs": lambda: np.array(
             [logprobs_json(logprobs if logprobs is not None else delta.logprobs).encode()], dtype=np.object_
         ),
+        "kv_handle": lambda: np.array([(delta.kv_handle or "").encode()], dtype=np.object_),
     }
     assert tuple(build) == OUTPUT_NAMES, "every output of the contract, in its order"
     return {name: make() for name, make in build.items() if not wanted or name in wanted}

@@ -22,6 +22,7 @@ import faulthandler
 import json
 import sys
 import threading
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,9 @@ from engine_format.requests import FIELD, InvalidRequest, Limits
 from engine_format.serving import CUT_MESSAGE, HEALTH_ANSWER, REFUSED_MESSAGE
 from runtime import AsyncLLM, CompletionOutput, Overloaded
 from runtime.triton_model.cancellation import until_cancelled
+from runtime.triton_model.disagg_metrics import DisaggMetrics
 from runtime.triton_model.inputs import door_error, parse_request
+from runtime.triton_model.kv_door import KVTransferError, disaggregated, transfer_failure
 from runtime.triton_model.lifecycle import ModelLifecycle, is_health_probe
 from runtime.triton_model.metrics import TritonMetrics
 from runtime.triton_model.responses import output_arrays
@@ -56,6 +59,7 @@ class TritonPythonModel:
             self.engine = AsyncLLM(settings.engine_dir, settings.engine, on_finished=self.metrics.observe_finished)
         except Exception as exc:  # reported by Triton as the model's load failure
             raise pb_utils.TritonModelException(f"trtserve engine failed to start: {exc}") from None
+        self.disagg_metrics = DisaggMetrics(pb_utils, labels)
         # The longest prompt that could fit the context, unless a parameter bounds it.
         self.limits = Limits(**{"max_prompt_chars": self.engine.max_prompt_chars(), **settings.limits})
         self.in_flight: set[concurrent.futures.Future] = set()
@@ -88,23 +92,27 @@ class TritonPythonModel:
                 if tensor is not None:
                     inputs[name] = tensor.as_numpy()
             parsed = parse_request(inputs, json.loads(request.parameters() or "{}"), self.limits)
-            stream = self.engine.generate(parsed.prompt, parsed.params, request.request_id() or None)
-            whole = CompletionOutput(request.request_id(), [])
+            request_id = request.request_id() or uuid.uuid4().hex
+            whole = CompletionOutput(request_id, [])
             finished = False
-            async with contextlib.aclosing(until_cancelled(stream, request, self.cancel_poll_s)) as deltas:
-                async for delta in deltas:
-                    finished = delta.finished
-                    if delta.error is not None:
-                        _send_error(sender, f"engine error: {delta.error}", pb_utils.TritonError.INTERNAL)
-                        return
-                    if parsed.stream:
-                        _send(sender, output_arrays(wanted, delta.text, delta), delta.finished)
-                    else:
-                        whole.add(delta)
-                        if delta.finished:
-                            _send(sender, output_arrays(wanted, whole.text, delta, whole.logprobs or []), True)
+            async with disaggregated(self.engine, parsed, request_id):  # a KV read first, or a prefill-only mark
+                stream = self.engine.generate(parsed.prompt, parsed.params, request_id)
+                async with contextlib.aclosing(until_cancelled(stream, request, self.cancel_poll_s)) as deltas:
+                    async for delta in deltas:
+                        finished = delta.finished
+                        if delta.error is not None:
+                            _send_error(sender, f"engine error: {delta.error}", pb_utils.TritonError.INTERNAL)
+                            return
+                        if parsed.stream:
+                            _send(sender, output_arrays(wanted, delta.text, delta), delta.finished)
+                        else:
+                            whole.add(delta)
+                            if delta.finished:
+                                _send(sender, output_arrays(wanted, whole.text, delta, whole.logprobs or []), True)
             if not finished:  # cancelled by the client: close the stream without data
                 sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except KVTransferError as exc:  # the gateway re-prefills elsewhere on these words
+            _send_error(sender, transfer_failure(exc), pb_utils.TritonError.UNAVAILABLE)
         except InvalidRequest as exc:
             _send_error(sender, str(door_error(exc)), pb_utils.TritonError.INVALID_ARG)
         except Overloaded as exc:
@@ -131,6 +139,8 @@ class TritonPythonModel:
     def _update_metrics(self) -> None:
         grammar_compiles = self.engine.engine.grammars.take_compile_seconds()
         self.metrics.update(self.engine.stats(), self.engine.take_step_records(), grammar_compiles)
+        disagg = self.engine.engine.disagg
+        self.disagg_metrics.update(disagg.stats(), disagg.take_pull_records())
 
     def finalize(self):
         """Every thread of ours ends here, joined: the stub tears down the backend's objects (response
@@ -142,6 +152,8 @@ class TritonPythonModel:
         self.lifecycle.stop()
         self._update_metrics()
         self.metrics.close()  # before the stub's shared memory goes (their destructors use it)
+        self.disagg_metrics.close()
+        self.engine.engine.disagg.close()  # the transfer agent deregisters the KV pool
         executor = asyncio.run_coroutine_threadsafe(self.loop.shutdown_default_executor(), self.loop)
         with contextlib.suppress(concurrent.futures.TimeoutError):
             executor.result(timeout=5)

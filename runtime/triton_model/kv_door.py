@@ -1,0 +1,39 @@
+"""The `llm` model's side of disaggregation: what a request's `prefill_only` or `kv_handle` asks of the engine
+before it is generated, and the errors a client sees.
+
+A `kv_handle` is read before the request reaches the engine (awaited on the model's event loop, so other
+requests keep streaming); `prefill_only` marks it to end after its first token. Whatever happens, the marks and
+anything staged are dropped when the request ends. A failed read is answered "kv transfer failed: ..." with
+Triton's UNAVAILABLE: the gateway recognises the words and re-prefills elsewhere (runtime/gateway/disagg.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from runtime import AsyncLLM
+from runtime.engine.disagg import KVTransferError
+from runtime.triton_model.inputs import ParsedRequest
+
+KV_TRANSFER_FAILED = "kv transfer failed"  # the gateway's marker (runtime/gateway/upstream.py)
+
+__all__ = ["KV_TRANSFER_FAILED", "KVTransferError", "disaggregated", "transfer_failure"]
+
+
+@contextlib.asynccontextmanager
+async def disaggregated(engine: AsyncLLM, parsed: ParsedRequest, request_id: str) -> AsyncIterator[None]:
+    """Around a request's generation: its KV read (kv_handle) or its prefill-only mark, and their cleanup."""
+    disagg = engine.engine.disagg
+    try:
+        if parsed.kv_handle is not None:
+            await disagg.pull(disagg.expect(request_id, parsed.kv_handle, parsed.params.cache_salt))
+        elif parsed.prefill_only:
+            disagg.export(request_id)
+        yield
+    finally:
+        disagg.forget(request_id)
+
+
+def transfer_failure(exc: KVTransferError) -> str:
+    return f"{KV_TRANSFER_FAILED}: {exc}"
