@@ -1,4 +1,4 @@
-"""`python -m benchmarks.disaggregation`: issue 40's prefill/decode disaggregation -> results/disaggregation.{json,md}.
+"""`python -m benchmarks.disaggregation`: prefill/decode disaggregation -> results/disaggregation.{json,md}.
 
 Two systems behind the same gateway, the same traffic for each, one after the other:
 - "both": one `both` worker (tritonserver + the trtserve model) on the machine's 2 cores;

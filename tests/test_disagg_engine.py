@@ -15,11 +15,15 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
+from engine_format import EngineConfig
 from engine_format.kv_handle import KVHandle, with_recompute
-from executors.kv_transfer import KVTransferError, PeerMismatch
+from engine_format.kv_identity import kv_layout
+from executors.kv_transfer import KVTransferError, PeerMismatch, kv_memory
 from runtime import EngineArgs, InvalidRequest, LLMEngine, SamplingParams
 from runtime.engine.disagg import HANDOFF
 from tests.helpers import random_prompts
@@ -165,6 +169,18 @@ def test_the_handshake_refuses_a_peer_with_another_layout(workers):
     decode.check_invariants()
 
 
+def test_the_layout_names_the_pools_element_dtype_not_the_engines(llama_engine):
+    """The torch backend's float pool holds its compute dtype (--dtype): a bfloat16 pool over a float32 engine
+    must not pass the handshake with a float16 or float32 one."""
+    torch = pytest.importorskip("torch")
+    config = EngineConfig.load(llama_engine)
+    layout = kv_layout(config)
+    shape = (layout.num_layers, 2, 4, layout.block_size, layout.kv_width)
+    pool = SimpleNamespace(kv=SimpleNamespace(data=torch.zeros(shape, dtype=torch.bfloat16)))
+    assert (layout.dtype, kv_memory(pool, layout).layout.dtype) == ("float32", "bfloat16")
+    assert kv_memory(SimpleNamespace(kv=SimpleNamespace(data=np.zeros(shape, np.float32))), layout).layout == layout
+
+
 def test_a_read_from_a_killed_peer_fails_and_frees_its_blocks(workers, llama_engine):
     """The prefill worker is a process of its own, killed after it answered with the handle: the read fails
     (UCX reports the peer disconnected), nothing stays staged, and the peer is forgotten."""
@@ -206,8 +222,9 @@ def test_roles_refuse_what_they_do_not_do(workers):
         decode.disagg.export("z1")
     prompt = random_prompts(prefill.config.model.vocab_size, [9], seed=12)[0]
     first = prefill_step(prefill, prompt, GREEDY, "z2")
-    with pytest.raises(InvalidRequest, match="kv_handle: this worker's role is 'both'"):
-        both.disagg.expect("z2", first.kv_handle, None)
+    for worker in (both, prefill):  # only a decode worker reads KV
+        with pytest.raises(InvalidRequest, match="kv_handle: this worker reads no KV .*--role decode"):
+            worker.disagg.expect("z2", first.kv_handle, None)
     with pytest.raises(InvalidRequest, match="kv_handle: malformed"):
         decode.disagg.expect("z3", "{not json", None)
 

@@ -8,7 +8,7 @@ parameter `trtserve serve` writes), behind `trtserve gateway --prefill-url ... -
 - A decode worker whose engine differs is refused at the handshake; the gateway recomputes on the `both` worker
   and the client gets the same answer.
 - A prefill worker killed after answering: the decode worker's read fails with a clear error and holds no block.
-- A decode worker killed as it reads: the prefill worker's pins time out; no block stays held.
+- A decode worker killed before it reads: the prefill worker's pins time out; no block stays held.
 """
 
 from __future__ import annotations

@@ -56,7 +56,8 @@ class Sim:
         self.accept: dict[str, int] = {}  # speculative drafts each request's verify accepts (default 0)
 
     def add(self, request_id: str, prompt_len: int = 0, max_tokens: int = 4, priority: int = 0, tokens=None,
-            ttft_target: float | None = None, itl_target: float | None = None) -> Request:  # fmt: skip
+            ttft_target: float | None = None, itl_target: float | None = None,
+            bounded: bool = True) -> Request:  # fmt: skip
         """A request whose prompt is `tokens`, or `prompt_len` tokens unique to it."""
         order = next(self.arrivals)
         tokens = list(tokens) if tokens is not None else [1000 * (order + 1) + i for i in range(prompt_len)]
@@ -64,7 +65,7 @@ class Sim:
                                 ttft_target_s=ttft_target, itl_target_s=itl_target)  # fmt: skip
         request = Request(request_id, tokens, params, SamplingState(params, tokens, 100_000), arrival_order=order,
                           timing=RequestTiming(arrival=self.now))  # fmt: skip
-        self.scheduler.add(request)
+        self.scheduler.add(request, bounded)
         self.requests[request_id] = request
         return request
 
@@ -314,6 +315,9 @@ def test_overload_rejects_new_requests_but_never_a_preempted_one():
     with pytest.raises(Overloaded, match="overloaded: 2 requests already waiting"):
         sim.add("y", prompt_len=3)
     assert sim.waiting == ["b", "c"]
+    # A request that must not be refused (a decode worker's, its KV already read) queues past the bound.
+    sim.add("z", prompt_len=3, max_tokens=1, bounded=False)
+    assert sim.waiting == ["b", "c", "z"]
     sim.drain()
 
 

@@ -11,7 +11,7 @@ remote one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -58,6 +58,8 @@ def kv_memory(backend: Any, layout: KVLayout) -> KVMemory:
     data = getattr(pool, "data", None)
     if data is None:
         raise ValueError(f"the {type(backend).__name__} backend exposes no KV pool to transfer from")
+    if layout.kv_cache_dtype == "auto":  # a float pool holds the compute dtype (torch's --dtype), not the engine's
+        layout = replace(layout, dtype=str(data.dtype).removeprefix("torch."))
     regions = [_region("data", data, layout)]
     buffers = [data]
     scales = getattr(pool, "scales", None)

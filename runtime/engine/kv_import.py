@@ -76,8 +76,8 @@ class KVImports:
         except KVHandleError as exc:
             raise InvalidRequest("kv_handle", str(exc).removeprefix("kv_handle: ")) from None
         if not handle.recompute and self.connector is None:
-            raise InvalidRequest("kv_handle", "this worker's role is 'both': it reads no KV (start it with --role "
-                                 "decode), and recomputes only handles marked recompute")  # fmt: skip
+            raise InvalidRequest("kv_handle", "this worker reads no KV (a worker started with --role decode does); "
+                                 "it recomputes only handles marked recompute")  # fmt: skip
         with self.lock:
             if request_id in self._imports:
                 raise InvalidRequest("request_id", f"{request_id!r} is already in use")
@@ -200,7 +200,8 @@ class KVImports:
             request.num_computed_tokens = 0
         else:
             self.recomputes += 1
-        self.scheduler.add(request)
+        # Once read, the prefill worker's pins are gone: refused now, the handle could not be used again.
+        self.scheduler.add(request, bounded=not imp.pulled)
         return True
 
     def discard(self, request_id: str) -> None:

@@ -148,9 +148,11 @@ class LLMEngine:
                 # disagg hook: a request with a KV handle runs from its pulled blocks (or queues to recompute)
                 if not self.disagg.adopt(request, self.outputs.replay):
                     self.scheduler.add(request)  # raises Overloaded: queue full, or its TTFT target unreachable
-            except (Overloaded, InvalidRequest) as exc:  # queue full, or its TTFT target unreachable
+            except (Overloaded, InvalidRequest) as exc:  # queue full, its TTFT target unreachable, a handle unusable
                 self.outputs.forget(request_id)
-                if isinstance(exc, InvalidRequest) or exc.reason == "slo":  # unreachable TTFT target
+                if isinstance(exc, InvalidRequest) and exc.field == "kv_handle":
+                    self.counters.rejected_invalid += 1
+                elif isinstance(exc, InvalidRequest) or exc.reason == "slo":  # unreachable TTFT target
                     self.counters.rejected_slo += 1
                 else:
                     self.counters.rejected_overloaded += 1

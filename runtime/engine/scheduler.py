@@ -82,13 +82,15 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, bounded: bool = True) -> None:
         """Queue a new request; raises Overloaded, queueing nothing, if the queue is full or
-        cannot meet the request's TTFT target (InvalidRequest if its prompt alone cannot)."""
-        if self.num_waiting >= self.config.max_waiting:
+        cannot meet the request's TTFT target (InvalidRequest if its prompt alone cannot). `bounded=False`:
+        neither check (a request that must not be refused: its KV was read from a prefill worker)."""
+        if bounded and self.num_waiting >= self.config.max_waiting:
             raise Overloaded(f"overloaded: {self.num_waiting} requests already waiting; retry later")
         request.num_cached_hint = len(self.kv.get_computed_blocks(request)) * self.kv.block_size
-        self._check_ttft_target(request)
+        if bounded:
+            self._check_ttft_target(request)
         self._enqueue(request)
         self.requests[request.request_id] = request
         self.num_host_sampled += request.host_sampled
