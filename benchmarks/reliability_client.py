@@ -5,8 +5,9 @@ Outcomes (`classify`): completed; refused (429/503 with a reason in OpenAI's err
 client; failed having produced nothing; cut after producing deltas. Lost = failed + cut: anything neither
 completed, refused with a reason, nor cancelled by the client.
 
-Retries: only a request that got no HTTP response at all (connection refused, or dropped before the status
-line: the gateway process itself was down) is sent again, with backoff, for up to `retry_window_s` from its
+Retries: only a request that got no HTTP response at all (connection refused, not accepted within
+`connect_timeout_s`, or dropped before the status line: the gateway process itself was down, or swamped) is
+sent again, with backoff, for up to `retry_window_s` from its
 first such failure (a request may have waited minutes in a queue before) -- the openai SDK retries such
 connection errors too. A 429/503 is never retried here (it is a refusal, counted with its reason), nor a stream
 that failed after its 200: what the gateway does about a restarting replica is what is measured. Requests that
@@ -110,6 +111,8 @@ async def send(session: aiohttp.ClientSession, url: str, path: str, body: dict, 
 async def _attempt(session: aiohttp.ClientSession, url: str, body: dict, r: Result, t0: float) -> None:
     try:
         response = await session.post(url, json=body)
+    except aiohttp.ConnectionTimeoutError as exc:  # not connected: nothing was sent
+        raise NoResponse(f"{type(exc).__name__}: {exc}") from None
     except asyncio.TimeoutError:  # before OSError: TimeoutError is one
         r.reason = "client timeout: no response within the read timeout"
         return
@@ -181,6 +184,7 @@ class Load:
     url: str
     prompts: Prompts
     read_timeout_s: float = 600.0  # the openai SDK's default: the longest a client waits for the next bytes
+    connect_timeout_s: float = 5.0  # the openai SDK's default
     retry_window_s: float = 30.0
     results: list[Result] = field(default_factory=list)
     in_flight: int = 0
@@ -193,7 +197,8 @@ class Load:
         """Send each planned job at its time until `until(job)`; then wait up to `drain_wait_s` for those in
         flight. Returns when the last job was sent (seconds after the start)."""
         connector = aiohttp.TCPConnector(limit=0)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=self.read_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s,
+                                        sock_read=self.read_timeout_s)  # fmt: skip
         last = 0.0
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             tasks: set[asyncio.Task[None]] = set()

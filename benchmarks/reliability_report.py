@@ -176,8 +176,9 @@ def _outcomes(p: dict) -> list[str]:
         "",
         "Cancelled: streams the client itself cancelled mid-stream. Cut: failed after producing deltas "
         f"({s['cut_with_error_event']} of them ended with an error event). Client retried: sent again because an "
-        "attempt got no HTTP response at all (the gateway process was down). Lost to the client's patience (no "
-        f"bytes for {patience:g} s, the openai SDK's default read timeout): {s['client_timeouts']}.",
+        "attempt got no HTTP response at all (the gateway was down, or did not accept the connection within 5 s). "
+        f"Lost to the client's patience (no bytes for {patience:g} s, the openai SDK's default read timeout): "
+        f"{s['client_timeouts']}.",
         "",
         _row(["kind", *OUTCOMES]),
         "|---|" + "---|" * len(OUTCOMES),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from dataclasses import replace
 
@@ -226,6 +227,26 @@ def test_client_outcomes_against_a_fake_gateway():
     assert refused.outcome == REFUSED and refused.reason == "overloaded: queue full" and refused.code == "overloaded"
     assert cut.outcome == CUT and cut.error_event and cut.reason == "unreachable"
     assert down.outcome == FAILED and down.status is None and down.attempts >= 2 and "Connect" in down.reason
+
+
+def test_a_connection_never_accepted_is_tried_again_then_failed():
+    """A swamped gateway that does not accept connections (its accept queue full) gets the request again, like a
+    refused connection: nothing was sent. Here no attempt ever connects."""
+    with socket.socket() as listener, socket.socket() as queued:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        queued.connect(listener.getsockname())  # fills the accept queue: later SYNs are dropped
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+        async def scenario() -> Result:
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=0.3, sock_read=5)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                t0 = time.monotonic()
+                r = new_result(Job(0, 0.0, "oneshot", False, 6, None, 0), {"max_tokens": 6}, t0)
+                return await send(session, url, "/v1/completions", {"prompt": "x"}, r, t0, retry_window_s=1.0)
+
+        r = asyncio.run(scenario())
+    assert r.outcome == FAILED and r.status is None and r.attempts >= 2 and "ConnectionTimeoutError" in r.reason
 
 
 # --- one short chaos run against trtserve serve ---
