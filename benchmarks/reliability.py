@@ -144,6 +144,13 @@ async def drive(serve: Serve, load: Load, run: Run, mix: Mix) -> tuple[float, li
     return last, await controller
 
 
+def kill_reports(kills: list[dict], results: list[Result], end: float) -> list[dict]:
+    """Each kill's report, a request counted for the last kill before its end."""
+    untils = [k["t_kill"] for k in kills[1:]] + [end]
+    return [kill_report(k["target"], k["pid"], k["t_kill"], results, k["restart"], until)
+            for k, until in zip(kills, untils, strict=True)]  # fmt: skip
+
+
 def measure(run: Run, command: str, log_fn: Callable[[str], None] = log) -> tuple[dict, list[Result]]:
     """Start serve, drive the mode's traffic, stop serve; returns the payload the report is written from, and every
     request's record."""
@@ -189,8 +196,7 @@ def measure(run: Run, command: str, log_fn: Callable[[str], None] = log) -> tupl
         "load": {"arrivals_s": round(arrivals_s, 1), "retry_window_s": load.retry_window_s,
                  "read_timeout_s": load.read_timeout_s},
         "summary": summary(load.results),
-        "kills": [kill_report(k["target"], k["pid"], k["t_kill"], load.results, k["restart"], window_end)
-                  for k in kills],
+        "kills": kill_reports(kills, load.results, window_end),
         "server": {
             "ready_s": ready_s, "restarts": restarts, "exit_code": exit_code, "exit_s": exit_s,
             "serve_errors": [f"{t - load.t0:7.1f} s  {line}" for t, line in serve.lines

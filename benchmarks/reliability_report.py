@@ -81,13 +81,15 @@ def first_served_after(results: Sequence[Result], t: float) -> float | None:
 
 
 def kill_report(target: str, pid: int, t_kill: float, results: Sequence[Result], restart: dict | None,
-                window_end: float) -> dict:  # fmt: skip
-    """One chaos kill: time to the first completed request after it, what serve said, and the requests in flight
-    between the kill and that recovery (or `window_end` without one) by outcome."""
+                until: float) -> dict:  # fmt: skip
+    """One chaos kill: time to the first completed request after it, what serve said, and by outcome the requests
+    it affected: in flight between the kill and that recovery (or `until` without one), and ended before `until`
+    (the next kill, or the run's end: a request that lived through two kills counts for the one that ended it)."""
     served = first_served_after(results, t_kill)
     first_token = min((r.first_delta for r in results if r.first_delta is not None and r.first_delta > t_kill),
                       default=None)  # fmt: skip
-    affected = overlapping(results, t_kill, served if served is not None else window_end)
+    window = overlapping(results, t_kill, served if served is not None else until)
+    affected = [r for r in window if r.end < until]
     counts = Counter(r.outcome for r in affected)
     return {
         "target": target, "pid": pid, "t_kill_s": round(t_kill, 1),

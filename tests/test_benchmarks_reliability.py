@@ -78,8 +78,9 @@ def test_recovery_is_the_first_answer_begun_after_the_kill():
     ]
     assert first_served_after(rs, 10.0) == 15.0
     said = {"t_s": 14.0, "child": "tritonserver", "serving_again_s": 3.5}
-    k = kill_report("stub", 42, 10.0, rs, said, window_end=30.0)
+    k = kill_report("stub", 42, 10.0, rs, said, until=30.0)
     assert (k["recovery_s"], k["affected"], k["cut"], k["lost_nothing_produced"]) == (5.0, 3, 1, 0)
+    assert kill_report("stub", 42, 10.0, rs, said, until=14.0)["affected"] == 2  # #1 ends after the next kill
     assert kill_report("gateway", 7, 22.0, rs, None, 30.0)["recovery_s"] is None
 
 
