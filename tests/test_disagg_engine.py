@@ -223,7 +223,7 @@ def test_roles_refuse_what_they_do_not_do(workers):
     prompt = random_prompts(prefill.config.model.vocab_size, [9], seed=12)[0]
     first = prefill_step(prefill, prompt, GREEDY, "z2")
     for worker in (both, prefill):  # only a decode worker reads KV
-        with pytest.raises(InvalidRequest, match="kv_handle: this worker reads no KV .*--role decode"):
+        with pytest.raises(InvalidRequest, match=r"kv_handle: this worker reads no KV .*--role decode"):
             worker.disagg.expect("z2", first.kv_handle, None)
     with pytest.raises(InvalidRequest, match="kv_handle: malformed"):
         decode.disagg.expect("z3", "{not json", None)
