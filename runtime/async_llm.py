@@ -32,6 +32,7 @@ from pathlib import Path
 from engine_format.requests import OPENAI_MAX_STRING
 from executors.sampling import SamplingParams
 from runtime.engine.admission import Prompt
+from runtime.engine.disagg import Disagg
 from runtime.engine.errors import InvalidRequest
 from runtime.engine.llm_engine import EngineArgs, LLMEngine
 from runtime.engine.outputs import RequestOutput, TokenOutput
@@ -152,6 +153,15 @@ class AsyncLLM:
         """The engine steps run since the last call (for metrics that observe each)."""
         return self.engine.take_step_records()
 
+    def take_grammar_compile_seconds(self) -> list[float]:
+        """Structured output: the grammar compiles finished since the last call, in seconds each."""
+        return self.engine.grammars.take_compile_seconds()
+
+    @property
+    def disagg(self) -> Disagg:
+        """Prefill/decode disaggregation: this worker's role and the doors' calls (export, expect, pull, forget)."""
+        return self.engine.disagg
+
     def progress(self) -> EngineProgress:
         """Steps run, requests unfinished, and why the engine loop stopped (None while it runs); cheap,
         without the engine's lock (plain reads), for a supervisor's heartbeat."""
@@ -168,6 +178,7 @@ class AsyncLLM:
         self._thread.join()
         self._outputs.put(None)
         self._output_thread.join()
+        self.engine.disagg.close()  # the transfer agent deregisters the KV pool
 
     def _run(
         self, engine_dir: str | Path, args: EngineArgs | None, built: concurrent.futures.Future[LLMEngine]

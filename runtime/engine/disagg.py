@@ -163,6 +163,9 @@ class Disagg:
         return records
 
     def close(self) -> None:
+        """Stop the reaper and close the connector; once (later calls do nothing)."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._reaper is not None:
             self._reaper.join()

@@ -24,7 +24,7 @@ __all__ = ["KV_TRANSFER_FAILED", "KVTransferError", "disaggregated", "transfer_f
 @contextlib.asynccontextmanager
 async def disaggregated(engine: AsyncLLM, parsed: ParsedRequest, request_id: str) -> AsyncIterator[None]:
     """Around a request's generation: its KV read (kv_handle) or its prefill-only mark, and their cleanup."""
-    disagg = engine.engine.disagg
+    disagg = engine.disagg
     try:
         if parsed.kv_handle is not None:
             await disagg.pull(disagg.expect(request_id, parsed.kv_handle, parsed.params.cache_salt))

@@ -137,10 +137,9 @@ class TritonPythonModel:
             self._update_metrics()
 
     def _update_metrics(self) -> None:
-        grammar_compiles = self.engine.engine.grammars.take_compile_seconds()
+        grammar_compiles = self.engine.take_grammar_compile_seconds()
         self.metrics.update(self.engine.stats(), self.engine.take_step_records(), grammar_compiles)
-        disagg = self.engine.engine.disagg
-        self.disagg_metrics.update(disagg.stats(), disagg.take_pull_records())
+        self.disagg_metrics.update(self.engine.disagg.stats(), self.engine.disagg.take_pull_records())
 
     def finalize(self):
         """Every thread of ours ends here, joined: the stub tears down the backend's objects (response
@@ -153,7 +152,6 @@ class TritonPythonModel:
         self._update_metrics()
         self.metrics.close()  # before the stub's shared memory goes (their destructors use it)
         self.disagg_metrics.close()
-        self.engine.engine.disagg.close()  # the transfer agent deregisters the KV pool
         executor = asyncio.run_coroutine_threadsafe(self.loop.shutdown_default_executor(), self.loop)
         with contextlib.suppress(concurrent.futures.TimeoutError):
             executor.result(timeout=5)
