@@ -74,6 +74,7 @@ class Scheduler:
         self.cost = cost
         self.requests: dict[str, Request] = {}  # every live request, waiting or running, by id
         self.num_host_sampled = 0  # live requests whose sampling needs host state (Request.host_sampled)
+        self.num_deadlines = 0  # live requests with a deadline_s: the engine looks for expired ones only then
         self.waiting: list[tuple[tuple[int, float, int], Request]] = []  # heap by sort_key
         self.running: list[Request] = []  # kept in sort_key order (keys never change): no sort per step
         self.num_preemptions = 0
@@ -94,6 +95,7 @@ class Scheduler:
         self._enqueue(request)
         self.requests[request.request_id] = request
         self.num_host_sampled += request.host_sampled
+        self.num_deadlines += request.params.deadline_s is not None
 
     def add_running(self, request: Request) -> None:
         """Run a request that arrives with its prompt's KV computed (a decode worker's pulled blocks) from the
@@ -102,6 +104,7 @@ class Scheduler:
         bisect.insort(self.running, request, key=Request.sort_key)
         self.requests[request.request_id] = request
         self.num_host_sampled += request.host_sampled
+        self.num_deadlines += request.params.deadline_s is not None
 
     def _check_ttft_target(self, request: Request) -> None:
         target = request.params.ttft_target_s
@@ -133,6 +136,7 @@ class Scheduler:
         """Take a request out of the queues (finish or abort) and free its blocks."""
         del self.requests[request.request_id]
         self.num_host_sampled -= request.host_sampled
+        self.num_deadlines -= request.params.deadline_s is not None
         if request in self.running:
             self.running.remove(request)
         else:

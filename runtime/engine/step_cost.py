@@ -82,14 +82,18 @@ class StepCost:
     def as_array(self) -> np.ndarray:
         return np.array([self.base_s, self.prefill_token_s, self.decode_seq_s, self.kilo_pair_s])
 
-    def predict(self, shape: StepShape) -> float:
-        return float(self.as_array() @ shape.features())
+    def predict(self, shape: StepShape) -> float:  # as_array() @ shape.features(), without numpy: many per step
+        return (self.base_s + self.prefill_token_s * shape.prefill_tokens + self.decode_seq_s * shape.decode_seqs
+                + self.kilo_pair_s * (shape.attended_pairs / 1000.0))  # fmt: skip
 
 
 # SmolLM2-135M fp32 on the 2-core AVX2 EPYC (cpu backend, uncontended): prefill 64 / 256 / 512
 # tokens 75 / 230 / 523 ms; 8 / 32 decodes at context 500: 41 / 84 ms. Other engines start
 # from it and correct it within tens of steps.
 DEFAULT_PRIOR = StepCost(base_s=0.025, prefill_token_s=0.0008, decode_seq_s=0.002, kilo_pair_s=0.0005)
+# The fit is re-solved once the steps observed since the last solve add up to this: a solve costs ~80 µs of
+# host time, which must stay a small share of the steps it models (every step on a CPU; every few on a GPU).
+SOLVE_EVERY_S = 0.002
 # Typical feature magnitudes: the regularizer weighs coefficients by what they contribute.
 _SCALE = np.array([1.0, 256.0, 16.0, 32.0])
 
@@ -100,7 +104,7 @@ class OnlineStepCost:
     In scaled features z = x / _SCALE (coefficients w = c * _SCALE, seconds each), per step:
         v = (level / y)^2                    relative errors count: a 20 ms decode step as much as a 0.5 s one
         S = gamma S + v z z^T,  b = gamma b + v z y
-        w = argmin_{w >= 0}  w^T (S + f I) w - 2 w^T (b + f w0)
+        w = argmin_{w >= 0}  w^T (S + f I) w - 2 w^T (b + f w0)   (once per SOLVE_EVERY_S of observed steps)
     `level` is an EWMA of observed step times, so the weights do not depend on how fast the
     machine is. S and b start as `prior_weight` pseudo-observations of the prior w0, which fade
     like data; the small constant floor f keeps directions the recent steps do not excite (e.g. no
@@ -136,6 +140,7 @@ class OnlineStepCost:
         self._level: float | None = None  # EWMA of step times: the unit relative errors are weighed in
         self._coefficients = prior
         self._active: np.ndarray | None = None  # the last solve's free coefficients, tried first next time
+        self._unsolved_s = 0.0  # step time observed since the last solve
         self.num_observed = 0
 
     @property
@@ -164,10 +169,13 @@ class OnlineStepCost:
         z = shape.features() / _SCALE
         self._S = self.forgetting * self._S + v * np.outer(z, z)
         self._b = self.forgetting * self._b + v * z * y
-        a, c = self._S + self.floor_weight * _FLOOR, self._b + self.floor_weight * self._w0
-        w, self._active = _nonnegative_solve(a, c, self._active)
-        self._coefficients = StepCost(*(float(c) for c in w / _SCALE))
         self.num_observed += 1
+        self._unsolved_s += y
+        if self._unsolved_s >= SOLVE_EVERY_S:
+            self._unsolved_s = 0.0
+            a, c = self._S + self.floor_weight * _FLOOR, self._b + self.floor_weight * self._w0
+            w, self._active = _nonnegative_solve(a, c, self._active)
+            self._coefficients = StepCost(*(float(c) for c in w / _SCALE))
 
 
 _FLOOR = np.eye(4)

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 NO_DRAFTS: list[int] = []  # shared, never changed
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per request per step (as SequenceChunk)
 class ScheduledChunk:
     request: Request
     num_tokens: int  # this step's tokens, drafts included

@@ -78,11 +78,18 @@ class StepUpdate:
             result = SampleResult(logits.token_ids[picked], [logits.logprobs[row] for row in picked])
         else:
             result = self.sampler.sample(logits[picked], [r.sampling for r in requests])
-        now = self.clock()
-        return [
-            self._append_tokens(request, [token], None if logprobs is None else [logprobs], now)
-            for request, token, logprobs in zip(requests, result.token_ids.tolist(), result.logprobs, strict=True)
-        ]
+        now, outputs = self.clock(), []
+        for request, token, logprobs in zip(requests, result.token_ids.tolist(), result.logprobs, strict=True):
+            tokens = request.all_token_ids  # _append_tokens of one token, inlined: every step's per-request path
+            tokens.append(token)
+            lp = None if logprobs is None else [logprobs]
+            num_output = len(tokens) - request.num_prompt_tokens
+            reason = self._took(request, token, num_output, now)
+            if reason is None:
+                outputs.append(TokenOutput(request.request_id, [token], lp, request.num_prompt_tokens, num_output))
+            else:
+                outputs.append(self.finish(request, reason, [token], lp))
+        return outputs
 
     def _append_tokens(
         self, request: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None, now: float
