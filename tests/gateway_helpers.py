@@ -4,18 +4,21 @@ cancel's trip (the tiny engines finish 240 tokens in ~70 ms)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
 import signal
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from runtime.gateway.errors import GatewayError
+from runtime.gateway.exchange import Exchange
 from runtime.gateway.process import GatewayProcess
 from runtime.serve.launcher import ServerConfig, TritonServer, free_port
 
@@ -132,3 +135,32 @@ def admin(gateway: GatewayProcess, method: str, path: str, body: dict | None = N
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
+
+
+class FreeSlot:
+    """An admission slot that is always granted (what Exchange.start waits on)."""
+
+    async def __aenter__(self) -> float:
+        return 0.0
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+def stream_exchange(make: Callable[[], Exchange]) -> tuple[list[str], GatewayError | None]:
+    """Run the exchange `make` builds (on the loop) to its end: its deltas' texts, and the error that ended it."""
+
+    async def go() -> tuple[list[str], GatewayError | None]:
+        exchange = make()
+        await exchange.start(FreeSlot())
+        texts: list[str] = []
+        try:
+            async for event in exchange.events():
+                texts.append(event.delta.text)
+        except GatewayError as exc:
+            return texts, exc
+        finally:
+            await exchange.close()
+        return texts, None
+
+    return asyncio.run(go())

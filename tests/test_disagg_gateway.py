@@ -6,7 +6,6 @@ to a second reader, and the clear error when nothing is left."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 from collections.abc import AsyncIterator
@@ -30,6 +29,7 @@ from runtime.gateway.routing import EXPLICIT, GatewayConfig, RouteDecision, Rout
 from runtime.gateway.service import Gateway, GatewaySettings
 from runtime.gateway.upstream import KV_TRANSFER_CODE, classify
 from runtime.gateway.wire import Delta, GenerateRequest, build_request, parse_response
+from tests.gateway_helpers import stream_exchange
 
 LAYOUT = KVLayout(num_layers=2, block_size=8, kv_width=16, num_kv_heads=2, dtype="float32", kv_cache_dtype="auto")
 
@@ -183,29 +183,12 @@ def run(prefill: list[Fake], decode: list[Fake], both: list[Fake]) -> tuple[list
                                  both=make("b", both) if both else None)  # fmt: skip
     pools = disagg.role_pools()
 
-    async def go() -> tuple[list[str], GatewayError | None]:
-        exchange = Exchange(RouteDecision("m", EXPLICIT), pools, Router(config), [GenerateRequest("Hi", None, {})],
-                            True, False, disagg={"m": disagg})  # fmt: skip
-
-        class Slot:
-            async def __aenter__(self) -> float:
-                return 0.0
-
-            async def __aexit__(self, *exc: object) -> None:
-                return None
-
-        await exchange.start(Slot())
-        texts: list[str] = []
-        try:
-            async for event in exchange.events():
-                texts.append(event.delta.text)
-        except GatewayError as exc:
-            return texts, exc
-        finally:
-            await exchange.close()
-        return texts, None
-
-    texts, error = asyncio.run(go())
+    request = [GenerateRequest("Hi", None, {})]
+    texts, error = stream_exchange(
+        lambda: Exchange(
+            RouteDecision("m", EXPLICIT), pools, Router(config), request, True, False, disagg={"m": disagg}
+        )
+    )
     assert all(r.in_flight == 0 for p in pools.values() for r in p.replicas.values())  # every lease released
     outcomes = {s.labels["outcome"]: s.value for m in metrics.disagg.collect() for s in m.samples
                 if s.name.endswith("_total")}  # fmt: skip

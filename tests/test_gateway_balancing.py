@@ -31,6 +31,7 @@ from runtime.gateway.replicas import (
 )
 from runtime.gateway.routing import EXPLICIT, Backend, GatewayConfig, RouteDecision, Router
 from runtime.gateway.wire import Delta, GenerateRequest
+from tests.gateway_helpers import stream_exchange
 
 A, B, C = "10.0.0.1:8001", "10.0.0.2:8001", "10.0.0.3:8001"
 SYSTEM = "You are a careful assistant. " * 20  # 580 characters: 9 chunks of 64 with its role
@@ -369,28 +370,9 @@ def run_exchange(upstreams: list[FakeUpstream], max_attempts: int = 3) -> tuple[
         p.replicas[upstream.url].upstream = upstream  # type: ignore[assignment]
     config = GatewayConfig({"m": Backend("m", "h:1")})
 
-    async def go() -> tuple[list[str], GatewayError | None]:
-        exchange = Exchange(RouteDecision("m", EXPLICIT), {"m": p}, Router(config), [chat("s", "u")], True, False)
-
-        class Slot:
-            async def __aenter__(self) -> float:
-                return 0.0
-
-            async def __aexit__(self, *exc: object) -> None:
-                return None
-
-        await exchange.start(Slot())
-        texts: list[str] = []
-        try:
-            async for event in exchange.events():
-                texts.append(event.delta.text)
-        except GatewayError as exc:
-            return texts, exc
-        finally:
-            await exchange.close()
-        return texts, None
-
-    result = asyncio.run(go())
+    result = stream_exchange(
+        lambda: Exchange(RouteDecision("m", EXPLICIT), {"m": p}, Router(config), [chat("s", "u")], True, False)
+    )
     assert [r.in_flight for r in p.replicas.values()] == [0] * len(upstreams)  # every lease released
     return result
 
