@@ -31,6 +31,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 HANDLE_VERSION = 1
+HANDOFF = "handoff"  # the finish reason of a prefill-only request that handed its KV on (runtime/engine/disagg.py)
+# A decode worker could not read a prefill worker's KV: the prefix of its error (runtime/triton_model/kv_door.py),
+# which the gateway answers by re-prefilling the request elsewhere (runtime/gateway/upstream.py, disagg.py).
+KV_TRANSFER_FAILED = "kv transfer failed"
 LAYOUT_ORDER = "layers,kv,blocks,block_size,kv_width"  # the CPU and torch pools' axis order (executors/kv_pool.py)
 
 

@@ -254,7 +254,8 @@ class Limits:
 
     @property
     def max_messages_bytes(self) -> int:
-        # Each content character is at most 6 bytes of JSON ("\\uXXXX"), plus each message's keys and role.
+        # Each content character is at most 6 bytes of JSON (a \\u escape and 4 hex digits), plus each
+        # message's keys and role.
         return 6 * self.max_prompt_chars + 256 * self.max_messages
 
 

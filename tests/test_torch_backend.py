@@ -109,6 +109,21 @@ def test_steps_match_hf_and_ort(wide):
             np.testing.assert_allclose(row, ref[chunk.past_len + len(chunk.token_ids) - 1], atol=ATOL)
 
 
+def run_cached_prefix(engine: Path, kind: str, prompts: list[list[int]],
+                      params: SamplingParams) -> tuple[list[list[int]], LLMEngine]:  # fmt: skip
+    """Each prompt's tokens through LLMEngine(backend=kind) with 16-token steps and 8 KV blocks: the first
+    prompt alone, the others once its blocks are cached; and the engine."""
+    llm = LLMEngine(engine, EngineArgs(backend=kind, num_kv_blocks=8, max_num_batched_tokens=16, itl_target_ms=None))
+    tokens: dict[str, list[int]] = {}
+    ids = [llm.add_request(prompts[0], params)]
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+        if len(ids) == 1 and tokens:  # the first prompt's blocks are cached by now
+            ids += [llm.add_request(p, params) for p in prompts[1:]]
+    return [tokens[i] for i in ids], llm
+
+
 def test_engine_greedy_matches_hf_and_ort(wide):
     """Through LLMEngine(backend="torch"): 16-token steps chunk the prompts, the third prompt
     shares the first one's two full blocks (a prefix-cache hit), and 8 KV blocks cannot hold the
@@ -120,24 +135,14 @@ def test_engine_greedy_matches_hf_and_ort(wide):
     prompts = [first, second, first[:16] + tail]
     params = SamplingParams(temperature=0.0, max_tokens=10)
 
-    def run(kind: str) -> tuple[list[list[int]], LLMEngine]:
-        llm = LLMEngine(engine, EngineArgs(backend=kind, num_kv_blocks=8, max_num_batched_tokens=16,
-                                           itl_target_ms=None))  # fmt: skip
-        assert type(llm.backend).__name__ == {"torch": "TorchBackend", "graph": "OrtGraphBackend"}[kind]
-        tokens: dict[str, list[int]] = {}
-        ids = [llm.add_request(prompts[0], params)]
-        while llm.has_unfinished_requests():
-            for out in llm.step():
-                tokens.setdefault(out.request_id, []).extend(out.token_ids)
-            if len(ids) == 1 and tokens:  # the first prompt's blocks are cached by now
-                ids += [llm.add_request(p, params) for p in prompts[1:]]
-        return [tokens[i] for i in ids], llm
-
-    got, llm = run("torch")
+    got, llm = run_cached_prefix(engine, "torch", prompts, params)
+    assert type(llm.backend).__name__ == "TorchBackend"
     stats = llm.stats()
     assert stats.preemptions >= 1 and stats.prefix_cache_hits >= 1, stats
     assert got == [hf_greedy(model, p, 10, tuple(llm.eos_token_ids)) for p in prompts]
-    assert run("graph")[0] == got
+    ort_tokens, ort = run_cached_prefix(engine, "graph", prompts, params)
+    assert type(ort.backend).__name__ == "OrtGraphBackend"
+    assert ort_tokens == got
 
 
 @pytest.mark.parametrize(("name", "method"), [("tiny-qwen2", "int4-rtn"), ("tiny-llama", "fp8")])

@@ -20,18 +20,14 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported (triton.jit reads it)
 
-from engine_format import EngineConfig, EngineLoadError  # noqa: E402
+from engine_format import EngineConfig  # noqa: E402
 from executors import create_backend  # noqa: E402
 from executors.base import SequenceChunk  # noqa: E402
 from executors.greedy import greedy_generate  # noqa: E402
 from executors.sampling import SamplingParams  # noqa: E402
-from runtime.engine.engine_args import EngineArgs  # noqa: E402
-from runtime.engine.llm_engine import LLMEngine  # noqa: E402
 from tests.helpers import random_prompts  # noqa: E402
 from tests.test_kv_quant_engine import LOOSE, _build, _gate  # noqa: E402
-
-ATOL = 1e-4  # as tests/test_torch_backend.py: float32 on both sides
-DEVICE = "cuda" if CUDA else "cpu"
+from tests.test_torch_backend import ATOL, run_cached_prefix, torch_backend  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["int8", "fp8"])
@@ -40,15 +36,6 @@ def kv_engine(request, tmp_path_factory) -> Path:
     engine = root / "engine"
     _build(engine, request.param, _gate(root, LOOSE))
     return engine
-
-
-def torch_backend(engine: Path, num_blocks: int = 64, **kwargs):
-    from executors.torch import TorchBackend
-
-    try:
-        return TorchBackend(EngineConfig.load(engine), num_blocks, device=DEVICE, **kwargs)
-    except EngineLoadError as exc:  # on a GPU machine, after another module switched Triton to its interpreter
-        pytest.skip(f"run this file in its own pytest process: {exc}")
 
 
 def test_steps_match_the_cpu_backend_and_write_its_bytes(kv_engine):
@@ -95,23 +82,11 @@ def test_engine_with_prefix_caching_and_preemption_matches_the_cpu_engine(kv_eng
     prompts = [first, second, first[:16] + tail]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
-    def run(kind: str) -> tuple[list[list[int]], LLMEngine]:
-        llm = LLMEngine(kv_engine, EngineArgs(backend=kind, num_kv_blocks=8, max_num_batched_tokens=16,
-                                              itl_target_ms=None))  # fmt: skip
-        tokens: dict[str, list[int]] = {}
-        ids = [llm.add_request(prompts[0], params)]
-        while llm.has_unfinished_requests():
-            for out in llm.step():
-                tokens.setdefault(out.request_id, []).extend(out.token_ids)
-            if len(ids) == 1 and tokens:  # the first prompt's blocks are cached by now
-                ids += [llm.add_request(p, params) for p in prompts[1:]]
-        return [tokens[i] for i in ids], llm
-
-    got, llm = run("torch")
+    got, llm = run_cached_prefix(kv_engine, "torch", prompts, params)
     assert type(llm.backend).__name__ == "TorchBackend"
     stats = llm.stats()
     assert stats.preemptions >= 1 and stats.prefix_cache_hits >= 1, stats
-    assert got == run("cpu")[0]
+    assert got == run_cached_prefix(kv_engine, "cpu", prompts, params)[0]
 
 
 def test_decode_buckets_over_a_quantized_pool_match_eager(kv_engine):

@@ -64,6 +64,12 @@ class SamplingState:
         """append() must see every kept token: penalty counts or a grammar's matcher depend on them."""
         return self.penalized or self.grammar is not None
 
+    @property
+    def host_sampled(self) -> bool:
+        """Its tokens must be sampled from host state holding every earlier token (penalties, a grammar) or
+        come back with logprobs: never left on the device for an overlapped step."""
+        return self.tracks_tokens or self.params.logprobs is not None
+
     def append(self, token_id: int) -> None:
         """Record a generated token (updates the penalty counts; advances the grammar's matcher)."""
         if self.grammar is not None:

@@ -51,7 +51,7 @@ class TorchSampler:
     def sample_on_device(self, logits: torch.Tensor, rows: Sequence[SamplingState | None]) -> torch.Tensor:
         """`sample_rows`' tokens left on the device ([B] int64, -1 where rows[i] is None), for an overlapped step:
         nothing is read back. Rows without penalties, grammars or logprobs only (their host state would lag)."""
-        if any(r is not None and (r.tracks_tokens or r.params.logprobs is not None) for r in rows):
+        if any(r is not None and r.host_sampled for r in rows):
             raise ValueError("a row with penalties, a grammar or logprobs is sampled with sample_rows, not left on "
                              "the device")  # fmt: skip
         picked = [i for i, r in enumerate(rows) if r is not None]

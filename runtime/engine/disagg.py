@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine_format import EngineConfig
-from engine_format.kv_handle import KVHandle
+from engine_format import EngineConfig, ceil_div
+from engine_format.kv_handle import HANDOFF, KVHandle
 from engine_format.kv_identity import kv_identity, kv_layout
 from executors.kv_transfer import KVConnector, KVTransferError, create_connector, kv_memory
 from runtime.engine.engine_args import ROLES
@@ -42,7 +42,6 @@ from runtime.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
-HANDOFF = "handoff"  # finish reason of a prefill-only request that handed its KV on
 REAP_INTERVAL_S = 0.02
 
 __all__ = ["HANDOFF", "Disagg", "DisaggStats", "KVTransferError"]
@@ -131,11 +130,9 @@ class Disagg:
         result = []
         for out in outputs:
             request = self.requests.get(out.request_id)
-            if out.request_id not in self._exports or request is None or out.finish_reason is not None:
-                if (
-                    out.finish_reason is not None
-                ):  # ended on its first token (stop, length) or failed: nothing to hand on
-                    self._exports.discard(out.request_id)
+            if out.finish_reason is not None:  # ended on its first token (stop, length) or failed: nothing to hand
+                self._exports.discard(out.request_id)
+            if out.finish_reason is not None or out.request_id not in self._exports or request is None:
                 result.append(out)
                 continue
             self._exports.discard(out.request_id)
@@ -175,7 +172,7 @@ class Disagg:
     def _pin(self, request: Request) -> KVHandle:
         assert self.connector is not None, "role prefill has a connector"
         num_prompt = request.num_prompt_tokens
-        blocks = request.block_ids[: -(-num_prompt // self.block_size)]
+        blocks = request.block_ids[: ceil_div(num_prompt, self.block_size)]
         handle_id = uuid.uuid4().hex
         self.pins.pin(handle_id, blocks)
         return KVHandle(

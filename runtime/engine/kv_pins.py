@@ -59,10 +59,6 @@ class KVPins:
         self.expired += len(late)
         return len(late)
 
-    def release_all(self) -> None:
-        for handle_id in list(self._pins):
-            self._unpin(self._pins.pop(handle_id))
-
     @property
     def num_blocks(self) -> int:
         """Block references pinned (a block pinned for two handles counts twice)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from executors.sampling import SamplingParams, TokenLogprobs
@@ -36,7 +36,6 @@ class _Text:
     stream: DetokenizedStream
     logprob_context: list[int]  # the last few tokens: logprobs' candidates are decoded after them
     num_output_tokens: int = 0  # delivered (tokens the core computed past a stop string are not)
-    stops: bool = field(default=False)  # has stop strings: the core cannot finish it by its text
 
 
 class OutputProcessor:
@@ -52,7 +51,7 @@ class OutputProcessor:
                                    include_stop_str_in_output=params.include_stop_str_in_output,
                                    skip_special_tokens=params.skip_special_tokens)  # fmt: skip
         with self._lock:
-            self._texts[request_id] = _Text(stream, list(prompt_ids[-LOGPROB_CONTEXT_TOKENS:]), stops=bool(params.stop))
+            self._texts[request_id] = _Text(stream, list(prompt_ids[-LOGPROB_CONTEXT_TOKENS:]))
 
     def process(self, outputs: Sequence[TokenOutput]) -> list[RequestOutput]:
         done = []

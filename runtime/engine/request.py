@@ -104,7 +104,7 @@ class Request:
     def host_sampled(self) -> bool:
         """Its tokens are sampled from host state that must hold every earlier token: penalties (counts),
         logprobs or a grammar's matcher. Such a request keeps the engine's steps from overlapping."""
-        return self.sampling.tracks_tokens or self.params.logprobs is not None
+        return self.sampling.host_sampled
 
     @property
     def is_finished(self) -> bool:

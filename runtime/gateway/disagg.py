@@ -24,14 +24,13 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
-from engine_format.kv_handle import KVHandleError, with_recompute
+from engine_format.kv_handle import HANDOFF, KVHandleError, with_recompute
 from runtime.gateway.errors import GatewayError
 from runtime.gateway.replicas import ReplicaPool
 from runtime.gateway.wire import Delta, GenerateRequest
 
 log = logging.getLogger(__name__)
 
-HANDOFF = "handoff"  # the prefill worker's finish reason when it hands the request on (runtime/engine/disagg.py)
 RETRYABLE = frozenset({429, 502, 503})
 
 

@@ -10,6 +10,7 @@ passes here is not refused upstream for its parameters.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, PrivateAttr, model_validator
@@ -172,9 +173,9 @@ class Generation(GuidedExtras):
     def prompt_chars(self) -> int:
         return sum(len(p or "") + sum(len(m["content"]) for m in ms or []) for p, ms in self._inputs())
 
+    @abstractmethod  # pydantic's model metaclass is an ABCMeta: a Generation itself cannot be built
     def _inputs(self) -> list[tuple[str | None, list[dict[str, Any]] | None]]:
         """(prompt, messages) per prompt."""
-        raise NotImplementedError
 
     def upstream_requests(self, cache_salt: str | None = None) -> list[GenerateRequest]:
         """One upstream generation per choice, n per prompt; choice j of a prompt samples with seed + j

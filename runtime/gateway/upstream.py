@@ -29,6 +29,7 @@ import grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
+from engine_format.kv_handle import KV_TRANSFER_FAILED
 from engine_format.serving import DRAINING, ENGINE_STOPPED, HEALTH_PARAMETER
 from runtime.gateway.errors import GatewayError
 from runtime.gateway.wire import Delta, GenerateRequest, build_request, parse_response
@@ -51,9 +52,6 @@ STUB_DEAD = "is not healthy"  # Triton's words for a Python-backend model whose 
 UNAVAILABLE = ("unknown model", "is not ready", STUB_DEAD, ENGINE_STOPPED)
 DEAD = (STUB_DEAD, ENGINE_STOPPED)
 DRAINING_CODE = "backend_draining"  # the model's drain (engine_format/serving.py): it will not come back
-# A decode worker could not read a prefill worker's KV (runtime/triton_model/kv_door.py's words): the decode
-# worker is fine, the request is re-prefilled elsewhere (runtime/gateway/disagg.py).
-KV_TRANSFER_FAILED = "kv transfer failed"
 KV_TRANSFER_CODE = "kv_transfer_failed"
 
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
+from engine_format.kv_handle import KV_TRANSFER_FAILED
 from runtime import AsyncLLM
 from runtime.engine.disagg import KVTransferError
 from runtime.triton_model.inputs import ParsedRequest
-
-KV_TRANSFER_FAILED = "kv transfer failed"  # the gateway's marker (runtime/gateway/upstream.py)
 
 __all__ = ["KV_TRANSFER_FAILED", "KVTransferError", "disaggregated", "transfer_failure"]
 
