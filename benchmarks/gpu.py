@@ -28,7 +28,7 @@ from pathlib import Path
 
 import click
 
-PARTS = ("kernels", "graphs", "tests", "bench", "engine")
+PARTS = ("kernels", "graphs", "engine", "bench", "tests")  # the order they run in: the most wanted first
 GPU_TESTS = (
     "tests/test_torch_backend.py",
     "tests/test_torch_sampler.py",
@@ -71,7 +71,8 @@ def main(out: Path, parts: str, dry_run: bool, part_timeout_s: int) -> None:
 def _commands(part: str, out: Path, dry_run: bool) -> list[tuple[str, list[str]]]:
     python = sys.executable
     if part == "kernels":
-        return [("kernels", [python, "-m", "plugins_cuda.check", "--no-bench", *(["--interpret"] if dry_run else [])])]
+        check = [python, "-m", "plugins_cuda.check", "--no-bench", "--out", str(out / "kernels")]
+        return [("kernels", check + (["--interpret"] if dry_run else []))]
     if part == "graphs":
         graphs = [python, "-m", "plugins_cuda.graph_check", "--out", str(out / "graphs")]
         return [("graphs", graphs + (["--dry-run"] if dry_run else []))]

@@ -5,8 +5,11 @@ process). A random-weight model of the shape is written, built into an engine, t
   scheduling, warmed up at start), 256 requests of 256 random prompt tokens -> 128 tokens each, EOS ignored,
   all arriving at once; the loop is `step_tokens()`, as served (text is made on another thread);
 - HF eager `generate` in bfloat16, static batches of 64, the same prompts;
-- a single stream: one 256-token prompt -> 128 tokens, TTFT and TPOT.
-Each figure is one timed run after the warm-up. `--dry-run`: a two-layer toy on the CPU, a few requests.
+- a single stream: one 256-token prompt -> 128 tokens on a just-started engine, TTFT and TPOT;
+- both again under torch.profiler (other prompts): the GPU's busy share of the wall time and its kernel
+  time per step, against the step's wall time.
+Each figure is one timed run after the warm-up (`start_s`: the engine's start, warm-up included).
+`--dry-run`: a two-layer toy on the CPU, a few requests.
 """
 
 from __future__ import annotations
@@ -56,33 +59,53 @@ def checkpoint(shape: str, out: Path) -> Path:
     return out
 
 
-def trtserve(engine_dir: Path, prompts: list[list[int]], out_len: int, device: str) -> dict:
-    from executors.sampling import SamplingParams
+def start_engine(engine_dir: Path, max_num_seqs: int, max_len: int, device: str):
+    """LLMEngine over the torch backend as served; returns it and its start time (warm-up included)."""
     from runtime.engine.engine_args import EngineArgs
     from runtime.engine.llm_engine import LLMEngine
 
-    dtype = "bfloat16" if device == "cuda" else "float32"
-    per_seq = math.ceil((max(len(p) for p in prompts) + out_len) / 16) + 1
+    started = time.perf_counter()
     engine = LLMEngine(
         engine_dir,
         EngineArgs(
             backend="torch",
-            dtype=dtype,
-            max_num_seqs=len(prompts),
+            dtype="bfloat16" if device == "cuda" else "float32",
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=2048,
-            num_kv_blocks=len(prompts) * per_seq,
+            num_kv_blocks=max_num_seqs * (math.ceil(max_len / 16) + 1),
         ),
     )
+    return engine, round(time.perf_counter() - started, 1)
+
+
+def trtserve(engine, prompts: list[list[int]], out_len: int, device: str, profile: bool = False) -> dict:
+    """One timed run of `prompts` (all arriving at once, greedy, EOS ignored). `profile`: the same under
+    torch.profiler, for the GPU's busy share and its kernel time per step."""
+    from executors.sampling import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    if not profile:
+        return _timed_run(engine, prompts, params, out_len)
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        result = _timed_run(engine, prompts, params, out_len)
+    return {**result, **_device_share(prof, result)}
+
+
+def _timed_run(engine, prompts: list[list[int]], params, out_len: int) -> dict:
     _sync()
     start = time.perf_counter()
     for p in prompts:
         engine.add_request(p, params)
     first: dict[str, float] = {}
     done: dict[str, float] = {}
-    tokens = 0
+    tokens = steps = 0
     while engine.has_unfinished_requests():
         outs = engine.step_tokens()
+        steps += 1
         now = time.perf_counter() - start
         for o in outs:
             if o.finish_reason == "error":
@@ -99,8 +122,28 @@ def trtserve(engine_dir: Path, prompts: list[list[int]], out_len: int, device: s
         "out_tok_s": round(tokens / wall, 1),
         "wall_s": round(wall, 3),
         "tokens": tokens,
+        "steps": steps,
         "ttft_p50_ms": round(1e3 * float(np.median(ttft)), 2),
         "tpot_p50_ms": round(1e3 * float(np.median(tpot)), 3),
+    }
+
+
+def _device_share(prof, result: dict) -> dict:
+    """The GPU's kernel and copy time (CUDA-graph replays' kernels included, as CUPTI reports them) over the
+    run's wall time, summed as torch's profiler table sums its "Self CUDA" column. Mostly one stream, so the
+    sum is about the time the GPU was busy."""
+    from torch.autograd import DeviceType
+
+    device_us = sum(
+        e.self_device_time_total
+        for e in prof.key_averages()
+        if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+    )
+    wall_us, steps = result["wall_s"] * 1e6, max(result["steps"], 1)
+    return {
+        "gpu_busy_share": round(device_us / wall_us, 3),
+        "device_ms_per_step": round(device_us / 1e3 / steps, 3),
+        "wall_ms_per_step": round(wall_us / 1e3 / steps, 3),
     }
 
 
@@ -160,12 +203,23 @@ def main(shape: str, out: Path, dry_run: bool) -> None:
         vocab = min(SHAPES.get(shape, (0,) * 6 + (512,))[6], 32000)
         rng = np.random.default_rng(0)
         prompts = [rng.integers(3, vocab, prompt_len).tolist() for _ in range(n)]
-        result["trtserve"] = trtserve(engine, prompts, out_len, device)
-        out.write_text(json.dumps(result, indent=2) + "\n")  # kept if what follows fails
-        result["single_stream"] = trtserve(engine, prompts[:1], out_len, device)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        save = lambda: out.write_text(json.dumps(result, indent=2) + "\n")  # noqa: E731 - kept if what follows fails
+        batched, result["start_s"] = start_engine(engine, n, prompt_len + out_len, device)
+        result["trtserve"] = trtserve(batched, prompts, out_len, device)
+        save()
+        single, result["single_start_s"] = start_engine(engine, 1, prompt_len + out_len, device)
+        result["single_stream"] = trtserve(single, prompts[:1], out_len, device)  # the first request after start
+        save()
         result["hf_eager"] = hf_eager(ckpt, prompts, out_len, batch, device)
         result["speedup_vs_hf"] = round(result["trtserve"]["out_tok_s"] / result["hf_eager"]["out_tok_s"], 2)
+        save()
+        fresh = [rng.integers(3, vocab, prompt_len).tolist() for _ in range(n)]  # no prefix-cache hits
+        for name, runner, group in (("profiled_single", single, fresh[:1]), ("profiled_batch", batched, fresh)):
+            try:  # the profiler is a diagnostic: a failure here keeps the figures above
+                result[name] = trtserve(runner, group, out_len, device, profile=True)
+            except Exception as exc:
+                result[name] = {"error": repr(exc)[:500]}
+            save()
     out.write_text(json.dumps(result, indent=2) + "\n")
     click.echo(json.dumps(result))
 

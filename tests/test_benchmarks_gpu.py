@@ -24,6 +24,8 @@ def test_gpu_check_dry_run_writes_each_part(tmp_path):
     measured = json.loads((tmp_path / "engine-tiny.json").read_text())
     assert measured["trtserve"]["tokens"] == 4 * 8 and measured["single_stream"]["tokens"] == 8
     assert measured["hf_eager"]["out_tok_s"] > 0
+    profiled = measured["profiled_batch"]  # on the CPU no kernel runs on a device: a zero busy share
+    assert profiled["tokens"] == 4 * 8 and profiled["gpu_busy_share"] == 0.0 and profiled["wall_ms_per_step"] > 0
 
 
 def test_host_overhead_times_the_core_step_and_the_text_apart(llama_engine):
