@@ -176,52 +176,72 @@ def hf_eager(checkpoint_dir: Path, prompts: list[list[int]], out_len: int, batch
 @click.option("--shape", required=True, type=click.Choice([*SHAPES, "tiny"]))
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False), required=True)
 @click.option("--dry-run", is_flag=True)
-def main(shape: str, out: Path, dry_run: bool) -> None:
+@click.option(
+    "--workdir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Keep the checkpoint and engine here and reuse them if built (default: a temporary directory).",
+)
+@click.option("--build-only", is_flag=True, help="Write the checkpoint and build the engine, time nothing.")
+def main(shape: str, out: Path, dry_run: bool, workdir: Path | None, build_only: bool) -> None:
     import os
 
     import torch
 
     if dry_run or not torch.cuda.is_available():  # the kernels in Triton's interpreter, set before they load
         os.environ["TRITON_INTERPRET"] = "1"
-    from builder.build import BuildOptions, build_engine
-
     device = "cuda" if torch.cuda.is_available() and not dry_run else "cpu"
     n, prompt_len, out_len, batch = (4, 16, 8, 2) if dry_run else (256, 256, 128, 64)
-    result: dict = {
-        "shape": shape,
-        "device": device,
-        "requests": n,
-        "prompt_tokens": prompt_len,
-        "output_tokens": out_len,
-    }
+    result: dict = {"shape": shape, "device": device, "requests": n, "prompt_tokens": prompt_len,
+                    "output_tokens": out_len}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = checkpoint(shape, Path(tmp) / "checkpoint")
-        engine = Path(tmp) / "engine"
-        start = time.perf_counter()
-        build_engine(BuildOptions(model=str(ckpt), output=engine, max_batch_size=n, max_seq_len=1024, block_size=16))
-        result["build_s"] = round(time.perf_counter() - start, 1)
-        vocab = min(SHAPES.get(shape, (0,) * 6 + (512,))[6], 32000)
-        rng = np.random.default_rng(0)
-        prompts = [rng.integers(3, vocab, prompt_len).tolist() for _ in range(n)]
-        save = lambda: out.write_text(json.dumps(result, indent=2) + "\n")  # noqa: E731 - kept if what follows fails
-        batched, result["start_s"] = start_engine(engine, n, prompt_len + out_len, device)
-        result["trtserve"] = trtserve(batched, prompts, out_len, device)
-        save()
-        single, result["single_start_s"] = start_engine(engine, 1, prompt_len + out_len, device)
-        result["single_stream"] = trtserve(single, prompts[:1], out_len, device)  # the first request after start
-        save()
-        result["hf_eager"] = hf_eager(ckpt, prompts, out_len, batch, device)
-        result["speedup_vs_hf"] = round(result["trtserve"]["out_tok_s"] / result["hf_eager"]["out_tok_s"], 2)
-        save()
-        fresh = [rng.integers(3, vocab, prompt_len).tolist() for _ in range(n)]  # no prefix-cache hits
-        for name, runner, group in (("profiled_single", single, fresh[:1]), ("profiled_batch", batched, fresh)):
-            try:  # the profiler is a diagnostic: a failure here keeps the figures above
-                result[name] = trtserve(runner, group, out_len, device, profile=True)
-            except Exception as exc:
-                result[name] = {"error": repr(exc)[:500]}
-            save()
+        ckpt, engine = prepare(shape, workdir or Path(tmp), n, result)
+        if not build_only:
+            measure(shape, ckpt, engine, (n, prompt_len, out_len, batch), device, result, out)
     out.write_text(json.dumps(result, indent=2) + "\n")
     click.echo(json.dumps(result))
+
+
+def prepare(shape: str, workdir: Path, max_batch: int, result: dict) -> tuple[Path, Path]:
+    """The random-weight checkpoint and its engine under `workdir`, built unless already there."""
+    from builder.build import BuildOptions, build_engine
+
+    ckpt, engine = workdir / "checkpoint", workdir / "engine"
+    if not (engine / "manifest.json").exists():
+        start = time.perf_counter()
+        checkpoint(shape, ckpt)
+        build_engine(BuildOptions(model=str(ckpt), output=engine, max_batch_size=max_batch, max_seq_len=1024,
+                                  block_size=16))  # fmt: skip
+        result["build_s"] = round(time.perf_counter() - start, 1)
+    return ckpt, engine
+
+
+def measure(shape: str, ckpt: Path, engine: Path, sizes: tuple[int, int, int, int], device: str, result: dict,
+            out: Path) -> None:  # fmt: skip
+    n, prompt_len, out_len, batch = sizes
+    vocab = min(SHAPES.get(shape, (0,) * 6 + (512,))[6], 32000)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, vocab, prompt_len).tolist() for _ in range(n)]
+
+    def save() -> None:  # after each figure: kept if what follows fails
+        out.write_text(json.dumps(result, indent=2) + "\n")
+
+    batched, result["start_s"] = start_engine(engine, n, prompt_len + out_len, device)
+    result["trtserve"] = trtserve(batched, prompts, out_len, device)
+    save()
+    single, result["single_start_s"] = start_engine(engine, 1, prompt_len + out_len, device)
+    result["single_stream"] = trtserve(single, prompts[:1], out_len, device)  # the first request after start
+    save()
+    result["hf_eager"] = hf_eager(ckpt, prompts, out_len, batch, device)
+    result["speedup_vs_hf"] = round(result["trtserve"]["out_tok_s"] / result["hf_eager"]["out_tok_s"], 2)
+    save()
+    fresh = [rng.integers(3, vocab, prompt_len).tolist() for _ in range(n)]  # no prefix-cache hits
+    for name, runner, group in (("profiled_single", single, fresh[:1]), ("profiled_batch", batched, fresh)):
+        try:  # the profiler is a diagnostic: a failure here keeps the figures above
+            result[name] = trtserve(runner, group, out_len, device, profile=True)
+        except Exception as exc:
+            result[name] = {"error": repr(exc)[:500]}
+        save()
 
 
 if __name__ == "__main__":
