@@ -125,8 +125,8 @@ class TorchBackend:
         buckets = self.graphs.buckets if self.graphs is not None else (1,)
         for batch in (b for b in buckets if b <= max_num_seqs):
             self._logits([SequenceChunk([0], bs, table[:2]) for _ in range(batch)])
-        length = 1
-        while length <= min(max_num_batched_tokens, self.config.max_seq_len - 1):
+        length, longest = 1, min(max_num_batched_tokens, self.config.max_seq_len - 1, len(table) * bs)
+        while length <= longest:  # a chunk longer than the pool holds is never sent
             self._logits([SequenceChunk([0] * length, 0, table[: -(-length // bs)])])
             length *= 2
         torch.cuda.synchronize(self.device)
