@@ -73,7 +73,8 @@ def environment() -> dict:
         "import json, platform, numpy, torch, triton\n"
         "p = torch.cuda.get_device_properties(0)\n"
         "print(json.dumps({'gpu': p.name, 'sms': p.multi_processor_count, 'capability': '%d.%d' % (p.major, p.minor),"
-        " 'memory_gib': round(p.total_memory / 2**30, 1), 'driver': getattr(torch._C, '_cuda_getDriverVersion', lambda: None)(),"
+        " 'memory_gib': round(p.total_memory / 2**30, 1),"
+        " 'driver': getattr(torch._C, '_cuda_getDriverVersion', lambda: None)(),"
         " 'cuda': torch.version.cuda, 'torch': torch.__version__, 'triton': triton.__version__,"
         " 'numpy': numpy.__version__, 'python': platform.python_version()}))\n"
     )
