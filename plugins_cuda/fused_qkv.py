@@ -15,20 +15,18 @@ weight read over every SM; `prefill`, 64-token tiles that read the weights a qua
 often. They are the plugin's two tactics: TensorRT times them and keeps the faster
 (plugins_cuda/trt_plugins.py; whether it picks per optimization profile is unverified).
 
-Why fused, not norm and RoPE around a GEMM: decode (the steady state) is weight-bandwidth
-bound, and the decode tiles read W once per 16 tokens at full column parallelism, saving the
-normalized-x and qkv round trips and two launches per layer (5.6x the unfused torch sequence
-at 32 tokens on an H200). Long prefills are compute bound, where one untuned Triton tile loses
-to cuBLAS (0.94x at 2,048 tokens with the prefill tiles, 0.18x with the decode tiles): the
-torch launcher therefore picks by token count (`default_tactic`): the fused decode tiles up to
-FUSED_MAX_TOKENS, above that the GEMM tactic (plugins_cuda/prologue_gemm.py: cuBLAS matmul with
-RMSNorm and bias + RoPE fused around it). The TensorRT plugin keeps its two fused tactics; the
-GEMM tactic there would be RMSNorm + MatMul left to TensorRT with a RoPE epilogue plugin (a
-plugin-graph change, not made).
+Why the torch launcher uses neither: fusing saves the normalized-x and qkv round trips and two
+launches a layer, but one Triton tile loses to cuBLAS at every token count measured on an H100
+(hidden 4,096, 32/8 heads, bf16, CUDA-graph replays; benchmarks/results/gpu-h100-2026-11-26): the
+GEMM tactic (plugins_cuda/prologue_gemm.py: cuBLAS matmul with RMSNorm and bias + RoPE fused
+around it) takes 27 µs at 1-65 tokens and 184 µs at 2,048, the fused decode tiles 53-147 µs and
+2,664 µs. So `default_tactic` is the GEMM tactic at every count (smaller hidden sizes were not
+measured). The TensorRT plugin keeps its two fused tactics; the GEMM tactic there would be
+RMSNorm + MatMul left to TensorRT with a RoPE epilogue plugin (a plugin-graph change, not made).
 
 Weights: float16, bfloat16 or float32 (the calibrated INT4/FP8 formats keep their Q/DQ
-MatMul in TensorRT and bypass this plugin). Verified only under TRITON_INTERPRET=1 and by
-AOT compilation; nothing here has run on a GPU.
+MatMul in TensorRT and bypass this plugin). Every tactic matches its float64 reference on an H100
+(`python -m plugins_cuda.check`) and under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -54,14 +52,12 @@ class PrologueTiles:
 
 
 TACTICS = {"decode": PrologueTiles(16, 16, 128), "prefill": PrologueTiles(64, 64, 64)}
-FUSED_MAX_TOKENS = 64  # measured on an H200: the decode tiles win at 32 tokens (5.6x), cuBLAS at 2,048
 
 
 def default_tactic(tokens: int) -> str:
-    """The torch launcher's choice: the fused decode tiles while the projection is bound by the
-    weight read, else the GEMM tactic (plugins_cuda/prologue_gemm.py: cuBLAS matmul, norm and
-    RoPE fused around it). The fused "prefill" tiles stay the TensorRT plugin's second tactic."""
-    return "decode" if tokens <= FUSED_MAX_TOKENS else "gemm"
+    """The torch launcher's choice: the GEMM tactic, the fastest measured at every token count (module doc).
+    The fused tiles stay the TensorRT plugin's tactics."""
+    return "gemm"
 
 
 def tiles_for(tactic: str, element_bytes: int) -> PrologueTiles:
