@@ -11,6 +11,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# What changes from one torch-backend step to the next: its sizes (rows, block-table width, splits, tokens)
+# and the index arrays it views in one packed step buffer (their 16-byte alignment follows the token
+# count). Triton compiles a variant per divisibility of each (a size of 1 or a multiple of 16, an aligned
+# pointer), so a step kernel is not specialized on them: one launch of each step class then stands for
+# all, and the backend's warm-up compiles every variant before serving (executors/torch/backend.py
+# `warm_up_steps`; checked in tests/test_warm_up_coverage.py). Sizes and index loads gain nothing from it.
+STEP_SIZES = ("max_rows", "table_width", "splits", "step", "tokens")
+STEP_ARRAYS = ("block_tables_ptr", "positions_ptr", "query_start_ptr", "seq_lens_ptr")
+
+
+def step_kernel(fn):
+    """`triton.jit` for a kernel the torch backend launches every step (STEP_SIZES, STEP_ARRAYS)."""
+    return triton.jit(fn, do_not_specialize=STEP_SIZES, do_not_specialize_on_alignment=STEP_ARRAYS)
+
 
 @triton.jit
 def row_offsets(rows, width):

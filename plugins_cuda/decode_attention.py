@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from plugins_cuda.attention_core import attend_rows
-from plugins_cuda.common import row_offsets
+from plugins_cuda.common import row_offsets, step_kernel
 
 MIN_DOT = 16
 MAX_SPLITS = 64
@@ -88,7 +88,7 @@ def split_workspace(parts: int, width: int, device):
     return torch.empty((parts, width), dtype=torch.float32, device=device)
 
 
-@triton.jit
+@step_kernel
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, positions_ptr,  # q [T, Hq*D], positions [T]
     query_start_ptr,  # [B + 1] int32

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from plugins_cuda.aot import compile_kernel, triton_pointer
-from plugins_cuda.common import dot, row_offsets
+from plugins_cuda.common import dot, row_offsets, step_kernel
 
 MIN_DOT = 16
 
@@ -68,7 +68,7 @@ def tiles_for(tactic: str, element_bytes: int) -> PrologueTiles:
     return TACTICS[tactic]
 
 
-@triton.jit
+@step_kernel
 def fused_rmsnorm_qkv_rope_kernel(
     x_ptr,  # [T, H]
     norm_ptr,  # [H]

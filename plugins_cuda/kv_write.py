@@ -17,9 +17,10 @@ import triton
 import triton.language as tl
 
 from plugins_cuda.aot import compile_kernel, triton_pointer
+from plugins_cuda.common import step_kernel
 
 
-@triton.jit
+@step_kernel
 def paged_kv_write_kernel(
     k_ptr,  # [B, S, KV_WIDTH]
     v_ptr,

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from plugins_cuda.aot import compile_kernel, triton_pointer
+from plugins_cuda.common import step_kernel
 from plugins_cuda.kv_codec import encode_fp8, quantize_int8
 
 
@@ -40,7 +41,7 @@ def _write_int8(x_ptr, cache_ptr, scales_ptr, row, slot, NUM_KV_HEADS: tl.conste
     tl.store(scales_ptr + slot * NUM_KV_HEADS + heads, scales, mask=heads < NUM_KV_HEADS)
 
 
-@triton.jit
+@step_kernel
 def paged_kv_write_int8_kernel(
     k_ptr, v_ptr,  # [B, S, KV_WIDTH] float
     k_cache_in_ptr, v_cache_in_ptr,  # int8 [num_blocks, BLOCK_SIZE, KV_WIDTH]; aliased by the outputs, unused
@@ -58,7 +59,7 @@ def paged_kv_write_int8_kernel(
         _write_int8(v_ptr, v_cache_ptr, v_scales_ptr, row, slot, NUM_KV_HEADS, HEAD_DIM, HEADS_PAD, DIM_PAD)
 
 
-@triton.jit
+@step_kernel
 def paged_kv_write_fp8_kernel(
     k_ptr, v_ptr, k_cache_in_ptr, v_cache_in_ptr,  # pools: uint8 E4M3 bits; aliased by the outputs, unused
     block_tables_ptr, positions_ptr, seq_lens_ptr,

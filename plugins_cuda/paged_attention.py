@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from plugins_cuda.common import dot, row_offsets, slot_offsets
+from plugins_cuda.common import dot, row_offsets, slot_offsets, step_kernel
 from plugins_cuda.kv_codec import dequantize
 
 LOG2E = tl.constexpr(1.4426950408889634)  # softmax in base 2: exp2 is the native instruction
@@ -212,7 +212,7 @@ def paged_attention_merge_kernel(
                DECODE_M)  # fmt: skip
 
 
-@triton.jit
+@step_kernel
 def paged_attention_ragged_merge_kernel(
     partials_ptr, query_start_ptr, max_rows, splits, out_ptr,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DECODE_M: tl.constexpr,

@@ -29,6 +29,7 @@ from plugins_cuda.attention_launch import (
     sm_count_of,
     work_items,
 )  # fmt: skip
+from plugins_cuda.common import step_kernel
 
 KV_QUANT = {"int8": 1, "fp8": 2}  # kv_codec.dequantize's KV_QUANT
 
@@ -70,7 +71,7 @@ def paged_attention_fp8_kernel(
                       PREFILL_M, BLOCK_N, 2)  # fmt: skip
 
 
-@triton.jit
+@step_kernel
 def paged_attention_ragged_quant_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, positions_ptr,  # q [T, Hq*D], positions [T]
     query_start_ptr,  # [B + 1] int32: sequence b owns rows query_start[b] .. query_start[b + 1] - 1

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from plugins_cuda.attention_core import attend_rows
+from plugins_cuda.common import step_kernel
 
 SMALL_SMEM_ARCHS = (86, 87, 89, 120)
 
@@ -58,7 +59,7 @@ class PrefillTiles:
         return self.block_m // group
 
 
-@triton.jit
+@step_kernel
 def paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, positions_ptr,  # q [T, Hq*D], positions [T]
     query_start_ptr,  # [B + 1] int32: sequence b owns rows query_start[b] .. query_start[b + 1] - 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from plugins_cuda.common import row_offsets
+from plugins_cuda.common import row_offsets, step_kernel
 
 ROPE_TOKENS = 16  # tokens per program of the RoPE epilogue (one head's D columns each)
 
@@ -32,7 +32,7 @@ def rmsnorm_kernel(x_ptr, norm_ptr, out_ptr, EPS: tl.constexpr, HIDDEN: tl.const
     tl.store(out_ptr + row + cols, (x * rstd * g).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@step_kernel
 def rope_split_kernel(
     qkv_ptr,  # [T, (Hq + 2 Hkv) * D]: the matmul's output
     bias_ptr, cos_ptr, sin_ptr,  # bias [(Hq + 2 Hkv) * D] (unless HAS_BIAS is False); cos/sin [max_pos, D / 2]

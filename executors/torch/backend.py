@@ -107,30 +107,44 @@ class TorchBackend:
             logits = self._run(step, chunks, fill)
             return _Launched(self.sampler.sample_on_device(logits, rows))
 
-    def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> float:
-        """On CUDA, before serving: run a step of every shape class the engine will send, so that no request
-        waits for Triton to compile a kernel or for a decode graph to be captured; returns the seconds it took
-        (0 off CUDA: the interpreter compiles nothing). Decodes: every graph bucket up to `max_num_seqs`.
-        Prefills: one chunk of each power-of-two length up to the step budget (Triton specializes a launch
-        on its integer arguments' divisibility and the tile sizes chosen from the row count). The steps
-        write K/V into the pool's first blocks, which hold nothing yet: a request writes a row before any
-        step reads it."""
-        if self.device.type != "cuda":
+    def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int, interpreted: bool = False) -> float:
+        """On CUDA, before serving: run every step of `warm_up_steps`, so that no request waits for Triton to
+        compile a kernel or for a decode graph to be captured; returns the seconds it took. Off CUDA the
+        interpreter compiles nothing, so it is skipped (0.0) unless `interpreted` (tests: which kernel
+        variants it launches, tests/test_warm_up_coverage.py). The steps write K/V into the pool's first
+        blocks, which hold nothing yet: a request writes a row before any step reads it."""
+        if self.device.type != "cuda" and not interpreted:
             return 0.0
         import time
 
         start = time.perf_counter()
+        for chunks in self.warm_up_steps(max_num_seqs, max_num_batched_tokens):
+            self._logits(chunks)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
+    def warm_up_steps(self, max_num_seqs: int, max_num_batched_tokens: int) -> list[list[SequenceChunk]]:
+        """A step of every kernel variant the engine can launch. Decodes: every graph bucket up to
+        `max_num_seqs` (captured there). Prefills: one chunk of each power-of-two length up to the step
+        budget and the pool (the tile sizes follow the row count). The kernels do not specialize on the
+        step's varying sizes or its index arrays' alignment (their `do_not_specialize` lists), so these
+        stand for every step of their class."""
         bs, width = self.config.block_size, self.config.max_blocks_per_seq
         table = list(range(min(width, self.num_blocks)))
         buckets = self.graphs.buckets if self.graphs is not None else (1,)
-        for batch in (b for b in buckets if b <= max_num_seqs):
-            self._logits([SequenceChunk([0], bs, table[:2]) for _ in range(batch)])
+        steps = [
+            [SequenceChunk([0], bs, table[:2]) for _ in range(batch)] for batch in buckets if batch <= max_num_seqs
+        ]
         length, longest = 1, min(max_num_batched_tokens, self.config.max_seq_len - 1, len(table) * bs)
         while length <= longest:  # a chunk longer than the pool holds is never sent
-            self._logits([SequenceChunk([0] * length, 0, table[: -(-length // bs)])])
+            steps.append([SequenceChunk([0] * length, 0, table[: -(-length // bs)])])
             length *= 2
-        torch.cuda.synchronize(self.device)
-        return time.perf_counter() - start
+        # Uncaptured steps of a few rows (a decode beside a short chunk) take the decode kernel, split or not
+        # by the context: one near the start of a sequence, one at the longest the pool holds.
+        end = min(self.config.max_seq_len, len(table) * bs)
+        steps += [[SequenceChunk([0, 0], past, table[: -(-(past + 2) // bs)])] for past in (0, max(end - 2, 0))]
+        return steps
 
     def close(self) -> None:
         """Drop the graphs, pool and weights; return the cached device memory to CUDA."""
