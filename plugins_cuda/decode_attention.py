@@ -15,8 +15,8 @@ Why these choices:
   CUDA-graph capture it comes from the graph's private pool and lives as long as the graph,
   so no later launch at another shape can free or move memory a captured launch writes.
 
-Verified under TRITON_INTERPRET=1 (CPU) and by AOT compilation; timed only by
-plugins_cuda/bench.py on a GPU.
+Verified under TRITON_INTERPRET=1 (CPU), by AOT compilation, and on an H100 (plugins_cuda.check,
+graph_check, bench: benchmarks/results/gpu-h100-2026-11-26).
 """
 
 from __future__ import annotations
@@ -31,7 +31,11 @@ from plugins_cuda.common import row_offsets, step_kernel
 
 MIN_DOT = 16
 MAX_SPLITS = 64
-MIN_SPLIT_KEYS = 512  # a part below this reads too little K/V to pay for its partial write and the merge
+# A part below this reads too little K/V to pay for its partial write and the merge. 256, not 512: on an H100
+# (benchmarks/results/gpu-h100-2026-11-26) the old plugin launcher, which splits by 256 keys, beat this
+# kernel at 512 keys a part where that gave it twice the splits: 10.7 vs 13.8 µs at batch 1 x 512 keys (2
+# parts vs 1), 15.2 vs 19.6 at 1 x 4,096 (16 vs 8). Not yet re-timed with 256 here.
+MIN_SPLIT_KEYS = 256
 PROGRAMS_PER_SM = 4  # shared memory holds ~2 resident programs per SM; 2 waves hide the tail
 SMALL_SMEM_ARCHS = (86, 87, 89, 120)  # 99-101 KB of shared memory per block
 

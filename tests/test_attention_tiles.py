@@ -120,15 +120,16 @@ def test_decode_one_launch_without_workspace_when_a_split_does_not_pay(monkeypat
     args = make_case(np.random.default_rng(4), shape, [(300, 1), (40, 1)], num_blocks=64)
     monkeypatch.setattr(decode_attention, "split_workspace", lambda *a: pytest.fail("no workspace for 1 split"))
     out, splits = decode(args, shape, DecodeTiles(4, 32, 4), sm_count=132)
-    assert splits == 1  # 304 keys < 2 parts of 512
+    assert splits == 1  # 304 keys < 2 parts of 256
     np.testing.assert_allclose(out, reference(*args, shape), atol=2e-5)
 
 
 def test_split_plan():
-    assert plan_splits(1, 512, 8, 132) == 1  # batch 1, 512 keys: one launch, no merge
-    assert plan_splits(1, 4096, 8, 132) == 8  # 512 keys a part
+    assert plan_splits(1, 255, 8, 132) == 1  # batch 1, under 512 keys: one launch, no merge
+    assert plan_splits(1, 512, 8, 132) == 2  # 256 keys a part
+    assert plan_splits(1, 4096, 8, 132) == 16
     assert plan_splits(1, 32768, 8, 132) == 64  # the cap
-    assert plan_splits(8, 4096, 8, 132) == 8  # 64 lanes: ceil(528 / 64) = 9, context allows 8
+    assert plan_splits(8, 4096, 8, 132) == 9  # 64 lanes: ceil(528 / 64) = 9, context allows 16
     assert plan_splits(32, 32768, 8, 132) == 3  # 256 lanes: ceil(528 / 256)
     assert plan_splits(128, 4096, 8, 132) == 1  # 1024 lanes fill the GPU
     assert plan_splits(1, 2**20, 8, 16) == 8  # a small GPU wants fewer programs
