@@ -9,7 +9,14 @@ is reported beside, per token. An engine without `step_tokens` (before the split
 which did both. B requests decode together (prompt 16 tokens, EOS ignored); the steady decode steps are
 timed, reported as µs per step and µs per request-step, median and spread over repetitions.
 
+`--backend torch`: the same over the torch backend on the CPU with its kernels removed (Decoder.forward
+returns zero logits at once; the graph buckets run that stand-in eagerly): the engine core plus the torch
+backend's own host work per step (checking and packing the chunks, the step buffer, the bucket's copies,
+the sampler's set-up), with that backend share reported apart. On a GPU this host work runs while the
+device waits unless it is overlapped.
+
     python -m benchmarks.host_overhead [--batches 1,16,64,256,1024] [--steps 64] [--repetitions 5]
+                                       [--backend null|torch]
 """
 
 from __future__ import annotations
@@ -48,7 +55,44 @@ class NullBackend:
         return DeviceSample(tokens, [None] * len(chunks))
 
 
-def engine_for(batch: int, engine_dir: Path):
+def torch_without_kernels(config: EngineConfig, num_blocks: int, batch: int):
+    """The torch backend on the CPU, its decoder replaced by zero logits: only its host work is left."""
+    import torch
+
+    from executors.torch import TorchBackend
+
+    backend = TorchBackend(config, num_blocks, device="cpu", cuda_graphs=True, graph_buckets=(batch,))
+
+    def forward(step) -> torch.Tensor:
+        return torch.zeros(step.logit_rows.shape[0], config.model.vocab_size)
+
+    backend.decoder.forward = forward  # type: ignore[method-assign]
+    if backend.graphs is not None:
+        backend.graphs.forward = forward
+    return backend
+
+
+class BackendClock:
+    """Wraps a backend's step entry points on the instance, adding up the seconds spent inside them."""
+
+    def __init__(self, backend) -> None:
+        self.seconds = 0.0
+        for name in ("step", "step_sample", "launch"):
+            if hasattr(backend, name):
+                setattr(backend, name, self._timed(getattr(backend, name)))
+
+    def _timed(self, method):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+
+def engine_for(batch: int, engine_dir: Path, backend_kind: str = "null"):
     from runtime.engine.engine_args import EngineArgs
     from runtime.engine.llm_engine import LLMEngine
 
@@ -56,31 +100,37 @@ def engine_for(batch: int, engine_dir: Path):
     blocks = batch * (PROMPT_TOKENS + 1024) // config.block_size + batch
     args = EngineArgs(max_num_seqs=batch, max_num_batched_tokens=max(batch * PROMPT_TOKENS, 512),
                       num_kv_blocks=blocks, itl_target_ms=None, max_waiting=batch)  # fmt: skip
-    return LLMEngine(engine_dir, args, backend=NullBackend(config, blocks))
+    backend = NullBackend(config, blocks) if backend_kind == "null" else torch_without_kernels(config, blocks, batch)
+    return LLMEngine(engine_dir, args, backend=backend)
 
 
-def time_steps(batch: int, steps: int, engine_dir: Path) -> tuple[list[float], list[float]]:
-    """Seconds of each steady decode step of `batch` requests (after every prompt has been prefilled), and
-    of turning each step's tokens into text (empty before the split: `step()` timed both)."""
+def time_steps(batch: int, steps: int, engine_dir: Path,
+               backend_kind: str = "null") -> tuple[list[float], list[float], list[float]]:  # fmt: skip
+    """Seconds of each steady decode step of `batch` requests (after every prompt has been prefilled), of
+    turning each step's tokens into text (empty before the split: `step()` timed both), and of the
+    backend's calls within each step."""
     from executors.sampling import SamplingParams
 
-    engine = engine_for(batch, engine_dir)
+    engine = engine_for(batch, engine_dir, backend_kind)
+    clock = BackendClock(engine.backend)
     params = SamplingParams(max_tokens=steps + 2, ignore_eos=True, temperature=0.0)
     for i in range(batch):
         engine.add_request([1 + (i + j) % 50 for j in range(PROMPT_TOKENS)], params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()
-    seconds, text = [], []
+    seconds, text, in_backend = [], [], []
     split = hasattr(engine, "step_tokens")
     for _ in range(steps):
+        clock.seconds = 0.0
         start = time.perf_counter()
         outputs = engine.step_tokens() if split else engine.step()
         seconds.append(time.perf_counter() - start)
+        in_backend.append(clock.seconds)
         if split:
             start = time.perf_counter()
             engine.outputs.process(outputs)
             text.append(time.perf_counter() - start)
-    return seconds, text
+    return seconds, text, in_backend
 
 
 def engine_with_batch(max_batch: int, workdir: Path) -> Path:
@@ -105,38 +155,52 @@ def engine_with_batch(max_batch: int, workdir: Path) -> Path:
     default=None,
     help="An engine whose max batch size covers the largest batch (default: the tiny model, built).",
 )
-@click.option("--output", default="host_overhead", show_default=True, help="Report name under benchmarks/results/.")
-def main(batches: str, steps: int, repetitions: int, engine_dir: Path | None, output: str) -> None:
+@click.option(
+    "--backend",
+    "backend_kind",
+    type=click.Choice(["null", "torch"]),
+    default="null",
+    show_default=True,
+    help="null: no work at all; torch: the torch backend's host work, its kernels removed.",
+)
+@click.option("--output", default=None, help="Report name under benchmarks/results/ (default host_overhead[-torch]).")
+def main(batches: str, steps: int, repetitions: int, engine_dir: Path | None, backend_kind: str,
+         output: str | None) -> None:  # fmt: skip
     sizes = [int(b) for b in batches.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         engine_dir = engine_dir or engine_with_batch(max(sizes), Path(tmp))
         rows = []
         for batch in sizes:
-            runs = [time_steps(batch, steps, engine_dir) for _ in range(repetitions)]
-            per_rep = [statistics.median(step_s) for step_s, _ in runs]
-            text_s = [statistics.median(t) for _, t in runs if t]
+            runs = [time_steps(batch, steps, engine_dir, backend_kind) for _ in range(repetitions)]
+            per_rep = [statistics.median(step_s) for step_s, _, _ in runs]
+            text_s = [statistics.median(t) for _, t, _ in runs if t]
+            backend_us = statistics.median(statistics.median(b) for _, _, b in runs) * 1e6
             median = statistics.median(per_rep)
             text_us = round(statistics.median(text_s) * 1e6 / batch, 2) if text_s else None
             rows.append({"batch": batch, "us_per_step": round(median * 1e6, 1),
                          "us_per_step_min": round(min(per_rep) * 1e6, 1),
                          "us_per_step_max": round(max(per_rep) * 1e6, 1),
                          "us_per_request_step": round(median * 1e6 / batch, 2),
-                         "text_us_per_token": text_us})  # fmt: skip
+                         "text_us_per_token": text_us, "backend_us_per_step": round(backend_us, 1)})  # fmt: skip
             click.echo(f"batch {batch:5d}: {rows[-1]['us_per_step']:9.1f} us/step "
                        f"({rows[-1]['us_per_request_step']:.2f} us per request-step)")  # fmt: skip
     payload = {"command": f"python -m benchmarks.host_overhead --batches {batches} --steps {steps} "
-                          f"--repetitions {repetitions}", "rows": rows}  # fmt: skip
-    write_report(output, payload, render)
+                          f"--repetitions {repetitions} --backend {backend_kind}", "backend": backend_kind,
+               "rows": rows}  # fmt: skip
+    write_report(output or ("host_overhead" if backend_kind == "null" else f"host_overhead-{backend_kind}"), payload,
+                 render)  # fmt: skip
 
 
 def render(payload: dict) -> str:
-    lines = ["# Engine host overhead (null backend)", "", f"Machine: {payload.get('machine', '?')}", "",
+    backend = payload.get("backend", "null")
+    title = "null backend" if backend == "null" else "torch backend, kernels removed"
+    lines = [f"# Engine host overhead ({title})", "", f"Machine: {payload.get('machine', '?')}", "",
              f"Command: `{payload['command']}`", "",
-             "| batch | µs/step (median) | min | max | µs per request-step | text, µs per token (output processor) |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+             "| batch | µs/step (median) | min | max | µs per request-step | of which in the backend, µs/step | "
+             "text, µs per token (output processor) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     lines += [f"| {r['batch']} | {r['us_per_step']} | {r['us_per_step_min']} | {r['us_per_step_max']} | "
-              f"{r['us_per_request_step']} | {r.get('text_us_per_token') or '- (in the step)'} |"
-              for r in payload["rows"]]  # fmt: skip
+              f"{r['us_per_request_step']} | {r.get('backend_us_per_step', '-')} | "
+              f"{r.get('text_us_per_token') or '- (in the step)'} |" for r in payload["rows"]]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

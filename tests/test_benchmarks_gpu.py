@@ -29,5 +29,21 @@ def test_gpu_check_dry_run_writes_each_part(tmp_path):
 
 
 def test_host_overhead_times_the_core_step_and_the_text_apart(llama_engine):
-    step_s, text_s = host_overhead.time_steps(4, 6, llama_engine)
+    step_s, text_s, backend_s = host_overhead.time_steps(4, 6, llama_engine)
     assert len(step_s) == 6 and len(text_s) == 6 and all(s > 0 for s in step_s + text_s)
+    assert all(0 < b < s for b, s in zip(backend_s, step_s, strict=True))  # the null backend's calls, inside the step
+
+
+def test_host_overhead_over_the_torch_backend_without_kernels(llama_engine):
+    """The torch backend's host work per step is timed inside the step, no Triton kernel launched."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launched = []
+    original = InterpretedFunction.run
+    InterpretedFunction.run = lambda self, *a, **k: launched.append(self.fn.__name__)  # type: ignore[method-assign]
+    try:
+        step_s, _, backend_s = host_overhead.time_steps(4, 6, llama_engine, "torch")
+    finally:
+        InterpretedFunction.run = original  # type: ignore[method-assign]
+    assert not launched, f"kernels ran: {set(launched)}"
+    assert len(step_s) == 6 and all(0 < b < s for b, s in zip(backend_s, step_s, strict=True))
