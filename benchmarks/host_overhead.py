@@ -10,7 +10,8 @@ which did both. B requests decode together (prompt 16 tokens, EOS ignored); the 
 timed, reported as µs per step and µs per request-step, median and spread over repetitions.
 
 `--backend torch`: the same over the torch backend on the CPU with its kernels removed (Decoder.forward
-returns zero logits at once; the graph buckets run that stand-in eagerly): the engine core plus the torch
+returns one zero logit a row at once, so the sampler's ops run on tiny tensors; the graph buckets run that
+stand-in eagerly): the engine core plus the torch
 backend's own host work per step (checking and packing the chunks, the step buffer, the bucket's copies,
 the sampler's set-up), with that backend share reported apart. On a GPU this host work runs while the
 device waits unless it is overlapped.
@@ -63,8 +64,8 @@ def torch_without_kernels(config: EngineConfig, num_blocks: int, batch: int):
 
     backend = TorchBackend(config, num_blocks, device="cpu", cuda_graphs=True, graph_buckets=(batch,))
 
-    def forward(step) -> torch.Tensor:
-        return torch.zeros(step.logit_rows.shape[0], config.model.vocab_size)
+    def forward(step) -> torch.Tensor:  # one logit a row: the sampler's argmax (device work) costs nothing here
+        return torch.zeros(step.logit_rows.shape[0], 1)
 
     backend.decoder.forward = forward  # type: ignore[method-assign]
     if backend.graphs is not None:

@@ -94,7 +94,7 @@ class TorchSampler:
         if not picked:
             return logits
         host = np.stack([rows[i].grammar.mask() for i in picked])  # type: ignore[union-attr]
-        bitmask = torch.from_numpy(host).to(self.device, non_blocking=True)
+        bitmask = self._upload(host)
         vocab = torch.arange(logits.shape[1], device=self.device)
         allowed = ((bitmask[:, vocab >> 5] >> (vocab & 31)) & 1).bool()  # int32 >> is arithmetic: & 1 after
         out = logits.float().clone()
@@ -103,7 +103,13 @@ class TorchSampler:
         return out
 
     def _index(self, rows: list[int]) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return self._upload(np.array(rows, np.int64))
+
+    def _upload(self, host: np.ndarray) -> torch.Tensor:
+        """A host array on the device without waiting for the device: a plain `.to(device)` synchronizes the
+        stream after the copy, so an overlapped launch would wait for the step before it to finish. (CUDA
+        stages pageable memory before the call returns: `host` may be freed at once.)"""
+        return torch.from_numpy(host).to(self.device, non_blocking=True)
 
     def _penalized(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tensor:
         """float32 logits with the penalties applied (a copy when any row has one)."""
@@ -119,8 +125,8 @@ class TorchSampler:
         ]).astype(np.int64)  # fmt: skip
         params = np.array([[rows[i].params.repetition_penalty, rows[i].params.frequency_penalty,
                             rows[i].params.presence_penalty] for i in penalized], np.float32)  # fmt: skip
-        r, tok, cnt = torch.from_numpy(entries).to(self.device).unbind(0)
-        rep, freq, pres = torch.from_numpy(params).to(self.device)[:, :, None].unbind(1)
+        r, tok, cnt = self._upload(entries).unbind(0)
+        rep, freq, pres = self._upload(params)[:, :, None].unbind(1)
         shape = (len(penalized), x.shape[1])
         is_seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
         is_seen[r, tok] = True
@@ -137,8 +143,8 @@ class TorchSampler:
         v = x.shape[1]
         host = np.array([[p.temperature, p.min_p, p.top_p, p.top_k if 0 < p.top_k < v else v]
                          for p in params], np.float64)  # fmt: skip
-        temp, min_p, top_p, top_k = torch.from_numpy(host).to(self.device).unbind(1)
-        u_dev = torch.from_numpy(u.astype(np.float64)).to(self.device)
+        temp, min_p, top_p, top_k = self._upload(host).unbind(1)
+        u_dev = self._upload(u.astype(np.float64))
         temp32 = temp.clamp(min=FLOAT32_TINY).float()[:, None]
         scaled = (x - x.max(dim=1, keepdim=True).values) / temp32  # the top token lands on exactly 0
         s, order = torch.sort(scaled, dim=1, descending=True, stable=True)
