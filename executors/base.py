@@ -35,10 +35,9 @@ class SequenceChunk:
 def logit_rows(lengths: np.ndarray, num_logits: np.ndarray, row_starts: np.ndarray) -> np.ndarray:
     """Flat rows whose logits a step returns (vLLM's logits_indices): chunk b's last num_logits[b]
     tokens, chunk after chunk, where chunk b's tokens start at flat row row_starts[b]."""
-    ends = row_starts + lengths
-    firsts = np.repeat(ends - num_logits, num_logits)
-    offsets = np.arange(int(num_logits.sum())) - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
-    return (firsts + offsets).astype(np.int64)
+    # chunk b's output rows r end at cumsum(num_logits)[b], where its tokens end: r's token is r + the shift.
+    shifts = np.repeat(row_starts + lengths - np.cumsum(num_logits), num_logits)
+    return shifts + np.arange(shifts.size, dtype=np.int64)
 
 
 def num_logit_rows(chunks: Sequence[SequenceChunk]) -> int:

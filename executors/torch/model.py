@@ -24,9 +24,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine_format import EngineConfig, ceil_div
+from engine_format import EngineConfig
 from executors.base import SequenceChunk, logit_rows
-from executors.device_sampling import check_chunks
+from executors.device_sampling import ChunkArrays
 from executors.torch.kernels import Kernels
 from executors.torch.kv_cache import TorchKVPool
 from executors.torch.weights import Layer, Weights
@@ -49,26 +49,25 @@ class HostStep:
     def pack(cls, chunks: Sequence[SequenceChunk], config: EngineConfig, num_blocks: int,
              placeholders: np.ndarray | None = None) -> HostStep:  # fmt: skip
         """Validates every chunk first (check_chunks): the kernels index the pool with these numbers.
-        `placeholders[i]`: chunk i's first token is filled on the device (an overlapped launch)."""
-        check_chunks(chunks, config, num_blocks, placeholders)
-        bs = config.block_size
-        lengths = np.array([len(c.token_ids) for c in chunks], np.int64)
-        ends = np.array([c.past_len for c in chunks], np.int64) + lengths
-        width = ceil_div(int(ends.max()), bs)
-        tables = np.zeros((len(chunks), width), np.int64)
-        for i, c in enumerate(chunks):
-            need = ceil_div(int(ends[i]), bs)
-            tables[i, :need] = c.block_table[:need]
-        ids = np.concatenate([np.asarray(c.token_ids, np.int64) for c in chunks])
-        seq = np.repeat(np.arange(len(chunks)), lengths)
-        starts = np.cumsum(lengths) - lengths
-        positions = ends[seq] - lengths[seq] + np.arange(len(ids)) - starts[seq]
-        slot_blocks = tables[seq, positions // bs]
-        query_start = np.concatenate([[0], np.cumsum(lengths)])
-        num_logits = np.array([c.num_logits for c in chunks], np.int64)
-        picked = logit_rows(lengths, num_logits, query_start[:-1])
-        packed = np.concatenate([ids, positions, slot_blocks, positions % bs, query_start, picked, tables.ravel()])
-        return cls(packed, len(ids), len(chunks), width, int(lengths.max()), int(num_logits.sum()))
+        `placeholders[i]`: chunk i's first token is filled on the device (an overlapped launch).
+        Gathered once (ChunkArrays), checked and laid out by numpy calls over the whole batch."""
+        step = ChunkArrays.gather(chunks, config.block_size)
+        step.check(config, num_blocks, placeholders)
+        bs, batch, tokens, width = config.block_size, len(chunks), step.token_ids.size, int(step.need.max())
+        tables = np.zeros((batch, width), np.int64)
+        tables[np.arange(width) < step.need[:, None]] = step.tables  # each row's needed blocks, zeros after
+        if tokens == batch:  # decode (one token, so one logit row, per chunk): chunk b is row b
+            seq = picked = np.arange(batch)
+            positions, max_rows = step.past_lens, 1
+        else:
+            starts = step.query_start[:-1]
+            seq = np.arange(batch).repeat(step.lengths)
+            positions = np.arange(tokens) + (step.past_lens - starts)[seq]
+            picked, max_rows = logit_rows(step.lengths, step.num_logits, starts), int(step.lengths.max())
+        blocks, offsets = np.divmod(positions, bs)
+        packed = np.concatenate([step.token_ids, positions, tables[seq, blocks], offsets, step.query_start, picked,
+                                 tables.ravel()])  # fmt: skip
+        return cls(packed, tokens, batch, width, max_rows, picked.size)
 
     def views(self, device_packed: torch.Tensor) -> StepTensors:
         t, b = self.tokens, self.batch
