@@ -221,7 +221,11 @@ def measure(shape: str, ckpt: Path, engine: Path, sizes: tuple[int, int, int, in
     n, prompt_len, out_len, batch = sizes
     vocab = min(SHAPES.get(shape, (0,) * 6 + (512,))[6], 32000)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, vocab, prompt_len).tolist() for _ in range(n)]
+
+    def draw() -> list[list[int]]:  # each run its own random prompts: no prefix-cache hits between runs
+        return [rng.integers(3, vocab, prompt_len).tolist() for _ in range(n)]
+
+    prompts = draw()
 
     def save() -> None:  # after each figure: kept if what follows fails
         out.write_text(json.dumps(result, indent=2) + "\n")
@@ -229,8 +233,7 @@ def measure(shape: str, ckpt: Path, engine: Path, sizes: tuple[int, int, int, in
     batched, result["start_s"] = start_engine(engine, n, prompt_len + out_len, device)
     result["trtserve"] = trtserve(batched, prompts, out_len, device)
     save()
-    again = [rng.integers(3, vocab, prompt_len).tolist() for _ in range(n)]  # other prompts: no prefix-cache hits
-    result["trtserve_second_run"] = trtserve(batched, again, out_len, device)  # anything compiled on first use is not
+    result["trtserve_second_run"] = trtserve(batched, draw(), out_len, device)  # anything compiled on first use is not
     save()
     single, result["single_start_s"] = start_engine(engine, 1, prompt_len + out_len, device)
     result["single_stream"] = trtserve(single, prompts[:1], out_len, device)  # the first request after start
@@ -238,7 +241,7 @@ def measure(shape: str, ckpt: Path, engine: Path, sizes: tuple[int, int, int, in
     result["hf_eager"] = hf_eager(ckpt, prompts, out_len, batch, device)
     result["speedup_vs_hf"] = round(result["trtserve"]["out_tok_s"] / result["hf_eager"]["out_tok_s"], 2)
     save()
-    fresh = [rng.integers(3, vocab, prompt_len).tolist() for _ in range(n)]  # no prefix-cache hits
+    fresh = draw()
     for name, runner, group in (("profiled_single", single, fresh[:1]), ("profiled_batch", batched, fresh)):
         try:  # the profiler is a diagnostic: a failure here keeps the figures above
             result[name] = trtserve(runner, group, out_len, device, profile=True)
