@@ -113,6 +113,7 @@ def test_seeded_sampling_goes_on_as_one_stream(workers):
 def test_pins_end_when_the_decode_worker_has_read(workers):
     prefill, decode, _, _ = workers
     prompt = random_prompts(prefill.config.model.vocab_size, [30], seed=5)[0]
+    wait_until(lambda: prefill.disagg.stats().pinned_blocks == 0)  # earlier tests' reads released
     first = prefill_step(prefill, prompt, GREEDY, "p1")
     pinned = prefill.disagg.stats().pinned_blocks
     assert pinned == len(KVHandle.from_json(first.kv_handle).block_ids) == 4  # 30 tokens, blocks of 8
@@ -138,6 +139,7 @@ def test_a_decode_worker_reads_only_what_its_prefix_cache_lacks(workers):
 def test_pins_expire_when_nobody_reads_them(workers):
     prefill, _, _, clock = workers
     prompt = random_prompts(prefill.config.model.vocab_size, [20], seed=8)[0]
+    wait_until(lambda: prefill.disagg.stats().pinned_blocks == 0)  # earlier tests' reads released
     prefill_step(prefill, prompt, GREEDY, "e1")
     assert prefill.disagg.stats().pinned_blocks == 3
     clock.now += 61  # past kv_pin_timeout_s

@@ -41,8 +41,14 @@ CLIENT_PARAM = {"text_input": "prompt", "messages": "messages", "logprobs": "log
 PROBE_TIMEOUT_S = 2.0
 MODEL_PROBE_TIMEOUT_S = 5.0  # a dead stub answers in ~1 s (Triton's own wait for it); slower proves nothing
 MAX_MESSAGE_BYTES = 2**31 - 1  # as tritonclient's channels: a prompt may be large
+# gRPC retries a lost connection with a backoff that grows to 120 s by default: a replica restarted on its
+# address would stay out of routing that long, its probes failing fast without trying. Capped at 1 s, a
+# replica is back within a second and a probe interval of being ready.
+RECONNECT_BACKOFF_MS = 1000
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]  # fmt: skip
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS)]  # fmt: skip
 
 
 # In an error message, Triton's or the model's words for "this replica cannot serve now" (503: retried on
