@@ -80,6 +80,7 @@ class Sim:
         shape = StepShape.of((n, r.num_computed_tokens) for r, n in batch.num_tokens.items())
         self.costs.append(self.cost.predict(shape))
         assert batch.predicted_s == self.costs[-1] or batch.preempted  # the scheduler's own estimate
+        assert batch.shape == shape or batch.preempted  # what the engine's cost model observes
         for request, n in batch.num_tokens.items():
             drafts = request.draft_token_ids[: max(0, n - request.num_tokens_to_compute)]
             assert len(drafts) == len(request.draft_token_ids)  # the scheduler trims drafts to what it took

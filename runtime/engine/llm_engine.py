@@ -279,7 +279,7 @@ class LLMEngine:
             return [self.update.finish(r, "error", error=str(exc)) for r in failed]
 
     def _observe(self, chunks: list[SequenceChunk], batch: ScheduledBatch, seconds: float, target_s: float) -> None:
-        shape = StepShape.of((len(c.token_ids), c.past_len) for c in chunks)
+        shape = StepShape.of((len(c.token_ids), c.past_len) for c in chunks) if batch.preempted else batch.shape
         if target_s > 0:  # a clock that did not move (a test's) measured nothing
             self.cost_model.observe(shape, target_s)
         self.counters.record_step(

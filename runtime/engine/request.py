@@ -18,7 +18,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestTiming:
     """Wall-clock marks (time.monotonic()) from which per-request stats are derived."""
 
@@ -48,7 +48,7 @@ class RequestTiming:
         )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: its fields are read for every request every step
 class Request:
     """One request. Its tokens live in ONE list, `all_token_ids`: the prompt (given at
     construction, copied) followed by each sampled token as it is appended. The engine reads
@@ -75,9 +75,13 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()  # tokens that end it: its params' and the EOS ids unless ignored
     pending_row: int = -1  # its row in the overlapped step in flight, whose sampled token is its last (placeholder)
     num_prompt_tokens: int = field(init=False)
+    max_tokens: int = field(init=False)  # the most tokens it may generate: its params', read every step
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.all_token_ids)  # never grow the caller's prompt list
+        if self.params.max_tokens is None:
+            raise ValueError("max_tokens must be resolved (admission does) before a Request is made")
+        self.max_tokens = self.params.max_tokens
         self.num_prompt_tokens = len(self.all_token_ids)
 
     @property
@@ -109,12 +113,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-    @property
-    def max_tokens(self) -> int:
-        """The most tokens it may generate (its params' max_tokens, resolved at admission when unset)."""
-        assert self.params.max_tokens is not None, "admission resolves an unset max_tokens"
-        return self.params.max_tokens
 
     @property
     def max_total_tokens(self) -> int:

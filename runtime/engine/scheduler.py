@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from runtime.engine.errors import InvalidRequest, Overloaded
 from runtime.engine.kv_cache_manager import KVCacheManager
 from runtime.engine.request import Request, RequestStatus
-from runtime.engine.step_cost import DEFAULT_PRIOR, CostPredictor, StepBudget, full_speed_prefill_s
+from runtime.engine.step_cost import DEFAULT_PRIOR, CostPredictor, StepBudget, StepShape, full_speed_prefill_s
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,9 @@ class ScheduledBatch:
     target_s: float | None = None  # the step-time target prefill was cut to (None: full speed)
     token_budget: int = 0  # decodes + the prefill a fresh prompt could get (the budget gauge)
     predicted_s: float = 0.0  # the cost model's estimate of this step
+    # What was scheduled (num_tokens, past_len summed): the step's shape unless a request was preempted after it
+    # was added (then count the chunks that ran).
+    shape: StepShape = field(default_factory=StepShape)
 
     @property
     def is_empty(self) -> bool:
@@ -146,26 +149,35 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(budget=self.config.max_num_batched_tokens)
-        order = list(self.running)  # sorted; a copy, as preemption edits the list
-        # One token to compute; not one whose last token (in flight: an overlapped step) already reaches max_tokens.
-        decodes = [r for r in order if len(r.all_token_ids) - r.num_computed_tokens == 1
-                   and len(r.all_token_ids) - r.num_prompt_tokens < r.max_tokens]  # fmt: skip
-        if any(r.draft_token_ids for r in decodes):
-            self._schedule_speculative_decodes(
-                decodes, batch, prefilling=bool(self.waiting) or len(decodes) < len(order)
-            )
+        # Running requests in priority order (a copy: preemption edits the list), one pass: decodes have one
+        # token to compute (not one whose last token, in flight in an overlapped step, reaches max_tokens).
+        decodes: list[Request] = []
+        prefills: deque[Request] = deque()
+        for r in self.running:
+            uncomputed = len(r.all_token_ids) - r.num_computed_tokens
+            if uncomputed == 1:
+                if len(r.all_token_ids) - r.num_prompt_tokens < r.max_tokens:
+                    decodes.append(r)
+            elif uncomputed > 1:
+                prefills.append(r)
+        speculative = any(r.draft_token_ids for r in decodes)
+        if speculative:
+            prefilling = bool(self.waiting) or len(decodes) < len(self.running)
+            self._schedule_speculative_decodes(decodes, batch, prefilling)
         else:
             self._schedule_decodes(decodes, batch)
         decoding = list(batch.num_tokens)
         step = StepBudget(self.cost, self._target_s(decoding), self.config.min_prefill_tokens)
-        singles = [r for r in decoding if batch.num_tokens[r] == 1]
+        singles = [r for r in decoding if batch.num_tokens[r] == 1] if speculative else decoding
         step.add_decodes(len(singles), sum(r.num_computed_tokens for r in singles))
-        for request in decoding:  # decodes with drafts
-            if batch.num_tokens[request] > 1:
-                step.add(batch.num_tokens[request], request.num_computed_tokens, prefill=False)
+        if speculative:
+            for request in decoding:  # decodes with drafts
+                if batch.num_tokens[request] > 1:
+                    step.add(batch.num_tokens[request], request.num_computed_tokens, prefill=False)
         batch.target_s = step.target_s
         batch.token_budget = len(decoding) + step.fit(batch.budget, 0)
-        self._schedule_prefills(deque(r for r in order if r.num_tokens_to_compute > 1), batch, step)
+        self._schedule_prefills(prefills, batch, step)
+        batch.shape = step.shape
         batch.predicted_s = self.cost.predict(step.shape)  # a request preempted after it was added still counts
         return batch
 

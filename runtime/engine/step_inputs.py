@@ -33,6 +33,11 @@ def build_chunks(num_tokens: dict[Request, int]) -> tuple[list[ScheduledChunk], 
     for request, n in num_tokens.items():
         start, tokens = request.num_computed_tokens, request.all_token_ids
         uncomputed = len(tokens) - start
+        if n == uncomputed == 1:  # a decode's one token: most chunks of most steps
+            chunks.append(SequenceChunk(tokens[start:], start, request.block_ids))
+            scheduled.append(ScheduledChunk(request, 1, NO_DRAFTS, row, True))
+            row += 1
+            continue
         drafts = list(request.draft_token_ids[: n - uncomputed]) if n > uncomputed else NO_DRAFTS
         ids = tokens[start : start + n - len(drafts)]
         chunks.append(SequenceChunk(ids + drafts if drafts else ids, start, request.block_ids, 1 + len(drafts)))

@@ -36,9 +36,10 @@ class StepUpdate:
         """The step's outputs; then the drafts of the next step are proposed."""
         to_sample: list[tuple[Request, int]] = []
         to_verify: list[tuple[Request, int, list[int]]] = []
+        block_size, finished = self.kv.block_size, RequestStatus.FINISHED
         for chunk in scheduled:
             request = chunk.request
-            if request.is_finished:  # aborted while the backend ran
+            if request.status is finished:  # aborted while the backend ran
                 continue
             if request.num_computed_tokens < request.num_prompt_tokens:
                 self.counters.prompt_tokens += chunk.num_tokens
@@ -46,8 +47,9 @@ class StepUpdate:
                 to_verify.append((request, chunk.first_row, chunk.drafts))
                 continue
             request.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_computed_blocks(request)
-            if request.num_computed_tokens == request.num_tokens:
+            if request.num_computed_tokens >= (request.num_cached_blocks + 1) * block_size:  # a block filled
+                self.kv.cache_computed_blocks(request)
+            if chunk.completes:
                 to_sample.append((request, chunk.first_row))
         outputs = self._sample(to_sample, logits)
         if to_verify:
@@ -75,7 +77,11 @@ class StepUpdate:
         requests = [r for r, _ in to_sample]
         picked = [row for _, row in to_sample]
         if isinstance(logits, DeviceSample):  # sampled by the backend
-            result = SampleResult(logits.token_ids[picked], [logits.logprobs[row] for row in picked])
+            rows_logprobs = logits.logprobs
+            picked_logprobs: list[TokenLogprobs | None] = (
+                [rows_logprobs[row] for row in picked] if any(rows_logprobs) else [None] * len(picked)
+            )
+            result = SampleResult(logits.token_ids[picked], picked_logprobs)
         else:
             result = self.sampler.sample(logits[picked], [r.sampling for r in requests])
         now, outputs = self.clock(), []
