@@ -112,13 +112,14 @@ class StepUpdate:
     def resolve(self, placed: list[Placed], sample: DeviceSample) -> list[TokenOutput]:
         """An overlapped step's tokens, now known: each replaces its request's placeholder (and a request that
         finishes drops the placeholders of the steps launched after it: their tokens are never output)."""
-        now, outputs = self.clock(), []
+        now, outputs, block_size = self.clock(), [], self.kv.block_size
         for request, row, index in placed:
             if request.is_finished:  # aborted, or finished by an earlier token, meanwhile
                 continue
             token = int(sample.token_ids[row])
             request.all_token_ids[index] = token
-            self.kv.cache_computed_blocks(request)  # every token it has computed is known now
+            if request.num_computed_tokens >= (request.num_cached_blocks + 1) * block_size:  # a block filled,
+                self.kv.cache_computed_blocks(request)  # its tokens all known now
             reason = self._took(request, token, index + 1 - request.num_prompt_tokens, now)
             if reason is not None:
                 del request.all_token_ids[index + 1 :]
