@@ -1,10 +1,11 @@
 """`python -m plugins_cuda.check`: every kernel against a float64 reference, then benchmarks.
 
 On a CUDA machine with torch and triton: paged attention (flat ragged and the plugins' padded
-layout, split-KV merge included), the KV write and the fused prologue (both tactics), in
-float32/float16/bfloat16, over shapes from SmolLM2 (9/3 heads, head_dim 64) to Llama-3-8B
-(32/8, 128) with MQA and MHA, block sizes 16 and 64, sliding windows, decodes long enough to
-split and prefill chunks straddling blocks; then the benchmarks of plugins_cuda/bench.py.
+layout, split-KV merge included), the KV write, the fused prologue (every tactic) and the decoder
+tails (residual add + RMSNorm, SiLU * up), in float32/float16/bfloat16, over shapes from SmolLM2
+(9/3 heads, head_dim 64) to Llama-3-8B (32/8, 128) with MQA and MHA, block sizes 16 and 64,
+sliding windows, decodes long enough to split and prefill chunks straddling blocks; then the
+benchmarks of plugins_cuda/bench.py.
 `--interpret` runs the correctness part on the CPU under Triton's interpreter with a few
 small shapes (CI), in float32 and float16: the interpreter's tl.dot reads bfloat16 operands
 as raw bits (Triton 3.9), so bfloat16 is checked on a GPU only. Writes check.json and
@@ -49,6 +50,9 @@ INTERPRET_CASES = [
 ]
 PROLOGUE_CASES = {"gpu": [(1, 576, 9, 3, 64), (300, 576, 9, 3, 64), (70, 4096, 32, 8, 128)],
                   "interpret": [(5, 64, 4, 2, 32), (33, 96, 2, 1, 32)]}  # fmt: skip
+# (tokens, hidden, intermediate): SmolLM2's decode and a batch, Llama-3.2-1B's and Llama-3-8B's widths.
+TAIL_CASES = {"gpu": [(1, 576, 1536), (256, 576, 1536), (300, 2048, 8192), (70, 4096, 14336)],
+              "interpret": [(1, 64, 176), (37, 96, 256)]}  # fmt: skip
 
 
 def reference_attention(q, k_cache, v_cache, tables, seqs, num_kv_heads: int, window: int):
@@ -142,6 +146,32 @@ def prologue_error(tokens: int, hidden: int, num_q: int, num_kv: int, head_dim: 
     return float((got - y.reshape(tokens, -1)).abs().max() / y.abs().max())
 
 
+def tails_reference(hidden, delta, norm, gate_up, eps: float):
+    """float64 (hidden + delta, RMSNorm(hidden + delta) * norm, SiLU(gate) * up) of the given tensors."""
+    import torch
+
+    total = hidden.double() + delta.double()
+    normed = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + eps) * norm.double()
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    return total, normed, gate * torch.sigmoid(gate) * up
+
+
+def tails_errors(tokens: int, hidden: int, inter: int, dtype, device: str) -> dict[str, float]:
+    """Max error / max |reference| of the decoder tails (decoder_tails.py) on random rows of `dtype`."""
+    import torch
+
+    from plugins_cuda.decoder_tails import add_rms_norm, silu_mul
+
+    gen = torch.Generator().manual_seed(tokens)
+    h, d = (torch.randn(tokens, hidden, generator=gen).to(dtype) for _ in range(2))
+    norm = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    gate_up = (3 * torch.randn(tokens, 2 * inter, generator=gen)).to(dtype)
+    want = tails_reference(h, d, norm, gate_up, 1e-5)
+    got = (*add_rms_norm(h.to(device), d.to(device), norm.to(device), 1e-5), silu_mul(gate_up.to(device)))
+    errors = [float((g.double().cpu() - w).abs().max() / w.abs().max()) for g, w in zip(got, want, strict=True)]
+    return dict(zip(("sum", "normed", "silu_mul"), errors, strict=True))
+
+
 def correctness(interpret: bool, device: str) -> list[dict]:
     import torch
 
@@ -161,6 +191,11 @@ def correctness(interpret: bool, device: str) -> list[dict]:
                 error = prologue_error(*shape, dtypes[name], device, tactic)
                 rows.append({"kernel": f"fused_rmsnorm_qkv_rope/{tactic}", "case": "x".join(map(str, shape)),
                              "dtype": name, "error": error, "ok": error <= TOLERANCE[name]})  # fmt: skip
+        for shape in TAIL_CASES["interpret" if interpret else "gpu"]:
+            tails = tails_errors(*shape, dtypes[name], device)
+            error = max(tails.values())
+            rows.append({"kernel": "add_rms_norm + silu_mul", "case": "x".join(map(str, shape)), "dtype": name,
+                         "error": error, **tails, "ok": error <= TOLERANCE[name]})  # fmt: skip
     return rows
 
 

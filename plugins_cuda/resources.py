@@ -64,7 +64,7 @@ def _ragged_signature(dtype: str, names: list[str], extra: dict[str, str]) -> di
 
 def builds(arch: int):
     """(name, config, compile thunk) for every kernel and tile config the report covers."""
-    from plugins_cuda import attention_launch, fused_qkv, prologue_gemm
+    from plugins_cuda import attention_launch, decoder_tails, fused_qkv, prologue_gemm
     from plugins_cuda.aot import compile_kernel, triton_pointer
     from plugins_cuda.decode_attention import DecodeTiles, paged_decode_kernel
     from plugins_cuda.prefill_attention import PrefillTiles, paged_prefill_kernel
@@ -104,6 +104,14 @@ def builds(arch: int):
     yield ("prologue gemm: rope epilogue", "32/8 heads d128", lambda: compile_kernel(
         prologue_gemm.rope_split_kernel, sig, {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128,
         "BLOCK_T": prologue_gemm.ROPE_TOKENS, "HAS_BIAS": True}, arch))  # fmt: skip
+    sig = {"hidden_ptr": pointer, "delta_ptr": pointer, "norm_ptr": pointer, "sum_ptr": pointer, "out_ptr": pointer,
+           "tokens": "i32", **dict.fromkeys(("EPS", "HIDDEN", "BLOCK_T", "BLOCK_H"), "constexpr")}  # fmt: skip
+    yield ("tail: add + rmsnorm", "hidden 4096", lambda: compile_kernel(decoder_tails.add_rms_norm_kernel, sig,
+           {"EPS": 1e-5, "HIDDEN": 4096, "BLOCK_T": 1, "BLOCK_H": 4096}, arch, num_warps=8))  # fmt: skip
+    sig = {"gate_up_ptr": pointer, "out_ptr": pointer, "tokens": "i32",
+           **dict.fromkeys(("INTER", "BLOCK_T", "BLOCK_I"), "constexpr")}  # fmt: skip
+    yield ("tail: silu * up", "intermediate 14336", lambda: compile_kernel(decoder_tails.silu_mul_kernel, sig,
+           {"INTER": 14336, "BLOCK_T": 4, "BLOCK_I": 1024}, arch))  # fmt: skip
 
 
 def markdown(rows: list[dict], versions: dict) -> str:

@@ -7,9 +7,10 @@ Per layer: the fused RMSNorm -> QKV -> RoPE prologue (plugins_cuda/fused_qkv.py;
 where that kernel does not apply: head_dim < 32, FP8 activations), `paged_kv_write` of the new
 K/V rows into the pool, `launch_ragged` paged attention over the pool in place (split-KV decode
 path and query-tiled prefill path, per-layer sliding window; an int8/fp8 pool through the quantized
-write and attention kernels, kv_cache.py), then o_proj, RMSNorm, SwiGLU MLP
-in torch. The final norm and lm_head run only on the rows the step asks logits for (`logit_rows`:
-each sequence's last token, plus the draft positions of a speculative verify chunk).
+write and attention kernels, kv_cache.py), then o_proj, the residual add with RMSNorm in one kernel,
+the SwiGLU MLP with SiLU * up in one kernel (plugins_cuda/decoder_tails.py), matmuls in torch. The
+final norm and lm_head run only on the rows the step asks logits for (`logit_rows`: each sequence's
+last token, plus the draft positions of a speculative verify chunk).
 
 `Decoder.forward` never reads device memory on the host (no sync), so a decode step can be
 captured in a CUDA graph (graphs.py).
@@ -122,9 +123,8 @@ class Decoder:
             self.kv.write(index, k, v, s.kv_block, s.kv_offset)
             ctx = self.kv.attend(index, q, s.block_tables, s.positions, s.query_start, s.max_rows, spec.num_kv_heads,
                                  layer.window, self.scale, self.sm_count)  # fmt: skip
-            hidden = hidden + layer.o_proj(ctx)
-            gate, up = layer.gate_up(rms_norm(hidden, layer.post_norm, spec.rms_norm_eps)).chunk(2, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up)
+            hidden, normed = self.k.tails.add_rms_norm(hidden, layer.o_proj(ctx), layer.post_norm, spec.rms_norm_eps)
+            hidden = hidden + layer.down(self.k.tails.silu_mul(layer.gate_up(normed)))
         last = rms_norm(hidden.index_select(0, s.logit_rows), w.final_norm, spec.rms_norm_eps)
         return F.linear(last, w.lm_head).float()
 
