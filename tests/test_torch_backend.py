@@ -307,6 +307,22 @@ GPU_TOLERANCE = {"float16": 3e-2, "bfloat16": 6e-2}
 
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False here)")
+def test_a_launched_steps_tokens_come_back_without_waiting_for_the_next_launch():
+    """Overlap: reading step N's tokens must not wait for step N+1, launched meanwhile (here ~0.5 s of
+    device sleep). A `.cpu()` at read time queues behind it: the check fails on that."""
+    from executors.torch.backend import _Launched
+
+    step = _Launched(torch.arange(4, device="cuda"))
+    torch.cuda._sleep(1_000_000_000)  # the next launch: ~1e9 cycles of device time
+    next_done = torch.cuda.Event()
+    next_done.record()
+    assert step.result().token_ids.tolist() == [0, 1, 2, 3]
+    assert not next_done.query(), "reading step N's tokens waited for step N+1"
+    torch.cuda.synchronize()
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False here)")
 @pytest.mark.parametrize("dtype", sorted(GPU_TOLERANCE))
 def test_smollm2_on_cuda_matches_hf_eager(smollm2_engine, smollm2_hf, dtype):
     """Greedy tokens on chat prompts, from the greedy loop (logits back) and from LLMEngine (CUDA

@@ -189,11 +189,22 @@ Fill = Callable[[torch.Tensor], None]
 
 
 class _Launched:
-    """A launched step's sampled tokens, still on the device (PendingSample)."""
+    """A launched step's sampled tokens (PendingSample): on the device, where the next launch's placeholders
+    read them, and copied into pinned host memory right behind this step's kernels. Reading them then waits
+    for this step only: a plain `.cpu()` later would queue its copy behind everything launched since (the
+    next step), and the host could not prepare a step while the device ran the one before it."""
 
     def __init__(self, tokens: torch.Tensor) -> None:
-        self.tokens = tokens
+        self.tokens, self._host = tokens, tokens
+        self._copied: torch.cuda.Event | None = None
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     def result(self) -> DeviceSample:
-        ids = self.tokens.cpu().numpy()  # waits for the device
+        if self._copied is not None:
+            self._copied.synchronize()  # this step's copy done; later launches may still run
+        ids = self._host.numpy().copy()  # the pinned block goes back to torch's cache with this object
         return DeviceSample(ids, [None] * len(ids))
