@@ -93,16 +93,34 @@ class BackendClock:
         return timed
 
 
-def engine_for(batch: int, engine_dir: Path, backend_kind: str = "null"):
+def engine_for(batch: int, engine_dir: Path, backend_kind: str = "null", make_backend=None, **args):
+    """An engine for `batch` requests over the null backend, the torch one without kernels, or
+    `make_backend(config, num_blocks)`; `args`: more EngineArgs."""
     from runtime.engine.engine_args import EngineArgs
     from runtime.engine.llm_engine import LLMEngine
 
     config = EngineConfig.load(engine_dir)
     blocks = batch * (PROMPT_TOKENS + 1024) // config.block_size + batch
-    args = EngineArgs(max_num_seqs=batch, max_num_batched_tokens=max(batch * PROMPT_TOKENS, 512),
-                      num_kv_blocks=blocks, itl_target_ms=None, max_waiting=batch)  # fmt: skip
-    backend = NullBackend(config, blocks) if backend_kind == "null" else torch_without_kernels(config, blocks, batch)
-    return LLMEngine(engine_dir, args, backend=backend)
+    engine_args = EngineArgs(max_num_seqs=batch, max_num_batched_tokens=max(batch * PROMPT_TOKENS, 512),
+                             num_kv_blocks=blocks, itl_target_ms=None, max_waiting=batch, **args)  # fmt: skip
+    if make_backend is not None:
+        backend = make_backend(config, blocks)
+    elif backend_kind == "null":
+        backend = NullBackend(config, blocks)
+    else:
+        backend = torch_without_kernels(config, blocks, batch)
+    return LLMEngine(engine_dir, engine_args, backend=backend)
+
+
+def prefill_all(engine, batch: int, max_tokens: int) -> None:
+    """`batch` greedy requests of PROMPT_TOKENS, EOS ignored, stepped until every prompt is computed."""
+    from executors.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    for i in range(batch):
+        engine.add_request([1 + (i + j) % 50 for j in range(PROMPT_TOKENS)], params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
 
 
 def time_steps(batch: int, steps: int, engine_dir: Path,
@@ -110,15 +128,9 @@ def time_steps(batch: int, steps: int, engine_dir: Path,
     """Seconds of each steady decode step of `batch` requests (after every prompt has been prefilled), of
     turning each step's tokens into text (empty before the split: `step()` timed both), and of the
     backend's calls within each step."""
-    from executors.sampling import SamplingParams
-
     engine = engine_for(batch, engine_dir, backend_kind)
     clock = BackendClock(engine.backend)
-    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True, temperature=0.0)
-    for i in range(batch):
-        engine.add_request([1 + (i + j) % 50 for j in range(PROMPT_TOKENS)], params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-        engine.step()
+    prefill_all(engine, batch, steps + 2)
     seconds, text, in_backend = [], [], []
     split = hasattr(engine, "step_tokens")
     for _ in range(steps):

@@ -1,4 +1,4 @@
-"""The GPU check's plumbing (benchmarks/gpu.py) and the host-overhead benchmark, run on the CPU at toy sizes:
+"""The GPU check's plumbing (benchmarks/gpu.py), the host-overhead and overlap benchmarks, run on the CPU at toy sizes:
 each part writes its JSON, the engine part fails loudly when a request fails, the host path reports every
 batch. What they measure on a GPU is not checked here (no GPU)."""
 
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks import host_overhead
+from benchmarks import host_overhead, overlap
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,3 +47,12 @@ def test_host_overhead_over_the_torch_backend_without_kernels(llama_engine):
         InterpretedFunction.run = original  # type: ignore[method-assign]
     assert not launched, f"kernels ran: {set(launched)}"
     assert len(step_s) == 6 and all(0 < b < s for b, s in zip(backend_s, step_s, strict=True))
+
+
+def test_overlap_benchmark_launches_only_when_overlapping(llama_engine):
+    """The simulated device is driven through `launch` (overlapped scheduling) or `step_sample` (serial); the
+    busy share is a share (its value on this machine is the benchmark's, not checked)."""
+    on = overlap.cadence(4, 1e-4, 8, llama_engine, overlap=True)
+    off = overlap.cadence(4, 1e-4, 8, llama_engine, overlap=False)
+    assert on["launches"] > 8 and off["launches"] == 0
+    assert all(0 < r["busy"] <= 1.0 and r["step_s"] > 0 for r in (on, off))
