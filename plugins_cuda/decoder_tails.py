@@ -1,5 +1,5 @@
-"""The decoder layer's elementwise tails, each one kernel: the residual add with the RMSNorm after it, and
-SwiGLU's SiLU(gate) * up.
+"""The decoder layer's elementwise tails, each one kernel: the residual add with the RMSNorm after it (before
+attention and before the MLP), and SwiGLU's SiLU(gate) * up.
 
 In torch these are ~8 and 2 small kernels per layer (HF's `rms_norm`: cast, square, mean, rsqrt, scale,
 cast, weight; `F.silu(gate) * up`), each a launch and a pass over the rows. A decode step of a small model
@@ -24,17 +24,18 @@ MAX_BLOCK_T = 16
 @step_kernel
 def add_rms_norm_kernel(
     hidden_ptr, delta_ptr, norm_ptr, sum_ptr, out_ptr, tokens,
-    EPS: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    EPS: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HAS_DELTA: tl.constexpr,
 ):  # fmt: skip
-    """sum = hidden + delta (the residual stream); out = RMSNorm(sum) * g, for BLOCK_T rows."""
+    """sum = hidden + delta (the residual stream); out = RMSNorm(sum) * g, for BLOCK_T rows. Without a
+    delta (the first layer's norm): out = RMSNorm(hidden) * g, and sum is not written."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_H)
     ok = (rows < tokens)[:, None] & (cols < HIDDEN)[None, :]
     offsets = row_offsets(rows, HIDDEN)[:, None] + cols[None, :]
-    x = tl.load(hidden_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
-    x += tl.load(delta_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
-    x = x.to(sum_ptr.dtype.element_ty)
-    tl.store(sum_ptr + offsets, x, mask=ok)
+    x = tl.load(hidden_ptr + offsets, mask=ok, other=0.0)
+    if HAS_DELTA:
+        x = (x.to(tl.float32) + tl.load(delta_ptr + offsets, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + offsets, x, mask=ok)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / HIDDEN + EPS)
     normed = (xf * rstd[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -63,16 +64,20 @@ def _rows_per_program(columns: int) -> int:
 
 
 def add_rms_norm(hidden, delta, norm_weight, eps: float):
-    """(hidden + delta, RMSNorm(hidden + delta) * norm_weight), both [T, H] in hidden's dtype."""
+    """(hidden + delta, RMSNorm(hidden + delta) * norm_weight), both [T, H] in hidden's dtype; delta None:
+    (hidden, RMSNorm(hidden) * norm_weight)."""
     import torch
 
     tokens, width = hidden.shape
     block_h = triton.next_power_of_2(width)
     block_t = _rows_per_program(block_h)
-    total, normed = torch.empty_like(hidden), torch.empty_like(hidden)
+    hidden = hidden.contiguous()
+    total = hidden if delta is None else torch.empty_like(hidden)
+    normed = torch.empty_like(hidden)
     add_rms_norm_kernel[(triton.cdiv(tokens, block_t),)](
-        hidden.contiguous(), delta.contiguous(), norm_weight, total, normed, tokens,
-        EPS=eps, HIDDEN=width, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=8 if block_h >= 4096 else 4,
+        hidden, hidden if delta is None else delta.contiguous(), norm_weight, total, normed, tokens,
+        EPS=eps, HIDDEN=width, BLOCK_T=block_t, BLOCK_H=block_h, HAS_DELTA=delta is not None,
+        num_warps=8 if block_h >= 4096 else 4,
     )  # fmt: skip
     return total, normed
 

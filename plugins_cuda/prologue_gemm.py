@@ -77,14 +77,23 @@ def rmsnorm_gemm_rope(x, norm_weight, w_qkv, bias, cos, sin, positions, num_q_he
     import torch
 
     tokens, hidden = x.shape
-    heads = num_q_heads + 2 * num_kv_heads
-    head_dim = w_qkv.shape[1] // heads
     x = x.contiguous()
     xn = torch.empty((tokens, hidden), dtype=w_qkv.dtype, device=x.device)
     rmsnorm_kernel[(tokens,)](x, norm_weight, xn, EPS=eps, HIDDEN=hidden, BLOCK_H=triton.next_power_of_2(hidden),
                               num_warps=8 if hidden >= 4096 else 4)  # fmt: skip
+    return gemm_rope(xn, w_qkv, bias, cos, sin, positions, num_q_heads, num_kv_heads, x.dtype)
+
+
+def gemm_rope(xn, w_qkv, bias, cos, sin, positions, num_q_heads: int, num_kv_heads: int, dtype=None):
+    """The prologue after its norm: `xn` [T, hidden] already normalized (the torch backend's decoder norms it
+    together with the residual add, plugins_cuda/decoder_tails.py). q, k, v in `dtype` (default xn's)."""
+    import torch
+
+    tokens = xn.shape[0]
+    heads = num_q_heads + 2 * num_kv_heads
+    head_dim = w_qkv.shape[1] // heads
     qkv = torch.matmul(xn, w_qkv)
-    q, k, v = (torch.empty((tokens, n * head_dim), dtype=x.dtype, device=x.device)
+    q, k, v = (torch.empty((tokens, n * head_dim), dtype=dtype or xn.dtype, device=xn.device)
                for n in (num_q_heads, num_kv_heads, num_kv_heads))  # fmt: skip
     rope_split_kernel[(triton.cdiv(tokens, ROPE_TOKENS), heads)](
         qkv, bias if bias is not None else qkv, cos, sin, positions, tokens, q, k, v,

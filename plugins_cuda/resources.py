@@ -105,9 +105,11 @@ def builds(arch: int):
         prologue_gemm.rope_split_kernel, sig, {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128,
         "BLOCK_T": prologue_gemm.ROPE_TOKENS, "HAS_BIAS": True}, arch))  # fmt: skip
     sig = {"hidden_ptr": pointer, "delta_ptr": pointer, "norm_ptr": pointer, "sum_ptr": pointer, "out_ptr": pointer,
-           "tokens": "i32", **dict.fromkeys(("EPS", "HIDDEN", "BLOCK_T", "BLOCK_H"), "constexpr")}  # fmt: skip
+           "tokens": "i32", **dict.fromkeys(("EPS", "HIDDEN", "BLOCK_T", "BLOCK_H", "HAS_DELTA"),
+                                            "constexpr")}  # fmt: skip
+    tail = {"EPS": 1e-5, "HIDDEN": 4096, "BLOCK_T": 1, "BLOCK_H": 4096, "HAS_DELTA": True}
     yield ("tail: add + rmsnorm", "hidden 4096", lambda: compile_kernel(decoder_tails.add_rms_norm_kernel, sig,
-           {"EPS": 1e-5, "HIDDEN": 4096, "BLOCK_T": 1, "BLOCK_H": 4096}, arch, num_warps=8))  # fmt: skip
+           tail, arch, num_warps=8))  # fmt: skip
     sig = {"gate_up_ptr": pointer, "out_ptr": pointer, "tokens": "i32",
            **dict.fromkeys(("INTER", "BLOCK_T", "BLOCK_I"), "constexpr")}  # fmt: skip
     yield ("tail: silu * up", "intermediate 14336", lambda: compile_kernel(decoder_tails.silu_mul_kernel, sig,

@@ -33,6 +33,12 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_ids: tuple[int
     return out[0, len(prompt) :].tolist()
 
 
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Llama's RMSNorm in torch ops: normalize in float32, back to the compute dtype, then scale."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
 def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(3, vocab_size, n).tolist() for n in lengths]

@@ -19,9 +19,9 @@ if interpreter_problem():
 
 import torch.nn.functional as F  # noqa: E402
 
-from executors.torch.model import rms_norm  # noqa: E402
 from plugins_cuda.check import TAIL_CASES, TOLERANCE, tails_errors, tails_reference  # noqa: E402
 from plugins_cuda.decoder_tails import add_rms_norm, silu_mul  # noqa: E402
+from tests.helpers import hf_rms_norm  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -44,7 +44,7 @@ def test_tails_round_as_the_torch_ops_they_replace(dtype):
     total, normed = add_rms_norm(hidden, delta, norm, 1e-6)
     assert torch.equal(total, hidden + delta)
     ulp = 4 * torch.finfo(dtype).eps
-    torch.testing.assert_close(normed, rms_norm(hidden + delta, norm, 1e-6), rtol=ulp, atol=ulp)
+    torch.testing.assert_close(normed, hf_rms_norm(hidden + delta, norm, 1e-6), rtol=ulp, atol=ulp)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, rtol=ulp, atol=ulp)
 
@@ -57,3 +57,13 @@ def test_the_reference_catches_swapped_gate_and_up():
     *_, want = tails_reference(hidden, delta, norm, gate_up, 1e-5)
     error = float((silu_mul(swapped).double() - want).abs().max() / want.abs().max())
     assert error > 10 * TOLERANCE["float32"]
+
+
+def test_without_a_delta_only_the_norm_is_computed():
+    """The first layer's input norm: nothing to add, the residual stream passed through untouched."""
+    gen = torch.Generator().manual_seed(5)
+    hidden, norm = torch.randn(9, 96, generator=gen), torch.rand(96, generator=gen) + 0.5
+    total, normed = add_rms_norm(hidden, None, norm, 1e-5)
+    assert total is hidden
+    _, want, _ = tails_reference(hidden, torch.zeros_like(hidden), norm, torch.zeros(9, 2), 1e-5)
+    torch.testing.assert_close(normed.double(), want, rtol=1e-5, atol=1e-6)

@@ -28,7 +28,8 @@ def test_interpret_mode_checks_every_kernel_on_cpu(tmp_path):
     rows = report["correctness"]
     assert report["device"] == "cpu" and report["bench"] == []
     assert {r["kernel"] for r in rows} == {"paged_attention", "fused_rmsnorm_qkv_rope/decode",
-                                           "fused_rmsnorm_qkv_rope/prefill", "fused_rmsnorm_qkv_rope/gemm"}  # fmt: skip
+                                           "fused_rmsnorm_qkv_rope/prefill", "fused_rmsnorm_qkv_rope/gemm",
+                                           "add_rms_norm + silu_mul"}  # fmt: skip
     assert {r["dtype"] for r in rows} == {"float32", "float16"} and all(r["ok"] for r in rows)
     fp32 = [r for r in rows if r["kernel"] == "paged_attention" and r["dtype"] == "float32"]
     assert fp32 and all(r["kv_write"] == 0 and r["plugin"] < 1e-4 and r["ragged"] < 1e-4 for r in fp32)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from executors import layer_ops
-from executors.torch.model import rms_norm as torch_rms_norm
+from tests.helpers import hf_rms_norm as torch_rms_norm
 
 BF16_ULP = 2.0**-7  # bfloat16's relative spacing: one rounding apart at most
 

@@ -63,7 +63,8 @@ def test_steps_match_the_cpu_backend_and_write_its_bytes(kv_engine):
     written = codes[:, :, table_a + table_b]
     assert written.count_nonzero() > 0.9 * written.numel()
     if config.kv_cache_dtype == "int8":
-        np.testing.assert_allclose(backend.kv.scales[:, :, :64].cpu().numpy(), cpu.kv.scales, rtol=1e-6, atol=0)
+        # absmax / 127 of rows that differ in their last bits (~10 ulps after a matmul's cancellations)
+        np.testing.assert_allclose(backend.kv.scales[:, :, :64].cpu().numpy(), cpu.kv.scales, rtol=1e-5, atol=0)
 
 
 def test_greedy_tokens_match_the_cpu_backend(kv_engine):

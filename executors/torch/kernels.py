@@ -18,7 +18,7 @@ from engine_format import EngineLoadError
 class Kernels:
     attention: ModuleType  # plugins_cuda.attention_launch
     kv_write: ModuleType  # plugins_cuda.kv_write
-    prologue: ModuleType  # plugins_cuda.fused_qkv
+    prologue: ModuleType  # plugins_cuda.prologue_gemm: the QKV matmul, then bias + RoPE in one kernel
     attention_quant: ModuleType  # plugins_cuda.paged_attention_quant: int8/fp8 pools
     kv_write_quant: ModuleType  # plugins_cuda.kv_write_quant
     tails: ModuleType  # plugins_cuda.decoder_tails: residual add + RMSNorm, SiLU * up
@@ -32,7 +32,7 @@ def load_kernels(device: torch.device) -> Kernels:
     # Imported by name: plugins_cuda is untyped (mypy checks executors/ strictly) and must load only now.
     attention, kv_write, prologue, attention_quant, kv_write_quant, tails = (
         importlib.import_module(f"plugins_cuda.{name}")
-        for name in ("attention_launch", "kv_write", "fused_qkv", "paged_attention_quant", "kv_write_quant",
+        for name in ("attention_launch", "kv_write", "prologue_gemm", "paged_attention_quant", "kv_write_quant",
                      "decoder_tails")
     )  # fmt: skip
     interpreted = type(kv_write.paged_kv_write_kernel).__name__ == "InterpretedFunction"

@@ -3,14 +3,15 @@
 Per step the chunks are laid out as the CPU segments lay them out (engine_format/INTERFACE.md):
 every token its own row, a sequence's tokens contiguous, no padding. The host packs everything
 the kernels index with into one int64 array (`HostStep`), which reaches the device in one copy.
-Per layer: the fused RMSNorm -> QKV -> RoPE prologue (plugins_cuda/fused_qkv.py; unfused torch
-where that kernel does not apply: head_dim < 32, FP8 activations), `paged_kv_write` of the new
-K/V rows into the pool, `launch_ragged` paged attention over the pool in place (split-KV decode
-path and query-tiled prefill path, per-layer sliding window; an int8/fp8 pool through the quantized
-write and attention kernels, kv_cache.py), then o_proj, the residual add with RMSNorm in one kernel,
-the SwiGLU MLP with SiLU * up in one kernel (plugins_cuda/decoder_tails.py), matmuls in torch. The
-final norm and lm_head run only on the rows the step asks logits for (`logit_rows`: each sequence's
-last token, plus the draft positions of a speculative verify chunk).
+Per layer, with the kernel count of each part: the previous MLP's residual add and the input RMSNorm (one,
+plugins_cuda/decoder_tails.py), the QKV matmul, bias and RoPE (the prologue's GEMM tactic: cuBLAS, then
+one kernel, plugins_cuda/prologue_gemm.py; torch ops where head_dim is not a power of two >= 32 or the
+activations are FP8), `paged_kv_write` of the new K/V rows into the pool (one), `launch_ragged` paged
+attention over the pool in place (split-KV decode path and query-tiled prefill path, per-layer sliding
+window; an int8/fp8 pool through the quantized write and attention kernels, kv_cache.py), o_proj, the
+residual add and the post-attention RMSNorm (one), the SwiGLU MLP (two matmuls, SiLU * up in one kernel).
+The last residual add, the final norm and lm_head run only on the rows the step asks logits for
+(`logit_rows`: each sequence's last token, plus the draft positions of a speculative verify chunk).
 
 `Decoder.forward` never reads device memory on the host (no sync), so a decode step can be
 captured in a CUDA graph (graphs.py).
@@ -93,12 +94,6 @@ class StepTensors:
     max_rows: int
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As HF Llama: normalize in float32, back to the compute dtype, then scale."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
-
-
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
     """Rotate-half RoPE on [T, heads * D] with per-token cos/sin [T, D / 2], in float32."""
     t = x.view(x.shape[0], heads, -1).float()
@@ -112,32 +107,36 @@ class Decoder:
                  sm_count: int) -> None:  # fmt: skip
         self.spec, self.w, self.kv, self.k, self.sm_count = config.model, weights, kv, kernels, sm_count
         self.scale = float(self.spec.head_dim) ** -0.5
-        self.fused_prologue = self.spec.head_dim >= PROLOGUE_MIN_HEAD_DIM
+        dim = self.spec.head_dim
+        self.rope_kernel = dim >= PROLOGUE_MIN_HEAD_DIM and dim & (dim - 1) == 0  # as fused_qkv.check_head_dim
 
     def forward(self, s: StepTensors) -> torch.Tensor:
         """float32 logits [rows, vocab] of the `logit_rows` tokens; writes the step's K/V into the pool."""
-        spec, w = self.spec, self.w
+        spec, w, tails, eps = self.spec, self.w, self.k.tails, self.spec.rms_norm_eps
         hidden = F.embedding(s.input_ids, w.embed)
+        mlp: torch.Tensor | None = None  # the last MLP's output: the next norm adds it to the residual stream
         for index, layer in enumerate(w.layers):
-            q, k, v = self._prologue(layer, hidden, s.positions)
+            hidden, normed = tails.add_rms_norm(hidden, mlp, layer.input_norm, eps)
+            q, k, v = self._qkv_rope(layer, normed, s.positions)
             self.kv.write(index, k, v, s.kv_block, s.kv_offset)
             ctx = self.kv.attend(index, q, s.block_tables, s.positions, s.query_start, s.max_rows, spec.num_kv_heads,
                                  layer.window, self.scale, self.sm_count)  # fmt: skip
-            hidden, normed = self.k.tails.add_rms_norm(hidden, layer.o_proj(ctx), layer.post_norm, spec.rms_norm_eps)
-            hidden = hidden + layer.down(self.k.tails.silu_mul(layer.gate_up(normed)))
-        last = rms_norm(hidden.index_select(0, s.logit_rows), w.final_norm, spec.rms_norm_eps)
+            hidden, normed = tails.add_rms_norm(hidden, layer.o_proj(ctx), layer.post_norm, eps)
+            mlp = layer.down(tails.silu_mul(layer.gate_up(normed)))
+        assert mlp is not None, "a decoder has layers"
+        rows = s.logit_rows
+        _, last = tails.add_rms_norm(hidden.index_select(0, rows), mlp.index_select(0, rows), w.final_norm, eps)
         return F.linear(last, w.lm_head).float()
 
-    def _prologue(self, layer: Layer, hidden: torch.Tensor,
+    def _qkv_rope(self, layer: Layer, normed: torch.Tensor,
                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The prologue after its norm: QKV projection, bias, RoPE on q and k."""
         spec, w = self.spec, self.w
-        if self.fused_prologue and layer.qkv.input_scale is None:
-            q, k, v = self.k.prologue.fused_rmsnorm_qkv_rope(
-                hidden, layer.input_norm, layer.qkv.weight, layer.qkv.bias, w.cos, w.sin, positions,
-                spec.num_heads, spec.num_kv_heads, spec.rms_norm_eps,
-            )  # fmt: skip
+        if self.rope_kernel and layer.qkv.input_scale is None:
+            q, k, v = self.k.prologue.gemm_rope(normed, layer.qkv.weight, layer.qkv.bias, w.cos, w.sin, positions,
+                                                spec.num_heads, spec.num_kv_heads)  # fmt: skip
             return q, k, v
-        qkv = layer.qkv(rms_norm(hidden, layer.input_norm, spec.rms_norm_eps))
+        qkv = layer.qkv(normed)
         q, k, v = qkv.split([spec.num_heads * spec.head_dim, spec.kv_width, spec.kv_width], dim=-1)
         cos, sin = w.cos[positions], w.sin[positions]
         return rope(q, cos, sin, spec.num_heads), rope(k, cos, sin, spec.num_kv_heads), v.contiguous()
