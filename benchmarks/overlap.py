@@ -128,7 +128,10 @@ def main(batches: str, device_ms: str, steps: int, repetitions: int, output: str
 
 
 def render(payload: dict) -> str:
-    lines = ["# Overlapped scheduling over a simulated device (no GPU)", "", f"Machine: {payload.get('machine', '?')}",
+    m = payload.get("machine", {})
+    machine = f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores ({m.get('platform', '?')})"
+    lines = ["# Overlapped scheduling over a simulated device (no GPU)", "",
+             f"Machine: {machine}; {payload.get('date_utc', '')}",
              "", f"Command: `{payload['command']}`", "",
              "The engine over a no-work backend whose steps each occupy a simulated device (one stream) for the "
              "given time; wall time per steady decode step (median of repetitions) and the device's busy share.",
