@@ -76,6 +76,12 @@ class BuildOptions:
             raise BuildError(f"--block-size must be a power of two (got {self.block_size})")
         if self.max_seq_len < self.block_size:
             raise BuildError(f"--max-seq-len ({self.max_seq_len}) must be >= --block-size ({self.block_size})")
+        if self.dtype == "bfloat16":
+            raise BuildError(
+                "--dtype bfloat16: engines are built in float32 or float16 (ONNX Runtime, which verifies every "
+                "engine, has no bfloat16 matmul on the CPU); to compute in bfloat16, serve a float32 or float16 "
+                "engine with `trtserve serve --backend torch --dtype bfloat16` (GPU) or `--backend cpu-bf16`"
+            )
         if self.dtype not in DTYPES:
             raise BuildError(f"--dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
         if self.target not in TARGETS:

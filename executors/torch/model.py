@@ -33,7 +33,7 @@ from executors.torch.kernels import Kernels
 from executors.torch.kv_cache import TorchKVPool
 from executors.torch.weights import Layer, Weights
 
-PROLOGUE_MIN_HEAD_DIM = 32  # plugins_cuda.fused_qkv.check_head_dim: half a head must fill a tl.dot
+PROLOGUE_MIN_HEAD_DIM = 32  # the RoPE kernel's heads: a power of two (tl.arange over half a head), as fused_qkv's
 
 
 @dataclass(frozen=True)
