@@ -30,7 +30,7 @@ from runtime.gateway.service import Gateway, GatewaySettings
 from runtime.gateway.tenants import tenant_cache_salt, tenants_from
 from runtime.gateway.triton_http import salted
 from runtime.serve.launcher import TritonServer, free_port
-from tests.gateway_helpers import build_slow_engine, running_servers
+from tests.gateway_helpers import build_slow_engine, gateway_metrics, running_servers
 from tests.triton_helpers import metric, metrics, wait_for
 
 KEY, SMALL = "sk-door-0123456789", "sk-small-0123456789"
@@ -241,6 +241,9 @@ def test_a_tenant_at_its_limit_gets_429_here_too(triton, gateway):
     finally:
         connection.close()
     assert wait_for(lambda: engine_idle(triton), timeout_s=30)
+    # The gateway releases the slot as its handler ends, after it cancelled the engine's request (CI saw a 429
+    # between the two): wait for its own count, then the tenant is served again.
+    assert wait_for(lambda: gateway_metrics(gateway)["trtserve_gateway_in_flight"] == 0, timeout_s=30)
     status, _, _ = call(gateway.url, "/v2/models/llm/generate", {"text_input": "hi", **GREEDY}, SMALL)
     assert status == 200  # the slot came back when the stream's client left
 
