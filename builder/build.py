@@ -11,8 +11,6 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from builder.engine_dir import atomic_directory, write_manifest
 from builder.errors import BuildError
 from builder.export import DTYPES, ExportOptions, export_onnx
@@ -20,29 +18,15 @@ from builder.hf_config import model_spec_from_hf_config
 from builder.onnx_graph import IR_VERSION, OPSET
 from builder.plugin_graph import write_plugin_graph
 from builder.sources import load_checkpoint, resolve_model
+from builder.verify import verify_engine
 from calibration.data import DataConfig, TextSets, load_text_sets
 from calibration.gate import run_gate
 from calibration.job import write_gate_report
 from calibration.kv_scales import measure_kv_scales
 from calibration.quantize import QuantConfig, quantize_model
-from engine_format import TARGETS, EngineConfig, ModelSpec, TensorRTLimits, ceil_div
+from engine_format import TARGETS, EngineConfig, ModelSpec, TensorRTLimits
 from engine_format.files import GATE_REPORT_JSON, SOURCE_CONFIG_FILE
 from engine_format.kv_cache import KV_CACHE_DTYPES, QUANTIZED_KV_DTYPES, SCALES_SHAPE, bytes_per_token, pool_dtype
-from executors import create_backend
-from executors.base import SequenceChunk
-
-# Max |logit difference| between the engine and HF eager on the verification prompt, as a
-# fraction of the largest |logit|. fp32 differs only in summation order (measured ~1e-6 on
-# tiny models, ~1e-5 on SmolLM2); 1e-3 still catches any wrong op, weight or mask.
-VERIFY_TOLERANCE = {"float32": 1e-3, "float16": 3e-2}
-
-# Quantized engines are verified against the HF model with the same quantized weights
-# (fake-quantized in torch); what remains is ORT's arithmetic: MatMulNBits computes INT4
-# GEMMs with int8-quantized activations, and FP8 engines quantize activations per tensor.
-QUANTIZED_VERIFY_TOLERANCE = {"int4-awq": 5e-2, "int4-rtn": 5e-2, "fp8": 1e-1}
-# A quantized KV cache adds its rounding to every attention read (the HF reference keeps fp32 K/V);
-# its quality is judged by the gate, verification only catches a wrong pool or kernel.
-KV_VERIFY_TOLERANCE = {"int8": 3e-2, "fp8": 1e-1}
 
 StepReporter = Callable[[str], AbstractContextManager]
 
@@ -76,12 +60,6 @@ class BuildOptions:
             raise BuildError(f"--block-size must be a power of two (got {self.block_size})")
         if self.max_seq_len < self.block_size:
             raise BuildError(f"--max-seq-len ({self.max_seq_len}) must be >= --block-size ({self.block_size})")
-        if self.dtype == "bfloat16":
-            raise BuildError(
-                "--dtype bfloat16: engines are built in float32 or float16 (ONNX Runtime, which verifies every "
-                "engine, has no bfloat16 matmul on the CPU); to compute in bfloat16, serve a float32 or float16 "
-                "engine with `trtserve serve --backend torch --dtype bfloat16` (GPU) or `--backend cpu-bf16`"
-            )
         if self.dtype not in DTYPES:
             raise BuildError(f"--dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
         if self.target not in TARGETS:
@@ -89,6 +67,11 @@ class BuildOptions:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise BuildError(
                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {self.kv_cache_dtype})"
+            )
+        if self.dtype == "bfloat16" and self.gated:
+            raise BuildError(
+                "--dtype bfloat16 builds unquantized engines (the quality gate runs on the float32 CPU backend): "
+                "drop --quantize/--kv-cache-dtype, or build --dtype float32"
             )
         if self.quantize_lm_head and not (self.quantize or "").startswith("int4"):
             raise BuildError(f"--quantize-lm-head needs --quantize int4-awq or int4-rtn (got {self.quantize})")
@@ -263,44 +246,3 @@ def _provenance(options: BuildOptions, source, spec: ModelSpec, verification: di
         "verification": verification,
         "build_options": {k: str(v) for k, v in asdict(options).items()},
     }
-
-
-def verify_engine(config: EngineConfig, model, options: BuildOptions) -> dict:
-    """Run the new engine on every CPU backend it supports and compare logits with the HF
-    model (float32; for a quantized build, the HF model holding the same quantized weights,
-    see calibration.quantize): one-shot prefill, the same prompt in two chunks over the paged pool,
-    and a decode step. Fails the build when any differs by more than VERIFY_TOLERANCE."""
-    import torch
-
-    spec = config.model
-    prompt_len = min(options.max_seq_len - 1, options.block_size + 7)
-    tokens = np.random.default_rng(0).integers(3, spec.vocab_size, prompt_len + 1).tolist()
-    prompt, next_token = tokens[:-1], tokens[-1]
-    with torch.no_grad():
-        ref_logits = model(torch.tensor([tokens])).logits[0].float().numpy()
-    want = {"prefill": ref_logits[-2], "chunked_prefill": ref_logits[-2], "decode": ref_logits[-1]}
-    scale = float(np.abs(ref_logits).max())
-    tolerance = max(QUANTIZED_VERIFY_TOLERANCE.get(options.quantize or "", 0.0), VERIFY_TOLERANCE[options.dtype],
-                    KV_VERIFY_TOLERANCE.get(config.kv_cache_dtype, 0.0)) * scale  # fmt: skip
-    blocks = ceil_div(prompt_len + 1, options.block_size)
-    table_a, table_b = list(range(blocks)), list(range(blocks, 2 * blocks))
-    split = prompt_len // 2
-    result = {"prompt_tokens": prompt_len, "max_abs_logit": scale, "tolerance": tolerance, "backends": {}}
-    kinds = ("graph", "plugin", "cpu") if config.has_cpu_segments else ("graph", "plugin")
-    for kind in kinds + (("tensorrt",) if options.target == "tensorrt" else ()):
-        backend = create_backend(config, num_blocks=2 * blocks, kind=kind)
-        got = {
-            "prefill": backend.step([SequenceChunk(prompt, 0, table_a)])[0],
-            "decode": backend.step([SequenceChunk([next_token], prompt_len, table_a)])[0],
-        }
-        backend.step([SequenceChunk(prompt[:split], 0, table_b)])
-        got["chunked_prefill"] = backend.step([SequenceChunk(prompt[split:], split, table_b)])[0]
-        errors = {k: float(np.abs(got[k] - want[k]).max()) for k in got}
-        result["backends"][kind] = {
-            "max_abs_error": errors,
-            "argmax_equal": all(int(got[k].argmax()) == int(want[k].argmax()) for k in got),
-        }
-        if max(errors.values()) > tolerance:
-            raise BuildError(f"engine verification failed ({kind} backend), logits differ from HF eager: "
-                             f"{json.dumps(result)}")  # fmt: skip
-    return result

@@ -8,6 +8,11 @@ import logging
 import time
 from pathlib import Path
 
+# isort: off
+# First: the CPU backends the build verifies on set libgomp's wait policy before torch loads it
+# (executors/cpu_attention.py, executors/torch_cpu.py), which loading the checkpoint would do.
+import executors.torch_cpu  # noqa: F401
+# isort: on
 import click
 from rich.console import Console
 from rich.text import Text
@@ -85,9 +90,10 @@ a failed build leaves an existing engine directory at --output untouched.""",
     "--dtype",
     default="float32",
     show_default=True,
-    type=click.Choice([*DTYPES, "bfloat16"]),
-    help="Weight and activation precision of the engine. bfloat16 is a serve-time compute dtype over a float32 or "
-    "float16 engine (`trtserve serve --dtype bfloat16`): asked for here, the build says so.",
+    type=click.Choice(list(DTYPES)),
+    help="Weight and activation precision of the engine. float32 engines also get the ONNX Runtime CPU segments; "
+    "bfloat16 ones (half the bytes, for GPUs: TensorRT or `--backend torch`) serve on CPUs with --backend cpu-bf16 "
+    "and are verified there and through a float32 view of their graphs.",
 )
 @click.option(
     "--target",

@@ -29,7 +29,11 @@ from engine_format.files import GRAPH_FILE, WEIGHTS_FILE, segment_file
 if TYPE_CHECKING:
     from calibration.quantize import QuantizedLinear
 
-DTYPES = {"float32": (np.float32, TensorProto.FLOAT), "float16": (np.float16, TensorProto.FLOAT16)}
+DTYPES = {
+    "float32": (np.float32, TensorProto.FLOAT),
+    "float16": (np.float16, TensorProto.FLOAT16),
+    "bfloat16": (ml_dtypes.bfloat16, TensorProto.BFLOAT16),
+}
 
 
 @dataclass(frozen=True)

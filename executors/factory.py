@@ -37,6 +37,8 @@ def default_backend(config: EngineConfig) -> str:
         return "torch"
     if config.target == "tensorrt":
         return "tensorrt"  # refuses with the reason (no TensorRT, no GPU)
+    if config.dtype == "bfloat16":
+        return "cpu-bf16"  # ONNX Runtime has no bfloat16 MatMul on CPUs
     return "cpu" if config.has_cpu_segments else "graph"
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engine_format import EngineConfig, EngineLoadError
-from engine_format.kv_cache import bytes_per_token
+from engine_format.kv_cache import bytes_per_token, pool_dtype
 from executors.kv_quant import KVQuant, encode_fp8, quantize_int8
 
 log = logging.getLogger(__name__)
@@ -100,13 +100,15 @@ def blocks_for_budget(config: EngineConfig, budget_bytes: int) -> int:
     return budget_bytes // pool_bytes(config, 1)
 
 
-def capacity_line(config: EngineConfig, num_blocks: int) -> str:
-    """The capacity the server logs at start: KV dtype, blocks, tokens, bytes, max concurrency."""
+def capacity_line(config: EngineConfig, num_blocks: int, float_pool: str | None = None) -> str:
+    """The capacity the server logs at start: KV dtype, blocks, tokens, bytes, max concurrency.
+    `float_pool`: an unquantized pool's dtype where the backend keeps another than the model's."""
     tokens = num_blocks * config.block_size
+    per_token = bytes_per_token(config.model, float_pool or config.dtype, config.kv_cache_dtype)
     return (
-        f"KV pool {config.kv_pool_dtype} (kv_cache_dtype {config.kv_cache_dtype}): {num_blocks} blocks x "
-        f"{config.block_size} tokens = {tokens} tokens, {pool_bytes(config, num_blocks) / 2**20:.1f} MiB "
-        f"({bytes_per_token(config.model, config.dtype, config.kv_cache_dtype)} bytes/token incl. scales); "
+        f"KV pool {pool_dtype(float_pool or config.dtype, config.kv_cache_dtype)} (kv_cache_dtype "
+        f"{config.kv_cache_dtype}): {num_blocks} blocks x {config.block_size} tokens = {tokens} tokens, "
+        f"{tokens * per_token / 2**20:.1f} MiB ({per_token} bytes/token incl. scales); "
         f"max concurrency at max_seq_len {config.max_seq_len}: {tokens / config.max_seq_len:.1f} sequences"
     )
 
@@ -125,7 +127,7 @@ def allocate_pool(config: EngineConfig, num_blocks: int, dtype: npt.DTypeLike, e
         )
     pool = np.empty(shape, dtype)
     pool.fill(0)  # writes every page: the memory is committed now, not under load
-    log.info(capacity_line(config, num_blocks))
+    log.info(capacity_line(config, num_blocks, None if config.kv_quantized else np.dtype(dtype).name))
     return pool
 
 
@@ -138,11 +140,14 @@ class KVPool:
     scales: np.ndarray | None  # int8: [layers, 2, num_blocks, block_size, kv_heads] float32
 
     @classmethod
-    def allocate(cls, config: EngineConfig, num_blocks: int) -> KVPool:
+    def allocate(cls, config: EngineConfig, num_blocks: int, float_pool: str | None = None) -> KVPool:
+        """`float_pool`: an unquantized pool's dtype where the backend's attention reads another than the
+        engine's (the cpu-bf16 backend keeps a bfloat16 engine's K/V in float32)."""
         spec = config.model
         scales_shape = (spec.num_layers, 2, num_blocks, config.block_size, spec.num_kv_heads)
         int8 = config.kv_cache_dtype == "int8"
-        data = allocate_pool(config, num_blocks, config.kv_pool_dtype, math.prod(scales_shape) * 4 if int8 else 0)
+        dtype = float_pool if float_pool and not config.kv_quantized else config.kv_pool_dtype
+        data = allocate_pool(config, num_blocks, dtype, math.prod(scales_shape) * 4 if int8 else 0)
         scales = np.ones(scales_shape, np.float32) if int8 else None  # ones: commits the pages too
         return cls(config, data, scales)
 

@@ -58,7 +58,10 @@ def runs_whole_graph(chunks: Sequence[SequenceChunk]) -> bool:
 class OrtCpuBackend:
     def __init__(self, config: EngineConfig, num_blocks: int | None = None, threads: int | None = None) -> None:
         if config.dtype != "float32":
-            raise EngineLoadError(f"the CPU kernel backend needs a float32 engine (got {config.dtype})")
+            raise EngineLoadError(
+                f"the CPU kernel backend needs a float32 engine (got {config.dtype}); "
+                f"{'--backend cpu-bf16 runs a bfloat16 one' if config.dtype == 'bfloat16' else 'use --backend graph'}"
+            )
         spec = config.model
         self.config = config
         self.threads = threads or usable_cpus()

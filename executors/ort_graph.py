@@ -51,7 +51,10 @@ class OrtGraphBackend:
         self.cover_step = cover_step
         require_kv_support(config, "plugin" if cover_step else "graph")
         if config.dtype not in NP_DTYPES:
-            raise EngineLoadError(f"engine dtype {config.dtype!r} has no ONNX Runtime CPU backend")
+            raise EngineLoadError(
+                f"engine dtype {config.dtype!r} has no ONNX Runtime CPU backend (ONNX Runtime has no bfloat16 "
+                f"MatMul on CPUs): run it with --backend cpu-bf16, or --backend torch on a GPU"
+            )
         self.config = config
         spec = config.model
         self.num_blocks = num_blocks or config.max_batch_size * config.max_blocks_per_seq

@@ -99,8 +99,10 @@ class PackedLayer:
 
 class TorchCpuBackend:
     def __init__(self, config: EngineConfig, num_blocks: int | None = None, threads: int | None = None) -> None:
-        if config.dtype != "float32":
-            raise EngineLoadError(f"the cpu-bf16 backend reads a float32 engine's weights (got {config.dtype})")
+        if config.dtype not in ("float32", "bfloat16"):
+            raise EngineLoadError(
+                f"the cpu-bf16 backend reads a float32 or bfloat16 engine's weights (got {config.dtype})"
+            )
         if not torch.backends.mkldnn.is_available():
             raise EngineLoadError("the cpu-bf16 backend needs torch built with oneDNN (mkldnn)")
         spec = config.model
@@ -117,7 +119,7 @@ class TorchCpuBackend:
         self.cos = torch.cat([weights.cos, weights.cos], dim=-1)
         self.sin = torch.cat([-weights.sin, weights.sin], dim=-1)
         self.layers = [PackedLayer.pack(layer, hint) for layer in weights.layers]
-        self.kv = KVPool.allocate(config, self.num_blocks)
+        self.kv = KVPool.allocate(config, self.num_blocks, float_pool="float32")  # attention runs in float32
         self.pool = self.kv.data
 
     def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:

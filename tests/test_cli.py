@@ -87,7 +87,7 @@ def test_rebuild_replaces_engine_atomically(cli_engine, tmp_path):
         (["--max-seq-len", "4", "--block-size", "8"], "--max-seq-len (4) must be >= --block-size (8)"),
         (["--max-seq-len", "4096"], "exceeds the model's max_position_embeddings (512)"),
         (["--dtype", "int3"], "Invalid value for '--dtype'"),
-        (["--dtype", "bfloat16"], "trtserve serve --backend torch --dtype bfloat16"),
+        (["--dtype", "bfloat16", "--quantize", "fp8"], "--dtype bfloat16 builds unquantized engines"),
         (["--max-batch-size", "0"], "Invalid value for '--max-batch-size'"),
     ],
 )

@@ -109,7 +109,7 @@ def test_int8_kv_cache_reads_like_the_float_backend(llama_engine):
 
 def test_refuses_engines_it_cannot_run(llama_engine):
     config = EngineConfig.load(llama_engine)
-    with pytest.raises(EngineLoadError, match="float32 engine"):
+    with pytest.raises(EngineLoadError, match="float32 or bfloat16 engine"):
         create_backend(dataclasses.replace(config, dtype="float16"), kind="cpu-bf16")
     from executors.torch.weights import Linear
     from executors.torch_cpu import _packed

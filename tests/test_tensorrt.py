@@ -229,8 +229,9 @@ def test_tensorrt_engine_matches_hf_eager(tmp_path):
     logits with HF eager on the same checkpoint (tests/helpers.hf_logits): within the build's float32
     verification tolerance (VERIFY_TOLERANCE, relative to the largest reference logit). Then both
     calls in one step, sampled on the device, against the numpy sampler on the returned logits."""
-    from builder.build import VERIFY_TOLERANCE, BuildOptions, build_engine
+    from builder.build import BuildOptions, build_engine
     from builder.sources import load_checkpoint, resolve_model
+    from builder.verify import VERIFY_TOLERANCE
     from executors.sampling import Sampler, SamplingParams, SamplingState
     from tests.helpers import hf_logits
     from tests.test_torch_backend import make_checkpoint

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
 import torch
@@ -82,7 +83,7 @@ def load_weights(config: EngineConfig, device: torch.device, dtype: torch.dtype)
             raise EngineLoadError(f"{config.engine_dir}: weight {name!r} could not be read ({exc})") from None
 
     def tensor(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
-        return torch.from_numpy(np.array(array(name), copy=True, order="C")).to(device=device, dtype=as_dtype)
+        return _as_torch(array(name)).to(device=device, dtype=as_dtype)
 
     def linear(name: str, bias: bool = False) -> Linear:
         b = tensor(name + ".bias") if bias else None
@@ -122,6 +123,15 @@ def _lm_head(found: dict, linear: Callable[[str], Linear], tensor: Callable[[str
     if "lm_head.qweight" in found:
         return linear("lm_head").weight.T.contiguous()
     return embed if tied else tensor("lm_head")
+
+
+def _as_torch(array: np.ndarray) -> torch.Tensor:
+    """A copy of `array` as a CPU tensor; bfloat16 engines' weights (ml_dtypes.bfloat16, which torch does
+    not import from numpy) travel as their bits."""
+    copy = np.array(array, copy=True, order="C")
+    if copy.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(copy.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(copy)
 
 
 def _dequantized(array: Callable[[str], np.ndarray], name: str) -> tuple[np.ndarray, float | None]:
