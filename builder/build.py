@@ -129,7 +129,7 @@ def build_engine(options: BuildOptions, step: StepReporter = _no_report) -> dict
             with step("compile the TensorRT engine (plugin graph, AOT kernels)"):
                 trt_section = build_plan(staging, config)
         with step("verify engine against HF eager (prefill, chunked prefill, decode)"):
-            verification = verify_engine(config, model, options)
+            verification = verify_engine(config, model)
         manifest = config.manifest_fields()
         manifest["graph"].update(opset=OPSET, ir_version=IR_VERSION)
         manifest.update(_provenance(options, source, spec, verification))

@@ -12,6 +12,7 @@ from pathlib import Path
 # First: the CPU backends the build verifies on set libgomp's wait policy before torch loads it
 # (executors/cpu_attention.py, executors/torch_cpu.py), which loading the checkpoint would do.
 import executors.torch_cpu  # noqa: F401
+
 # isort: on
 import click
 from rich.console import Console

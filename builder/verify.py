@@ -18,7 +18,6 @@ import dataclasses
 import json
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -29,9 +28,6 @@ from engine_format import EngineConfig, ceil_div
 from engine_format.files import GRAPH_FILE, PLUGIN_GRAPH_FILE
 from executors import create_backend
 from executors.base import EngineBackend, SequenceChunk
-
-if TYPE_CHECKING:
-    from builder.build import BuildOptions
 
 # Max |logit difference| between the engine and HF eager on the verification prompt, as a
 # fraction of the largest |logit|. fp32 differs only in summation order (measured ~1e-6 on
@@ -50,20 +46,20 @@ QUANTIZED_VERIFY_TOLERANCE = {"int4-awq": 5e-2, "int4-rtn": 5e-2, "fp8": 1e-1}
 KV_VERIFY_TOLERANCE = {"int8": 3e-2, "fp8": 1e-1}
 
 
-def verify_engine(config: EngineConfig, model, options: BuildOptions) -> dict:
+def verify_engine(config: EngineConfig, model) -> dict:
     """Compare the engine with the HF model (float32; for a quantized build, the HF model holding the
     same quantized weights, see calibration.quantize). Raises BuildError when any backend differs by
     more than the tolerance; returns the record the manifest keeps."""
     import torch
 
     spec = config.model
-    prompt_len = min(options.max_seq_len - 1, options.block_size + 7)
+    prompt_len = min(config.max_seq_len - 1, config.block_size + 7)
     tokens = np.random.default_rng(0).integers(3, spec.vocab_size, prompt_len + 1).tolist()
     with torch.no_grad():
         ref_logits = model(torch.tensor([tokens])).logits[0].float().numpy()
     want = {"prefill": ref_logits[-2], "chunked_prefill": ref_logits[-2], "decode": ref_logits[-1]}
     scale = float(np.abs(ref_logits).max())
-    tolerance = max(QUANTIZED_VERIFY_TOLERANCE.get(options.quantize or "", 0.0), VERIFY_TOLERANCE[options.dtype],
+    tolerance = max(QUANTIZED_VERIFY_TOLERANCE.get(config.quantization or "", 0.0), VERIFY_TOLERANCE[config.dtype],
                     KV_VERIFY_TOLERANCE.get(config.kv_cache_dtype, 0.0)) * scale  # fmt: skip
     result: dict = {"prompt_tokens": prompt_len, "max_abs_logit": scale, "backends": {}}
     if config.dtype == "bfloat16":
@@ -74,8 +70,8 @@ def verify_engine(config: EngineConfig, model, options: BuildOptions) -> dict:
         result["hf_bfloat16_max_abs_error"] = hf_bf16_error
     result["tolerance"] = tolerance
     with tempfile.TemporaryDirectory() as scratch:
-        for kind, backend in _backends(config, ceil_div(prompt_len + 1, options.block_size), options, Path(scratch)):
-            got = _run(backend, tokens, options.block_size)
+        for kind, backend in _backends(config, ceil_div(prompt_len + 1, config.block_size), Path(scratch)):
+            got = _run(backend, tokens, config.block_size)
             errors = {k: float(np.abs(got[k] - want[k]).max()) for k in got}
             result["backends"][kind] = {
                 "max_abs_error": errors,
@@ -87,7 +83,7 @@ def verify_engine(config: EngineConfig, model, options: BuildOptions) -> dict:
     return result
 
 
-def _backends(config: EngineConfig, blocks: int, options: BuildOptions, scratch: Path):
+def _backends(config: EngineConfig, blocks: int, scratch: Path):
     """(kind, backend) for each backend the engine is verified on, over 2 x `blocks` KV blocks."""
     num_blocks = 2 * blocks
     if config.dtype == "bfloat16":
@@ -98,7 +94,7 @@ def _backends(config: EngineConfig, blocks: int, options: BuildOptions, scratch:
     else:
         for kind in ("graph", "plugin", "cpu") if config.has_cpu_segments else ("graph", "plugin"):
             yield kind, create_backend(config, num_blocks=num_blocks, kind=kind)
-    if options.target == "tensorrt":
+    if config.target == "tensorrt":
         yield "tensorrt", create_backend(config, num_blocks=num_blocks, kind="tensorrt")
 
 

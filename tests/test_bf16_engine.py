@@ -110,7 +110,7 @@ def test_verification_catches_a_corrupted_weight(bf16_engine, hf_model, tmp_path
     data.flush()
     config = dataclasses.replace(EngineConfig.load(bf16_engine), engine_dir=engine)
     with pytest.raises(BuildError, match="verification failed"):
-        verify_engine(config, hf_model, BuildOptions(output=engine, dtype="bfloat16", **OPTIONS))
+        verify_engine(config, hf_model)
 
 
 def test_cpus_serve_it_on_the_cpu_bf16_backend(bf16_engine):
