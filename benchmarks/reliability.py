@@ -146,7 +146,7 @@ async def drive(serve: Serve, load: Load, run: Run, mix: Mix) -> tuple[float, li
 
 def kill_reports(kills: list[dict], results: list[Result], end: float) -> list[dict]:
     """Each kill's report, a request counted for the last kill before its end."""
-    untils = [k["t_kill"] for k in kills[1:]] + [end]
+    untils = [k["t_kill"] for k in kills[1:]] + [end] if kills else []  # soak and burst kill nothing
     return [kill_report(k["target"], k["pid"], k["t_kill"], results, k["restart"], until)
             for k, until in zip(kills, untils, strict=True)]  # fmt: skip
 

@@ -84,6 +84,15 @@ def test_recovery_is_the_first_answer_begun_after_the_kill():
     assert kill_report("gateway", 7, 22.0, rs, None, 30.0)["recovery_s"] is None
 
 
+def test_kill_reports_end_each_kill_at_the_next_and_a_run_without_kills_has_none():
+    from benchmarks.reliability import kill_reports
+
+    rs = [result(0, start=9.0, end=15.0, status=200, finished=True, deltas=3, first_delta=14.0)]
+    kills = [{"target": t, "pid": 1, "t_kill": at, "restart": None} for t, at in (("stub", 10.0), ("gateway", 14.0))]
+    assert [k["affected"] for k in kill_reports(kills, rs, end=30.0)] == [0, 1]  # #0 ended after the 2nd kill
+    assert kill_reports([], rs, end=30.0) == []  # soak, burst (this raised before)
+
+
 def payload(results: list[Result], mode: str = "chaos", **server) -> dict:
     s = summary(results)
     p = {
