@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine_format.requests import FIELD, FIELDS, Limits, json_depth_exceeds
@@ -265,7 +265,9 @@ def bodies(draw) -> dict:
 
 
 # allow_subnormal=False: a library loaded in-process sets flush-to-zero, and hypothesis refuses subnormals then.
-FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomize: CI runs the examples a local run did (a new random draw per run made CI fail on a case nobody saw)
+FUZZ = settings(max_examples=40, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
 
 
 @FUZZ
@@ -289,11 +291,13 @@ VALUES = {"BYTES": st.binary(max_size=12) | st.just(b'[{"role": "user", "content
 @FUZZ
 @given(values=st.dictionaries(st.sampled_from([f.name for f in FIELDS]), st.none(), max_size=5).flatmap(
     lambda names: st.fixed_dictionaries({n: VALUES[FIELD[n].triton_type] for n in names})))  # fmt: skip
+@example(values={"tools": b'[{"role": "user", "content": "hi"}]'})  # a message where a tool belongs: CI found it
 def test_fuzzed_triton_inputs_get_a_named_error_or_a_completion(triton, values):
     values.setdefault("max_tokens", 2)
     _, error = grpc_once(triton, tensors(**values))
     if error is not None:
-        assert "internal error" not in error and any(f"{name}: " in error for name in FIELD), error
+        named = any(f"{name}: " in error or f"{name}[" in error for name in FIELD)  # or an element: "tools[0]: "
+        assert "internal error" not in error and named, error
     assert triton.process.poll() is None
 
 
