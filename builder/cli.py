@@ -163,9 +163,10 @@ def main(model, output, max_batch_size, max_seq_len, block_size, dtype, target, 
         console.print(Text.assemble(("build-engine: error: ", "bold red"), str(exc)), soft_wrap=True)
         raise SystemExit(1) from None
     verify = manifest["verification"]
+    errors = ", ".join(f"{kind} {max(b['max_abs_error'].values()):.2e}" for kind, b in verify["backends"].items())
     console.print(
-        f"[green]engine written to {output}[/] ({manifest['source']['name']}, {dtype}, KV cache {kv_cache_dtype}, "
-        f"max logit error {max(e for b in verify['backends'].values() for e in b['max_abs_error'].values()):.2e})"
+        f"[green]engine written to {output}[/] ({manifest['source']['name']}, {dtype}, KV cache {kv_cache_dtype}; "
+        f"max logit error vs HF eager: {errors})"
     )
     if quantize or kv_cache_dtype != "auto":
         console.print((output / "gate_report.md").read_text(), markup=False)

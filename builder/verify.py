@@ -8,7 +8,8 @@ bfloat16 engines: ONNX Runtime has no bfloat16 MatMul on CPUs, so their graphs (
 plugin graph TensorRT compiles) run as a float32 view, the same graph over the same bf16-rounded
 weights with every bf16 type widened (`float32_view`), and the cpu-bf16 backend runs the engine in
 bfloat16 itself. Their bound is HF's own bfloat16 forward: no further from float32 HF than
-BF16_HEADROOM times HF-bfloat16's distance.
+BF16_HEADROOM times HF-bfloat16's distance. float32 engines built on a CPU with AMX are also verified on
+cpu-bf16, the default there (executors/factory.py), at that bound.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from engine_format import EngineConfig, ceil_div
 from engine_format.files import GRAPH_FILE, PLUGIN_GRAPH_FILE
 from executors import create_backend
 from executors.base import EngineBackend, SequenceChunk
+from executors.cpus import amx_bf16
 
 # Max |logit difference| between the engine and HF eager on the verification prompt, as a
 # fraction of the largest |logit|. fp32 differs only in summation order (measured ~1e-6 on
@@ -49,7 +51,8 @@ KV_VERIFY_TOLERANCE = {"int8": 3e-2, "fp8": 1e-1}
 def verify_engine(config: EngineConfig, model) -> dict:
     """Compare the engine with the HF model (float32; for a quantized build, the HF model holding the
     same quantized weights, see calibration.quantize). Raises BuildError when any backend differs by
-    more than the tolerance; returns the record the manifest keeps."""
+    more than its tolerance; returns the record the manifest keeps (its backends are the engine's
+    `verified_backends`)."""
     import torch
 
     spec = config.model
@@ -62,25 +65,37 @@ def verify_engine(config: EngineConfig, model) -> dict:
     tolerance = max(QUANTIZED_VERIFY_TOLERANCE.get(config.quantization or "", 0.0), VERIFY_TOLERANCE[config.dtype],
                     KV_VERIFY_TOLERANCE.get(config.kv_cache_dtype, 0.0)) * scale  # fmt: skip
     result: dict = {"prompt_tokens": prompt_len, "max_abs_logit": scale, "backends": {}}
-    if config.dtype == "bfloat16":
+    bf16_tolerance = tolerance
+    if config.dtype == "bfloat16" or _runs_bf16(config):
         with torch.no_grad():
             ref16 = copy.deepcopy(model).to(torch.bfloat16)(torch.tensor([tokens])).logits[0, -2:].float().numpy()
         hf_bf16_error = float(np.abs(ref16 - ref_logits[-2:]).max())
-        tolerance = max(tolerance, BF16_HEADROOM * hf_bf16_error)
+        bf16_tolerance = max(VERIFY_TOLERANCE["bfloat16"] * scale, BF16_HEADROOM * hf_bf16_error)
         result["hf_bfloat16_max_abs_error"] = hf_bf16_error
+    if config.dtype == "bfloat16":
+        tolerance = bf16_tolerance
     result["tolerance"] = tolerance
     with tempfile.TemporaryDirectory() as scratch:
         for kind, backend in _backends(config, ceil_div(prompt_len + 1, config.block_size), Path(scratch)):
+            bound = bf16_tolerance if kind == "cpu-bf16" else tolerance
             got = _run(backend, tokens, config.block_size)
             errors = {k: float(np.abs(got[k] - want[k]).max()) for k in got}
             result["backends"][kind] = {
                 "max_abs_error": errors,
                 "argmax_equal": all(int(got[k].argmax()) == int(want[k].argmax()) for k in got),
+                "tolerance": bound,
             }
-            if max(errors.values()) > tolerance:
+            if max(errors.values()) > bound:
                 raise BuildError(f"engine verification failed ({kind} backend), logits differ from HF eager: "
                                  f"{json.dumps(result)}")  # fmt: skip
     return result
+
+
+def _runs_bf16(config: EngineConfig) -> bool:
+    """A float32 engine is also verified on cpu-bf16 (dense layers in bfloat16, at bfloat16's bound) where
+    this CPU is one it is the default on; quantized weights or KV pools keep the backend their gate ran on."""
+    plain = config.dtype == "float32" and config.quantization is None and not config.kv_quantized
+    return plain and config.has_cpu_segments and amx_bf16()
 
 
 def _backends(config: EngineConfig, blocks: int, scratch: Path):
@@ -94,6 +109,8 @@ def _backends(config: EngineConfig, blocks: int, scratch: Path):
     else:
         for kind in ("graph", "plugin", "cpu") if config.has_cpu_segments else ("graph", "plugin"):
             yield kind, create_backend(config, num_blocks=num_blocks, kind=kind)
+        if _runs_bf16(config):
+            yield "cpu-bf16", create_backend(config, num_blocks=num_blocks, kind="cpu-bf16")
     if config.target == "tensorrt":
         yield "tensorrt", create_backend(config, num_blocks=num_blocks, kind="tensorrt")
 

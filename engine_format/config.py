@@ -69,6 +69,9 @@ class EngineConfig:
     # fp8 engines carry one static (k_scale, v_scale) per layer.
     kv_cache_dtype: str = "auto"
     kv_scales: tuple[tuple[float, float], ...] | None = None
+    # The backends the builder checked this engine on against HF eager (provenance: the manifest's
+    # verification.backends); a backend that changes the arithmetic is a default only where it was verified.
+    verified_backends: tuple[str, ...] = ()
 
     @property
     def kv_quantized(self) -> bool:
@@ -160,6 +163,7 @@ class EngineConfig:
                 tensorrt=TensorRTLimits(**trt["limits"]) if trt else None,
                 kv_cache_dtype=kv.get("dtype", "auto"),
                 kv_scales=tuple((float(k), float(v)) for k, v in kv_scales) if kv_scales is not None else None,
+                verified_backends=tuple((manifest.get("verification") or {}).get("backends", {})),
             )
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise EngineLoadError(f"{path} is malformed ({type(exc).__name__}: {exc}); rebuild") from None

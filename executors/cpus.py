@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -19,3 +20,14 @@ def libgomp_loaded() -> bool:
     count) once, when it loads."""
     maps = Path("/proc/self/maps")
     return maps.exists() and "libgomp" in maps.read_text()
+
+
+@functools.cache
+def amx_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices on AMX tiles (Sapphire Rapids and later Xeons), where the
+    cpu-bf16 backend measured faster than `cpu` per step and served (docs/performance.md, "cpu-bf16 vs cpu")."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(line.startswith("flags") and "amx_bf16" in line.split() for line in cpuinfo.splitlines())

@@ -14,6 +14,12 @@ if TYPE_CHECKING:
     from runtime import LLMEngine
 
 
+# Token-exact comparisons (with HF float32, across batch compositions, with speculation on and off) need the
+# float32 CPU backend: cpu-bf16, the default on CPUs with AMX, rounds its bfloat16 matmuls differently for
+# another row count, which flips near-ties (tests/test_cpu_bf16_default.py).
+FLOAT32_BACKEND = "cpu"
+
+
 def hf_logits(model, token_ids: list[int]) -> np.ndarray:
     """Logits [len, vocab] of HF eager for one sequence."""
     with torch.no_grad():

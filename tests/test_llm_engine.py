@@ -12,7 +12,7 @@ from executors import create_backend
 from executors.greedy import greedy_generate
 from runtime import LLM, EngineArgs, InvalidRequest, LLMEngine, Overloaded, SamplingParams
 from runtime.engine.tokenizer import load_tokenizer, stop_token_ids
-from tests.helpers import random_prompts, run_with_arrivals
+from tests.helpers import FLOAT32_BACKEND, random_prompts, run_with_arrivals
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
@@ -37,7 +37,7 @@ def shared_prefix_prompts(vocab: int, n: int, prefix_len: int = 37, seed: int = 
 
 
 def test_continuous_batching_with_random_arrivals_matches_sequential(llama_engine, reference):
-    engine = LLMEngine(llama_engine, EngineArgs(max_num_batched_tokens=40))
+    engine = LLMEngine(llama_engine, EngineArgs(max_num_batched_tokens=40, backend=FLOAT32_BACKEND))
     rng = np.random.default_rng(1)
     prompts = random_prompts(engine.config.model.vocab_size, rng.integers(1, 90, 24).tolist(), seed=2)
     arrivals = rng.integers(0, 30, len(prompts)).tolist()
@@ -71,7 +71,7 @@ def test_prefix_hits_are_counted_exactly(llama_engine):
 
 def test_preemption_storm_completes_with_identical_outputs(llama_engine, reference):
     # 12 blocks of 8 tokens for 8 concurrent sequences that each need up to 5 blocks.
-    engine = LLMEngine(llama_engine, EngineArgs(num_kv_blocks=12, max_num_batched_tokens=64))
+    engine = LLMEngine(llama_engine, EngineArgs(num_kv_blocks=12, max_num_batched_tokens=64, backend=FLOAT32_BACKEND))
     prompts = random_prompts(engine.config.model.vocab_size, [20, 25, 30, 18, 22, 27, 31, 19, 24, 26], seed=9)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     got = run_with_arrivals(engine, prompts, params, [0] * len(prompts))
@@ -126,7 +126,7 @@ def test_bad_parameters_are_rejected_with_the_field_named(make, field):
 
 
 def test_bad_requests_rejected_while_others_continue(llama_engine, reference):
-    engine = LLMEngine(llama_engine)
+    engine = LLMEngine(llama_engine, EngineArgs(backend=FLOAT32_BACKEND))
     good_prompt = [10, 11, 12, 13]
     good = engine.add_request(good_prompt, GREEDY)
     tokens = [t for d in engine.step() for t in d.token_ids]
@@ -233,7 +233,7 @@ def test_deadline_expires_a_request_that_is_still_waiting(llama_engine):
 
 
 def test_llm_generate_batch_api(llama_engine, reference):
-    llm = LLM(llama_engine)
+    llm = LLM(llama_engine, backend=FLOAT32_BACKEND)
     prompts = random_prompts(488, [5, 17, 40], seed=4)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [reference(p) for p in prompts]

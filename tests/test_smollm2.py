@@ -20,7 +20,7 @@ from executors.base import SequenceChunk
 from executors.greedy import greedy_generate
 from runtime import LLM, SamplingParams
 from runtime.engine.tokenizer import encode_prompt, stop_token_ids
-from tests.helpers import hf_greedy, hf_logits
+from tests.helpers import FLOAT32_BACKEND, hf_greedy, hf_logits
 
 pytestmark = pytest.mark.slow
 ATOL = 1e-3
@@ -89,7 +89,7 @@ def test_backend_greedy_tokens_identical_to_hf_generate(setup, kind):
 def test_engine_greedy_tokens_identical_to_hf_generate(setup, smollm2_engine):
     """The whole engine: chat messages in, in-flight batching with chunked prefill."""
     _, tokenizer, _, _, _, answers = setup
-    llm = LLM(smollm2_engine, max_num_batched_tokens=256)
+    llm = LLM(smollm2_engine, max_num_batched_tokens=256, backend=FLOAT32_BACKEND)
     messages = [[{"role": "user", "content": p}] for p in PROMPTS]
     outs = llm.generate(messages, SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS))
     assert not describe_mismatches(tokenizer, [o.token_ids for o in outs], answers)

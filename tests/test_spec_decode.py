@@ -20,13 +20,13 @@ from runtime import EngineArgs, LLMEngine, SamplingParams
 from runtime.engine.outputs import CompletionOutput
 from runtime.engine.spec import rejection_sampler as rejection_module
 from runtime.engine.spec.rejection_sampler import VerifyResult
-from tests.helpers import hf_logits, random_prompts, run_with_arrivals
+from tests.helpers import FLOAT32_BACKEND, hf_logits, random_prompts, run_with_arrivals
 
 ATOL = 1e-4  # as test_engine_parity: float32 both sides, summation order only
 # itl_target_ms=None: schedules from the token budget alone, never from measured step times; not adaptive:
 # every step below the disable size carries drafts (the governor's choices: test_spec_governor.py).
 SPEC = dict(speculative="ngram", num_speculative_tokens=4, speculative_disable_batch_size=8, itl_target_ms=None,
-            speculative_adaptive=False)  # fmt: skip
+            speculative_adaptive=False, backend=FLOAT32_BACKEND)  # fmt: skip
 
 
 def blocks(start: int, count: int) -> list[int]:
@@ -327,7 +327,9 @@ def test_sampled_requests_with_logprobs_and_penalties_run_speculatively(llama_en
     greedy = SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=20, ignore_eos=True, logprobs=1)
 
     def once(spec: bool):
-        engine = LLMEngine(llama_engine, EngineArgs(**SPEC) if spec else EngineArgs(itl_target_ms=None))
+        engine = LLMEngine(
+            llama_engine, EngineArgs(**SPEC) if spec else EngineArgs(itl_target_ms=None, backend=FLOAT32_BACKEND)
+        )
         ids = [engine.add_request(p, sampled if i < 2 else greedy) for i, p in enumerate(prompts)]
         outs = {i: CompletionOutput(i, []) for i in ids}
         while engine.has_unfinished_requests():

@@ -19,7 +19,7 @@ from runtime import EngineArgs, LLMEngine, SamplingParams
 from runtime.engine.spec import DraftEngineProposer
 from runtime.engine.spec.draft import top_probability
 from tests.conftest import build_tiny
-from tests.helpers import random_prompts
+from tests.helpers import FLOAT32_BACKEND, random_prompts
 from tests.test_spec_decode import copy_heavy_prompts, run
 
 
@@ -37,7 +37,8 @@ def mistral_engine(engines_dir):
 def draft_args(draft_dir, **extra) -> EngineArgs:
     return EngineArgs(speculative="draft", draft_engine=str(draft_dir), num_speculative_tokens=3,
                       speculative_disable_batch_size=8, itl_target_ms=None, speculative_adaptive=False,
-                      **{"draft_prompt_lookup_min": 0, **extra})  # fmt: skip  # the draft model alone
+                      **{"draft_prompt_lookup_min": 0, "backend": FLOAT32_BACKEND, "draft_backend": FLOAT32_BACKEND,
+                         **extra})  # fmt: skip  # the draft model alone
 
 
 def test_the_target_as_its_own_draft_is_accepted(llama_engine, reference):
@@ -71,7 +72,7 @@ def test_sampled_requests_with_a_draft_engine(llama_engine, mistral_engine):
     prompts = random_prompts(488, [10, 20], seed=73)
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=16, ignore_eos=True)
     spec = run(LLMEngine(llama_engine, draft_args(llama_engine)), prompts, params)
-    plain = run(LLMEngine(llama_engine, EngineArgs(itl_target_ms=None)), prompts, params)
+    plain = run(LLMEngine(llama_engine, EngineArgs(itl_target_ms=None, backend=FLOAT32_BACKEND)), prompts, params)
     assert spec == plain and all(len(o) == 16 for o in spec)
 
 

@@ -262,11 +262,13 @@ def test_default_backend_prefers_torch_on_a_gpu_without_tensorrt(llama_engine, m
     import dataclasses
 
     import executors.factory as backends
+    from executors.cpus import amx_bf16
 
     config = EngineConfig.load(llama_engine)
+    cpu = "cpu-bf16" if "cpu-bf16" in config.verified_backends and amx_bf16() else "cpu"  # test_cpu_bf16_default.py
     engines = (config, dataclasses.replace(config, target="tensorrt"))
     cases = {  # (a CUDA device, TensorRT installed): defaults for (an ORT engine, a TensorRT engine)
-        (False, False): ("cpu", "tensorrt"),  # the TensorRT backend then refuses, naming what is missing
+        (False, False): (cpu, "tensorrt"),  # the TensorRT backend then refuses, naming what is missing
         (True, False): ("torch", "torch"),
         (True, True): ("torch", "tensorrt"),
     }
@@ -276,7 +278,7 @@ def test_default_backend_prefers_torch_on_a_gpu_without_tensorrt(llama_engine, m
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
         assert tuple(backends.default_backend(e) for e in engines) == want
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # this process runs Triton interpreted: no GPU default
-        assert backends.default_backend(config) == "cpu"
+        assert backends.default_backend(config) == cpu
 
 
 def test_compiled_kernels_on_cpu_are_refused():

@@ -74,8 +74,9 @@ class EngineArgs:
     max_waiting: int = setting(1024, "Waiting-queue bound; beyond it requests are refused as overloaded.", lo=1)
     threads: int | None = setting(None, "Backend compute threads (default: every usable core).", lo=1, served=False)
     backend: str | None = setting(None, "Executor (default: TensorRT for TensorRT engines where installed, else torch "
-                                  "on a GPU, else ORT). cpu-bf16: the CPU kernel backend with bfloat16 dense layers "
-                                  "(oneDNN, AMX): faster, HF-bf16 numerics.", choices=BACKENDS)  # fmt: skip
+                                  "on a GPU, else cpu-bf16 on CPUs with AMX for engines verified on it, else "
+                                  "cpu). cpu-bf16: the CPU kernel backend with bfloat16 dense layers (oneDNN, AMX): "
+                                  "faster, HF-bf16 numerics; cpu: float32.", choices=BACKENDS)  # fmt: skip
     dtype: str | None = setting(None, "The torch backend's compute dtype (default: the engine's), e.g. bfloat16 "
                                 "over a float32 engine's weights.",
                                 choices=("float32", "float16", "bfloat16"))  # fmt: skip
