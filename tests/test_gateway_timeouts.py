@@ -151,3 +151,38 @@ def test_a_body_dribbled_to_a_route_that_never_reads_it_is_cut_too(gateway):
         rest = read_to_close(sock)
     assert sent > 0 and b"HTTP/1.1 " not in rest  # a byte after the answer: uvicorn's keep-alive timer is off
     still_serving(gateway)
+
+
+MALFORMED = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 1x\r\n\r\n"  # uvicorn: 400, close
+
+
+def test_a_client_still_sending_its_body_reads_the_answer_to_a_malformed_request(gateway):
+    """uvicorn answers a request it cannot parse with a 400 and closes while the client still sends: a plain
+    close would reset the connection (unread bytes in the socket) and the client's send fail with the answer
+    never read; the lingering close drains what it sends, then ends with a FIN."""
+    with connect(gateway) as sock:
+        sock.sendall(MALFORMED + b" " * 16 * 2**20)  # far past the socket buffers, sent after the answer
+        raw = b""
+        while chunk := sock.recv(65536):  # to the FIN: a reset here raises
+            raw += chunk
+    assert raw.startswith(b"HTTP/1.1 400 "), raw[:300]
+    still_serving(gateway)
+
+
+def test_the_linger_is_bounded_for_a_client_that_never_stops_sending(gateway):
+    """After its answer the gateway drains a client for LINGER_S at most: one that keeps sending is cut."""
+    with connect(gateway) as sock:
+        sock.sendall(MALFORMED)
+        answer, cut, eof = b"", False, False
+        for _ in range(10_000):  # 64 KiB per 10 ms, 100 s at least: 50x the linger
+            readable, _, _ = select.select([] if eof else [sock], [], [], PACE_S / 5)
+            if readable:
+                chunk = sock.recv(65536)
+                answer, eof = answer + chunk, not chunk  # the gateway's FIN: it reads on, drops what comes
+            try:
+                sock.sendall(b" " * 2**16)
+            except (BrokenPipeError, ConnectionResetError):
+                cut = True
+                break
+    assert cut and answer.startswith(b"HTTP/1.1 400 ")
+    still_serving(gateway)

@@ -15,6 +15,9 @@ byte after a response), reading a body (from the end of its head), or neither (t
 keep-alive connection, which uvicorn's keep-alive timeout closes). Entering a phase arms its timer; it is
 not re-armed by bytes within the phase, so dribbling cannot extend it. On expiry the connection closes,
 after a 408 in OpenAI's error shape when no response has started.
+
+Every close of the connection, ours or uvicorn's, lingers (runtime/gateway/lingering.py): a client still
+sending reads the 408 or 413 instead of a reset.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
+
+from runtime.gateway.lingering import LingeringTransport
 
 log = logging.getLogger(__name__)
 
@@ -54,26 +59,31 @@ def timeout_response(what: str) -> bytes:
 
 
 class ReadDeadlines(asyncio.Protocol):
-    """Mixin over a uvicorn HTTP protocol class (see `timed_protocol`): uses its `loop`, `transport` and
-    `cycle` (the current RequestResponseCycle: `more_body`, `response_started`, `response_complete`)."""
+    """Mixin over a uvicorn HTTP protocol class (see `timed_protocol`): uses its `loop`, `transport` (which it
+    makes a LingeringTransport) and `cycle` (the current RequestResponseCycle: `more_body`, `response_started`,
+    `response_complete`)."""
 
     read_timeouts: ClassVar[ReadTimeouts]
     loop: asyncio.AbstractEventLoop
-    transport: asyncio.Transport
+    transport: LingeringTransport
     cycle: Any
     _deadline: asyncio.TimerHandle | None = None
     _phase: object = None  # HEAD, the cycle whose body is awaited, or None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
+        lingering = LingeringTransport(cast(asyncio.Transport, transport), self.loop)  # uvloop's: not a subclass
+        super().connection_made(cast(asyncio.Transport, lingering))  # duck-typed
         self._track()
 
     def data_received(self, data: bytes) -> None:
+        if self.transport.lingering:
+            return  # the rest of a request that was answered: drained and dropped
         super().data_received(data)
         self._track()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._enter(None)
+        self.transport.connection_lost()
         super().connection_lost(exc)
 
     def _track(self) -> None:
