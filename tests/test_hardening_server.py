@@ -26,6 +26,7 @@ from engine_format import EngineConfig
 from executors.kv_pool import PoolMemoryError, allocate_pool, available_memory
 from runtime.serve.launcher import (
     ADMIN_HEADER,
+    LOWEST_PORT,
     MODEL_NAME,
     SHM_ROOT,
     TEMPLATE_REPOSITORY,
@@ -33,6 +34,7 @@ from runtime.serve.launcher import (
     ServerError,
     TritonServer,
     fill_parameters,
+    free_port,
 )
 from runtime.serve.serve_loop import EXIT_CUT, EXIT_UNSERVABLE
 from tests.gateway_helpers import build_slow_engine, client, running_gateway
@@ -254,6 +256,14 @@ def _new_request_status(sdk, model: str) -> int:
 
 
 # 7 (part): config values are escaped.
+
+
+def test_free_ports_are_never_handed_out_twice_nor_in_the_ephemeral_range():
+    """Ports for servers started next: bind(0)'s range is where listeners that pick their own (UCX under NIXL)
+    and outgoing connections take theirs at any moment, before our server binds."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(64)]
+    assert len(set(ports)) == 64 and all(LOWEST_PORT <= port < low for port in ports)
 
 
 def test_config_values_are_escaped_protobuf_strings():

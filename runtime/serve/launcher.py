@@ -71,10 +71,35 @@ class ServerConfig:
         return cls(engine_dir, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), **kwargs)
 
 
+_HANDED_OUT: set[int] = set()  # ports free_port() returned in this process: never twice
+LOWEST_PORT = 10_000
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, for a server started next. Outside the kernel's ephemeral range when it can:
+    there bind(0), outgoing connections and other servers' own listeners (UCX's under NIXL) take ports at
+    any moment, so one picked there could be taken before our server binds it (seen: a health probe answered
+    by a binary protocol). Never a port this process handed out already, bound yet or not."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = secrets.randbelow(low - LOWEST_PORT) + LOWEST_PORT if low > LOWEST_PORT + 1000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise ServerError("found no free TCP port on 127.0.0.1")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0  # unknown: bind(0) picks
 
 
 def pytriton_paths() -> tuple[Path, Path]:
