@@ -1,6 +1,7 @@
 """Slow clients against a real gateway process (`--header-timeout 2 --body-timeout 4`, no backend needed):
 a connection that sends nothing, a request head or body dribbled a byte at a time, is answered 408 and closed,
-whatever route it is for, and the gateway serves on.
+whatever route it is for, and the gateway serves on; a client still sending when the gateway closes reads its
+answer (the lingering close), and is cut after a bounded linger.
 
 The tests dribble until the gateway closes the connection (each byte waits for the socket to turn readable,
 up to a pace), never for a fixed time; a head or body that ran out before the close fails the test.
@@ -57,8 +58,8 @@ def dribble(sock: socket.socket, data: bytes) -> int:
 
 
 def read_to_close(sock: socket.socket) -> bytes:
-    """Everything the peer sends until it closes the connection (a reset too: a byte dribbled in as the gateway
-    closed lies unread there, and a close with unread bytes resets; what came before it is still read)."""
+    """Everything the peer sends until it closes the connection (a reset too: the gateway's lingering close
+    resets a client still sending after LINGER_S; what came before the reset is still read)."""
     chunks = []
     try:
         while chunk := sock.recv(65536):
