@@ -1,10 +1,10 @@
 """A lingering close, as nginx's `lingering_close`: the gateway's answer reaches a client that is still sending.
 
-Why: the gateway closes connections whose request it will not read to the end: a body over the size limit
-(413 from the headers or at the limit), a read timeout (408). Closing a socket with unread bytes in its
-receive buffer makes the kernel send a reset instead of a FIN; a client still writing its body then fails
-on its next send, and most HTTP clients (urllib, requests, httpx) report "connection reset" and never read
-the 413 or 408 that explains why.
+Why: the gateway closes connections whose request it will not read to the end: a read timeout (408), a
+request uvicorn cannot parse (400), a keep-alive or shutdown close while a refused body (413) still arrives.
+Closing a socket with unread bytes in its receive buffer makes the kernel send a reset instead of a FIN; a
+client still writing its body then fails on its next send, and most HTTP clients (urllib, requests, httpx)
+report "connection reset" and never read the answer that explains why.
 
 How: `close()` writes what is buffered, then half-closes (FIN), reads and drops whatever the client still
 sends, and closes for good when the client closes its side or after `linger_s`, whichever comes first. A
