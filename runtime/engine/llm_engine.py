@@ -37,7 +37,7 @@ from runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from runtime.engine.spec.decoding import create_spec_decoder
 from runtime.engine.stats import EngineCounters, EngineStats, StepRecord
 from runtime.engine.step_cost import OnlineStepCost, StepShape
-from runtime.engine.step_inputs import InFlight, ScheduledChunk, build_chunks
+from runtime.engine.step_inputs import InFlight, StepChunks, build_chunks
 from runtime.engine.step_update import Placed, StepUpdate
 from runtime.engine.tokenizer import load_tokenizer, stop_token_ids
 
@@ -203,62 +203,63 @@ class LLMEngine:
             if batch.is_empty:
                 return outputs + (self._resolve() if self._in_flight is not None else [])
             now = self.clock()
-            for request in batch.num_tokens:
-                request.timing.first_scheduled = request.timing.first_scheduled or now
-            scheduled, chunks = build_chunks(batch.num_tokens)
+            for request in batch.admitted:  # (running ones were scheduled before)
+                if request in batch.num_tokens:  # not preempted again by a later allocation this step
+                    request.timing.first_scheduled = request.timing.first_scheduled or now
+            step = build_chunks(batch.num_tokens)
             # Rows that complete their request's tokens are sampled: by the backend on its device if it can
             # (drafts are verified on the host, from logits of every draft position).
-            rows = [s.request.sampling if s.completes else None for s in scheduled] if self.device_sampling else []
-            verifying = self.spec is not None and any(s.drafts for s in scheduled)
+            rows = step.sampling_rows() if self.device_sampling else []
         if overlap:
-            return outputs + self._launch(scheduled, chunks, rows, batch, step_start)
+            return outputs + self._launch(step, rows, batch, step_start)
         try:
-            if self.device_sampling is not None and not verifying:  # lock released: add/abort proceed
-                logits: np.ndarray | DeviceSample = self.device_sampling.step_sample(chunks, rows)
+            if self.device_sampling is not None and not step.drafting:  # lock released: add/abort proceed
+                logits: np.ndarray | DeviceSample = self.device_sampling.step_sample(step.chunks, rows)
             else:
-                logits = self.backend.step(chunks)
+                logits = self.backend.step(step.chunks)
         except Exception as exc:  # fail this step's requests, keep serving the others
-            return outputs + self._fail(scheduled, exc)
+            return outputs + self._fail(step, exc)
         with self._lock:
             self.counters.steps += 1
             # disagg hook: prefill-only requests with their first token end here, their KV pinned for a decode worker
-            stepped = self.disagg.hand_off(self.update.run(scheduled, logits), self.update.finish)
+            stepped = self.disagg.hand_off(self.update.run(step, logits), self.update.finish)
             seconds = target_s = self.clock() - step_start
             if self.spec is not None:  # the drafting for the next step is the proposer's time, not the target's
-                decodes = len(scheduled) if all(s.num_tokens - len(s.drafts) == 1 for s in scheduled) else None
+                # a pure decode step: each chunk one token plus its drafts
+                decodes = len(step.chunks) if all(len(c.token_ids) == c.num_logits for c in step.chunks) else None
                 target_s = self.spec.observe_step(seconds, sum(len(o.token_ids) for o in stepped), decodes)
-            self._observe(chunks, batch, seconds, target_s)
+            self._observe(step.chunks, batch, seconds, target_s)
             return outputs + stepped
 
-    def _launch(self, scheduled: list[ScheduledChunk], chunks: list[SequenceChunk], rows: list[SamplingState | None],
-                batch: ScheduledBatch, start: float) -> list[TokenOutput]:  # fmt: skip
+    def _launch(self, step: StepChunks, rows: list[SamplingState | None], batch: ScheduledBatch,
+                start: float) -> list[TokenOutput]:  # fmt: skip
         """Launch this step, then resolve the previous launch (the device computes this one meanwhile). Its
         sampled rows advance at once, each with a placeholder token the next step's decode takes on the device."""
         assert self.overlap is not None
         previous = self._in_flight
-        sources = np.array([s.request.pending_row if s.request.all_token_ids[c.past_len] == PLACEHOLDER else -1
-                            for s, c in zip(scheduled, chunks, strict=True)], np.int64)  # fmt: skip
+        sources = np.array([r.pending_row if r.all_token_ids[c.past_len] == PLACEHOLDER else -1
+                            for r, c in zip(step.requests, step.chunks, strict=True)], np.int64)  # fmt: skip
         try:
-            pending = self.overlap.launch(chunks, rows, sources, None if previous is None else previous.pending)
+            pending = self.overlap.launch(step.chunks, rows, sources, None if previous is None else previous.pending)
         except Exception as exc:
             with self._lock:
                 outputs = self._resolve() if previous is not None else []
-            return outputs + self._fail(scheduled, exc)
+            return outputs + self._fail(step, exc)
         with self._lock:
             self.counters.steps += 1
             placed: list[Placed] = []
-            for row, s in enumerate(scheduled):
-                request = s.request
+            lists = zip(step.requests, step.chunks, step.completes, strict=True)
+            for row, (request, chunk, completes) in enumerate(lists):
                 if request.is_finished:  # aborted while it was launched: its row is dropped
                     continue
                 if request.num_computed_tokens < request.num_prompt_tokens:
-                    self.counters.prompt_tokens += s.num_tokens
-                request.num_computed_tokens += s.num_tokens
-                if s.completes:
+                    self.counters.prompt_tokens += len(chunk.token_ids)
+                request.num_computed_tokens += len(chunk.token_ids)
+                if completes:
                     placed.append((request, row, len(request.all_token_ids)))
                     request.all_token_ids.append(PLACEHOLDER)
                     request.pending_row = row
-            self._in_flight = InFlight(placed, pending, chunks, batch, start)
+            self._in_flight = InFlight(placed, pending, step, batch, start)
             return [] if previous is None else self._resolve(previous)
 
     def _resolve(self, launched: InFlight | None = None) -> list[TokenOutput]:
@@ -268,14 +269,14 @@ class LLMEngine:
         assert launched is not None
         outputs = self.update.resolve(launched.placed, launched.pending.result())
         seconds = self.clock() - launched.start  # the step's cadence: launch to its tokens on the host
-        self._observe(launched.chunks, launched.batch, seconds, seconds)
+        self._observe(launched.step.chunks, launched.batch, seconds, seconds)
         return outputs
 
-    def _fail(self, scheduled: list[ScheduledChunk], exc: Exception) -> list[TokenOutput]:
+    def _fail(self, step: StepChunks, exc: Exception) -> list[TokenOutput]:
         """The backend failed this step: finish its requests with the error, keep serving the others."""
-        log.exception("backend step failed; finishing its %d requests with an error", len(scheduled))
+        log.exception("backend step failed; finishing its %d requests with an error", len(step.requests))
         with self._lock:
-            failed = [s.request for s in scheduled if not s.request.is_finished]
+            failed = [r for r in step.requests if not r.is_finished]
             return [self.update.finish(r, "error", error=str(exc)) for r in failed]
 
     def _observe(self, chunks: list[SequenceChunk], batch: ScheduledBatch, seconds: float, target_s: float) -> None:

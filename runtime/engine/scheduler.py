@@ -58,6 +58,7 @@ class ScheduledBatch:
     budget: int  # what is left of max_num_batched_tokens
     num_tokens: dict[Request, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)  # taken from the waiting queue this step
     target_s: float | None = None  # the step-time target prefill was cut to (None: full speed)
     token_budget: int = 0  # decodes + the prefill a fresh prompt could get (the budget gauge)
     predicted_s: float = 0.0  # the cost model's estimate of this step
@@ -299,4 +300,5 @@ class Scheduler:
         step.add(n, num_hit, prefill=True)
         batch.num_tokens[request] = n
         batch.budget -= n
+        batch.admitted.append(request)
         return True

@@ -8,42 +8,51 @@ from typing import TYPE_CHECKING
 
 from executors.base import SequenceChunk
 from executors.device_sampling import PendingSample
+from executors.sampling import SamplingState
 from runtime.engine.request import Request
 
 if TYPE_CHECKING:
     from runtime.engine.scheduler import ScheduledBatch
 
-NO_DRAFTS: list[int] = []  # shared, never changed
+
+@dataclass(slots=True)
+class StepChunks:
+    """A step's chunks with the request each belongs to, in the same order: parallel lists (no object per
+    request per step beyond the backend's own chunk). A chunk ends in `num_logits - 1` speculative drafts;
+    the backend returns `num_logits` rows per chunk, in order."""
+
+    requests: list[Request]
+    chunks: list[SequenceChunk]
+    completes: list[bool]  # the chunk reaches its request's last token, so a token is sampled from its logits
+    drafting: bool  # some chunk ends in drafts (verified on the host, from the logits of every draft position)
+
+    def sampling_rows(self) -> list[SamplingState | None]:
+        """Each chunk's sampling state if a token is sampled from it, else None (device sampling's rows)."""
+        return [r.sampling if c else None for r, c in zip(self.requests, self.completes, strict=True)]
 
 
-@dataclass(slots=True)  # not frozen: one per request per step (as SequenceChunk)
-class ScheduledChunk:
-    request: Request
-    num_tokens: int  # this step's tokens, drafts included
-    drafts: list[int]  # the speculative tokens the chunk ends in (copied: verified after the backend ran)
-    first_row: int  # its first logits row: the backend returns 1 + len(drafts) rows per chunk, in order
-    completes: bool  # the chunk reaches the request's last token, so a token is sampled from its logits
-
-
-def build_chunks(num_tokens: dict[Request, int]) -> tuple[list[ScheduledChunk], list[SequenceChunk]]:
+def build_chunks(num_tokens: dict[Request, int]) -> StepChunks:
     """A decode given more tokens than it has uncomputed runs its drafts after them (the scheduler
     trimmed draft_token_ids to what it allocated). A chunk's block table is the request's own list, not a
     copy: the KV cache manager never changes a request's list in place, it gives the request a new one."""
-    scheduled, chunks, row = [], [], 0
+    chunks: list[SequenceChunk] = []
+    completes: list[bool] = []
+    drafting = False
     for request, n in num_tokens.items():
         start, tokens = request.num_computed_tokens, request.all_token_ids
         uncomputed = len(tokens) - start
         if n == uncomputed == 1:  # a decode's one token: most chunks of most steps
             chunks.append(SequenceChunk(tokens[start:], start, request.block_ids))
-            scheduled.append(ScheduledChunk(request, 1, NO_DRAFTS, row, True))
-            row += 1
+            completes.append(True)
             continue
-        drafts = list(request.draft_token_ids[: n - uncomputed]) if n > uncomputed else NO_DRAFTS
-        ids = tokens[start : start + n - len(drafts)]
-        chunks.append(SequenceChunk(ids + drafts if drafts else ids, start, request.block_ids, 1 + len(drafts)))
-        scheduled.append(ScheduledChunk(request, n, drafts, row, start + n - len(drafts) == len(tokens)))
-        row += 1 + len(drafts)
-    return scheduled, chunks
+        num_drafts = max(0, n - uncomputed)  # the scheduler kept that many of draft_token_ids
+        ids = tokens[start : start + n - num_drafts]
+        if num_drafts:
+            ids += request.draft_token_ids[:num_drafts]
+            drafting = True
+        chunks.append(SequenceChunk(ids, start, request.block_ids, 1 + num_drafts))
+        completes.append(start + n - num_drafts == len(tokens))
+    return StepChunks(list(num_tokens), chunks, completes, drafting)
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,6 @@ class InFlight:
 
     placed: list[tuple[Request, int, int]]  # its sampled rows: (request, row, index of the placeholder token)
     pending: PendingSample
-    chunks: list[SequenceChunk]
+    step: StepChunks
     batch: ScheduledBatch
     start: float  # clock seconds when it was scheduled

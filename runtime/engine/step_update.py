@@ -19,7 +19,7 @@ from runtime.engine.request import Request, RequestStatus
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.spec.decoding import SpecDecoder
 from runtime.engine.stats import EngineCounters
-from runtime.engine.step_inputs import ScheduledChunk
+from runtime.engine.step_inputs import StepChunks
 
 # An overlapped step's sampled row: (request, its row in the step's sample, the index of its placeholder token).
 Placed = tuple[Request, int, int]  # as step_inputs.InFlight.placed
@@ -32,31 +32,35 @@ class StepUpdate:
         self.counters, self.clock, self.itl_target_s = counters, clock, itl_target_s
         self.sampler = Sampler()
 
-    def run(self, scheduled: list[ScheduledChunk], logits: np.ndarray | DeviceSample) -> list[TokenOutput]:
+    def run(self, step: StepChunks, logits: np.ndarray | DeviceSample) -> list[TokenOutput]:
         """The step's outputs; then the drafts of the next step are proposed."""
-        to_sample: list[tuple[Request, int]] = []
+        to_sample: list[Request] = []
+        rows: list[int] = []  # each sampled request's logits row
         to_verify: list[tuple[Request, int, list[int]]] = []
-        block_size, finished = self.kv.block_size, RequestStatus.FINISHED
-        for chunk in scheduled:
-            request = chunk.request
+        block_size, finished, counters = self.kv.block_size, RequestStatus.FINISHED, self.counters
+        row = 0  # the chunk's first logits row
+        for request, chunk, completes in zip(step.requests, step.chunks, step.completes, strict=True):
+            first_row, row = row, row + chunk.num_logits
             if request.status is finished:  # aborted while the backend ran
                 continue
+            n = len(chunk.token_ids)
             if request.num_computed_tokens < request.num_prompt_tokens:
-                self.counters.prompt_tokens += chunk.num_tokens
-            if chunk.drafts:  # computed length advances by the accepted tokens only (_verify)
-                to_verify.append((request, chunk.first_row, chunk.drafts))
+                counters.prompt_tokens += n
+            if chunk.num_logits > 1:  # computed length advances by the accepted tokens only (_verify)
+                to_verify.append((request, first_row, list(chunk.token_ids[n + 1 - chunk.num_logits :])))
                 continue
-            request.num_computed_tokens += chunk.num_tokens
+            request.num_computed_tokens += n
             if request.num_computed_tokens >= (request.num_cached_blocks + 1) * block_size:  # a block filled
                 self.kv.cache_computed_blocks(request)
-            if chunk.completes:
-                to_sample.append((request, chunk.first_row))
-        outputs = self._sample(to_sample, logits)
+            if completes:
+                to_sample.append(request)
+                rows.append(first_row)
+        outputs = self._sample(to_sample, rows, logits)
         if to_verify:
             assert isinstance(logits, np.ndarray), "verify steps return host logits"
             outputs += self._verify(to_verify, logits)
         if self.spec is not None:
-            live = [r for r, _ in to_sample] + [r for r, _, _ in to_verify]
+            live = to_sample + [r for r, _, _ in to_verify]
             self.spec.propose(live, self.scheduler.running, self.scheduler.num_waiting)
         return outputs
 
@@ -71,19 +75,17 @@ class StepUpdate:
                 self.kv.cache_computed_blocks(request)
         return outputs
 
-    def _sample(self, to_sample: list[tuple[Request, int]], logits: np.ndarray | DeviceSample) -> list[TokenOutput]:
-        if not to_sample:
+    def _sample(self, requests: list[Request], rows: list[int], logits: np.ndarray | DeviceSample) -> list[TokenOutput]:
+        if not requests:
             return []
-        requests = [r for r, _ in to_sample]
-        picked = [row for _, row in to_sample]
         if isinstance(logits, DeviceSample):  # sampled by the backend
             rows_logprobs = logits.logprobs
             picked_logprobs: list[TokenLogprobs | None] = (
-                [rows_logprobs[row] for row in picked] if any(rows_logprobs) else [None] * len(picked)
+                [rows_logprobs[row] for row in rows] if any(rows_logprobs) else [None] * len(rows)
             )
-            result = SampleResult(logits.token_ids[picked], picked_logprobs)
+            result = SampleResult(logits.token_ids[rows], picked_logprobs)
         else:
-            result = self.sampler.sample(logits[picked], [r.sampling for r in requests])
+            result = self.sampler.sample(logits[rows], [r.sampling for r in requests])
         now, outputs = self.clock(), []
         for request, token, logprobs in zip(requests, result.token_ids.tolist(), result.logprobs, strict=True):
             tokens = request.all_token_ids  # _append_tokens of one token, inlined: every step's per-request path
