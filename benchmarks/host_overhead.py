@@ -146,6 +146,41 @@ def time_steps(batch: int, steps: int, engine_dir: Path,
     return seconds, text, in_backend
 
 
+def gc_pauses(batch: int, steps: int, engine_dir: Path) -> list[dict]:
+    """Step-time spread of `steps` steady decode steps of `batch` requests with the heap as start-up left it, then
+    the next `steps` after freeze_startup_heap (what the served process does): Python's full collections walk
+    every object start-up made (torch, transformers, the engine), which a median hides and the GPU waits on."""
+    import gc
+
+    import torch  # noqa: F401  (a serving process holds these: their objects are in the heap the collector walks)
+    import transformers  # noqa: F401
+
+    from runtime.triton_model.heap import freeze_startup_heap
+
+    engine = engine_for(batch, engine_dir)
+    prefill_all(engine, batch, 2 * steps + 2)
+    rows = []
+    try:
+        for frozen in (False, True):
+            if frozen:
+                freeze_startup_heap("host_overhead")
+            collections = gc.get_stats()[2]["collections"]
+            seconds = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                engine.step_tokens()
+                seconds.append(time.perf_counter() - start)
+            us = sorted(s * 1e6 for s in seconds)
+            rows.append({"heap": "frozen after start" if frozen else "as start left it", "batch": batch,
+                         "steps": steps, "median_us": round(statistics.median(us), 1),
+                         "p99_us": round(us[int(0.99 * (len(us) - 1))], 1), "max_us": round(us[-1], 1),
+                         "mean_us": round(statistics.mean(us), 1),
+                         "full_collections": gc.get_stats()[2]["collections"] - collections})  # fmt: skip
+    finally:
+        gc.unfreeze()
+    return rows
+
+
 def engine_with_batch(max_batch: int, workdir: Path) -> Path:
     """The tiny test model built for `max_batch` sequences (the null backend never reads its weights)."""
     from builder.build import BuildOptions, build_engine
@@ -176,8 +211,11 @@ def engine_with_batch(max_batch: int, workdir: Path) -> Path:
     show_default=True,
     help="null: no work at all; torch: the torch backend's host work, its kernels removed.",
 )
+@click.option("--gc-steps", default=0, show_default=True, type=click.IntRange(0, 240),
+              help="Also time this many steps at batch 256 before and after freezing the start-up heap (0: skip; "
+                   "twice this many tokens fit the tiny engine's 512 context).")  # fmt: skip
 @click.option("--output", default=None, help="Report name under benchmarks/results/ (default host_overhead[-torch]).")
-def main(batches: str, steps: int, repetitions: int, engine_dir: Path | None, backend_kind: str,
+def main(batches: str, steps: int, repetitions: int, engine_dir: Path | None, backend_kind: str, gc_steps: int,
          output: str | None) -> None:  # fmt: skip
     sizes = [int(b) for b in batches.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -197,9 +235,10 @@ def main(batches: str, steps: int, repetitions: int, engine_dir: Path | None, ba
                          "text_us_per_token": text_us, "backend_us_per_step": round(backend_us, 1)})  # fmt: skip
             click.echo(f"batch {batch:5d}: {rows[-1]['us_per_step']:9.1f} us/step "
                        f"({rows[-1]['us_per_request_step']:.2f} us per request-step)")  # fmt: skip
+        gc_rows = gc_pauses(256, gc_steps, engine_dir) if gc_steps else []
     payload = {"command": f"python -m benchmarks.host_overhead --batches {batches} --steps {steps} "
-                          f"--repetitions {repetitions} --backend {backend_kind}", "backend": backend_kind,
-               "rows": rows}  # fmt: skip
+                          f"--repetitions {repetitions} --backend {backend_kind} --gc-steps {gc_steps}",
+               "backend": backend_kind, "rows": rows, "gc_rows": gc_rows}  # fmt: skip
     write_report(output or ("host_overhead" if backend_kind == "null" else f"host_overhead-{backend_kind}"), payload,
                  render)  # fmt: skip
 
@@ -214,6 +253,13 @@ def render(payload: dict) -> str:
     lines += [f"| {r['batch']} | {r['us_per_step']} | {r['us_per_step_min']} | {r['us_per_step_max']} | "
               f"{r['us_per_request_step']} | {r.get('backend_us_per_step', '-')} | "
               f"{r.get('text_us_per_token') or '- (in the step)'} |" for r in payload["rows"]]  # fmt: skip
+    if payload.get("gc_rows"):
+        lines += ["", "Step times in one process, the null backend, the heap as start-up left it and then frozen "
+                  "(runtime/triton_model/heap.py):", "",
+                  "| heap | batch | steps | median µs | p99 µs | max µs | mean µs | full collections |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {r['heap']} | {r['batch']} | {r['steps']} | {r['median_us']} | {r['p99_us']} | {r['max_us']} | "
+                  f"{r['mean_us']} | {r['full_collections']} |" for r in payload["gc_rows"]]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -34,6 +34,15 @@ def test_host_overhead_times_the_core_step_and_the_text_apart(llama_engine):
     assert all(0 < b < s for b, s in zip(backend_s, step_s, strict=True))  # the null backend's calls, inside the step
 
 
+def test_host_overhead_times_steps_before_and_after_the_heap_freeze(llama_engine):
+    import gc
+
+    rows = host_overhead.gc_pauses(4, 8, llama_engine)
+    assert [r["heap"] for r in rows] == ["as start left it", "frozen after start"]
+    assert all(r["steps"] == 8 and 0 < r["median_us"] <= r["p99_us"] <= r["max_us"] for r in rows)
+    assert gc.get_freeze_count() == 0, "the heap is unfrozen after the measurement"
+
+
 def test_host_overhead_over_the_torch_backend_without_kernels(llama_engine):
     """The torch backend's host work per step is timed inside the step, no Triton kernel launched."""
     from triton.runtime.interpreter import InterpretedFunction

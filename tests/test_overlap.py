@@ -169,3 +169,18 @@ def test_the_check_catches_a_token_taken_from_the_wrong_row(llama_engine, monkey
 
     monkeypatch.setattr(FakeDevice, "launch", shifted)
     assert run(eng, PROMPTS[:4], params) != expected
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_each_token_output_counts_the_tokens_output_so_far(llama_engine, overlap):
+    """TokenOutput.num_output_tokens is the request's count after this output, not counting the placeholder of
+    a step launched meanwhile."""
+    eng, _ = engine(llama_engine, overlap=overlap)
+    for prompt in PROMPTS[:4]:
+        eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
+    counts: dict[str, int] = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step_tokens():
+            counts[out.request_id] = counts.get(out.request_id, 0) + len(out.token_ids)
+            assert out.num_output_tokens == counts[out.request_id]
+    assert set(counts.values()) == {9}

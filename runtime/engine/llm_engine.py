@@ -32,7 +32,7 @@ from runtime.engine.grammar_cache import GrammarCache
 from runtime.engine.kv_cache_manager import KVCacheManager
 from runtime.engine.output_processor import OutputProcessor
 from runtime.engine.outputs import RequestOutput, TokenOutput
-from runtime.engine.request import Request, RequestTiming
+from runtime.engine.request import Request, RequestStatus, RequestTiming
 from runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from runtime.engine.spec.decoding import create_spec_decoder
 from runtime.engine.stats import EngineCounters, EngineStats, StepRecord
@@ -250,7 +250,7 @@ class LLMEngine:
             placed: list[Placed] = []
             lists = zip(step.requests, step.chunks, step.completes, strict=True)
             for row, (request, chunk, completes) in enumerate(lists):
-                if request.is_finished:  # aborted while it was launched: its row is dropped
+                if request.status is RequestStatus.FINISHED:  # aborted while it was launched: its row is dropped
                     continue
                 if request.num_computed_tokens < request.num_prompt_tokens:
                     self.counters.prompt_tokens += len(chunk.token_ids)

@@ -115,19 +115,21 @@ class StepUpdate:
         """An overlapped step's tokens, now known: each replaces its request's placeholder (and a request that
         finishes drops the placeholders of the steps launched after it: their tokens are never output)."""
         now, outputs, block_size = self.clock(), [], self.kv.block_size
+        tokens, finished = sample.token_ids.tolist(), RequestStatus.FINISHED
         for request, row, index in placed:
-            if request.is_finished:  # aborted, or finished by an earlier token, meanwhile
+            if request.status is finished:  # aborted, or finished by an earlier token, meanwhile
                 continue
-            token = int(sample.token_ids[row])
+            token = tokens[row]
             request.all_token_ids[index] = token
             if request.num_computed_tokens >= (request.num_cached_blocks + 1) * block_size:  # a block filled,
                 self.kv.cache_computed_blocks(request)  # its tokens all known now
-            reason = self._took(request, token, index + 1 - request.num_prompt_tokens, now)
+            num_output = index + 1 - request.num_prompt_tokens  # (not counting a later step's placeholder)
+            reason = self._took(request, token, num_output, now)
             if reason is not None:
                 del request.all_token_ids[index + 1 :]
                 outputs.append(self.finish(request, reason, [token]))
             else:
-                outputs.append(_output(request, [token], None))
+                outputs.append(TokenOutput(request.request_id, [token], None, request.num_prompt_tokens, num_output))
         return outputs
 
     def _took(self, request: Request, token: int, num_output: int, now: float) -> str | None:

@@ -6,6 +6,7 @@ FastAPI or gRPC.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import replace
 from pathlib import Path
 
@@ -221,4 +222,8 @@ def gateway(triton_urls: tuple[str, ...], prefill_urls: tuple[str, ...], decode_
         raise click.ClickException(f"gateway config: {exc}") from None
     app = create_app(service)
     http = timed_protocol(ReadTimeouts(header_timeout_s, body_timeout_s))
+    # What start-up made lives until exit: out of the collector's full passes, which would stall every stream
+    # (as the Triton stub does, runtime/triton_model/heap.py).
+    gc.collect()
+    gc.freeze()
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10, http=http)

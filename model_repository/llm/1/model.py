@@ -33,6 +33,7 @@ from engine_format.serving import CUT_MESSAGE, HEALTH_ANSWER, REFUSED_MESSAGE
 from runtime import AsyncLLM, CompletionOutput, Overloaded
 from runtime.triton_model.cancellation import until_cancelled
 from runtime.triton_model.disagg_metrics import DisaggMetrics
+from runtime.triton_model.heap import freeze_startup_heap
 from runtime.triton_model.inputs import door_error, parse_request
 from runtime.triton_model.kv_door import KVTransferError, disaggregated, transfer_failure
 from runtime.triton_model.lifecycle import ModelLifecycle, is_health_probe
@@ -70,6 +71,7 @@ class TritonPythonModel:
         self.stopping = threading.Event()
         self.metrics_thread = threading.Thread(target=self._publish_metrics, name="trtserve-metrics", daemon=True)
         self.metrics_thread.start()
+        freeze_startup_heap(f"trtserve model {args['model_name']}")  # last: everything made at start stays
 
     def execute(self, requests):
         for request in requests:
