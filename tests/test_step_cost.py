@@ -39,8 +39,32 @@ def relative_errors(model: StepCost, truth: StepCost) -> np.ndarray:
 def test_shape_counts_prefill_decodes_and_attended_pairs():
     shape = StepShape.of([(1, 99), (1, 9), (4, 10)])  # two decodes; a 4-token chunk after 10 cached
     assert shape == StepShape(prefill_tokens=4, decode_seqs=2, attended_pairs=100 + 10 + 4 * 10 + 10)
-    assert shape.features().tolist() == [1.0, 4.0, 2.0, 0.16]
     assert TRUTH.predict(shape) == pytest.approx(0.004 + 4 * 0.0003 + 2 * 0.0015 + 0.16 * 0.002)
+
+
+def features(shape: StepShape) -> np.ndarray:
+    return np.array([1.0, shape.prefill_tokens, shape.decode_seqs, shape.attended_pairs / 1000.0])
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_the_fit_folded_at_each_solve_equals_one_update_per_step(corrupt):
+    """S and b, folded in at the solve, against the per-step update the class docstring states (float64 here):
+    S = gamma S + v z z^T, b = gamma b + v z y. Steps of ~0.1 ms: a solve (and a fold) every ~100 steps.
+    `corrupt`: one observation off, which the comparison catches."""
+    model = OnlineStepCost()
+    gamma, scale = model.forgetting, np.array([1.0, 256.0, 16.0, 32.0])
+    S, b = model._S.copy(), model._b.copy()
+    level = None
+    for i, shape in enumerate(random_shapes(150, seed=3)):
+        y = TRUTH.predict(shape) / 100
+        model.observe(shape, y * (1.5 if corrupt and i == 7 else 1.0))
+        level = y if level is None else gamma * level + (1 - gamma) * y
+        v, z = (level / max(y, level / model.max_ratio)) ** 2, features(shape) / scale
+        S, b = gamma * S + v * np.outer(z, z), gamma * b + v * z * y
+    assert 0 < len(model._pending) < 150, "folded at a solve, some steps since"
+    model._fold()
+    matches = np.allclose(model._S, S, rtol=1e-9, atol=0) and np.allclose(model._b, b, rtol=1e-9, atol=0)
+    assert matches != corrupt
 
 
 def test_starts_at_the_prior_and_learns_a_synthetic_cost_to_within_half_a_percent():

@@ -50,7 +50,7 @@ class EngineProgress:
     problem: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one per step, and a frozen __init__ costs a setattr per field
 class StepRecord:
     """One engine step as it ran."""
 

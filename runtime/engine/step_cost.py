@@ -51,9 +51,6 @@ class StepShape:
                 prefill += num_tokens
         return cls(prefill, decodes, pairs)
 
-    def features(self) -> np.ndarray:
-        return np.array([1.0, self.prefill_tokens, self.decode_seqs, self.attended_pairs / 1000.0])
-
 
 class CostPredictor(Protocol):
     def predict(self, shape: StepShape) -> float:
@@ -82,7 +79,7 @@ class StepCost:
     def as_array(self) -> np.ndarray:
         return np.array([self.base_s, self.prefill_token_s, self.decode_seq_s, self.kilo_pair_s])
 
-    def predict(self, shape: StepShape) -> float:  # as_array() @ shape.features(), without numpy: many per step
+    def predict(self, shape: StepShape) -> float:  # as_array() @ the shape's features, without numpy: many per step
         return (self.base_s + self.prefill_token_s * shape.prefill_tokens + self.decode_seq_s * shape.decode_seqs
                 + self.kilo_pair_s * (shape.attended_pairs / 1000.0))  # fmt: skip
 
@@ -91,9 +88,11 @@ class StepCost:
 # tokens 75 / 230 / 523 ms; 8 / 32 decodes at context 500: 41 / 84 ms. Other engines start
 # from it and correct it within tens of steps.
 DEFAULT_PRIOR = StepCost(base_s=0.025, prefill_token_s=0.0008, decode_seq_s=0.002, kilo_pair_s=0.0005)
-# The fit is re-solved once the steps observed since the last solve add up to this: a solve costs ~80 µs of
-# host time, which must stay a small share of the steps it models (every step on a CPU; every few on a GPU).
-SOLVE_EVERY_S = 0.002
+# The fit is re-solved once the steps observed since the last solve add up to this: a solve (with the fold of
+# the steps since) costs ~70 µs of host time, which must stay a small share of the steps it models: every step
+# on a CPU (tens of ms), every few on a GPU (2-3 ms a decode step), a few steps' lag against a ~33-step memory.
+# Between solves a step's observation is a few float operations and a list append.
+SOLVE_EVERY_S = 0.01
 # Typical feature magnitudes: the regularizer weighs coefficients by what they contribute.
 _SCALE = np.array([1.0, 256.0, 16.0, 32.0])
 
@@ -141,6 +140,8 @@ class OnlineStepCost:
         self._coefficients = prior
         self._active: np.ndarray | None = None  # the last solve's free coefficients, tried first next time
         self._unsolved_s = 0.0  # step time observed since the last solve
+        # (v, y, prefill tokens, decodes, kilo pairs) of each step since the last solve, folded into S and b then
+        self._pending: list[tuple[float, float, int, int, float]] = []
         self.num_observed = 0
 
     @property
@@ -166,16 +167,29 @@ class OnlineStepCost:
             miss = min(abs(y / predicted - 1), 1.0)  # one wild miss must not hold the headroom for long
             self._error = self.forgetting * self._error + (1 - self.forgetting) * miss
         v = (level / max(y, level / self.max_ratio)) ** 2  # bounded: a tiny step cannot swamp the fit
-        z = shape.features() / _SCALE
-        self._S = self.forgetting * self._S + v * np.outer(z, z)
-        self._b = self.forgetting * self._b + v * z * y
+        self._pending.append((v, y, shape.prefill_tokens, shape.decode_seqs, shape.attended_pairs / 1000.0))
         self.num_observed += 1
         self._unsolved_s += y
         if self._unsolved_s >= SOLVE_EVERY_S:
             self._unsolved_s = 0.0
+            self._fold()
             a, c = self._S + self.floor_weight * _FLOOR, self._b + self.floor_weight * self._w0
             w, self._active = _nonnegative_solve(a, c, self._active)
             self._coefficients = StepCost(*(float(c) for c in w / _SCALE))
+
+    def _fold(self) -> None:
+        """S and b updated by the observations since the last solve, at once: the same sums as one update per
+        step (the i-th of n has faded by gamma^(n-1-i)), in a few numpy calls instead of a few per step."""
+        if not self._pending:
+            return
+        pending = np.array(self._pending)
+        self._pending.clear()
+        n = len(pending)
+        weights = self.forgetting ** np.arange(n - 1, -1, -1.0) * pending[:, 0]
+        z = np.column_stack([np.ones(n), pending[:, 2:]]) / _SCALE
+        faded = self.forgetting**n
+        self._S = faded * self._S + (z * weights[:, None]).T @ z
+        self._b = faded * self._b + z.T @ (weights * pending[:, 1])
 
 
 _FLOOR = np.eye(4)
