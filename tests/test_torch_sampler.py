@@ -115,3 +115,18 @@ def test_broken_logits_are_refused():
         sampler.sample(torch.zeros(3, VOCAB), two)
     with pytest.raises(ValueError, match="vocab 299 != request vocab_size 300"):
         sampler.sample(torch.zeros(2, VOCAB - 1), two)
+
+
+def test_tokens_left_on_the_device_are_the_host_samplers_and_refuse_host_state_rows():
+    """sample_on_device (an overlapped step's sampling) against the numpy sampler: the same tokens, the same
+    seeded draws in row order, -1 where a row is not sampled; a row needing host state is refused."""
+    plain = [p for p in PARAMS if p.logprobs is None and p.repetition_penalty == 1.0]
+    rows: list[SamplingState | None] = [*states(plain[:2]), None, *states(plain[2:])]
+    reference = states(plain)
+    logits = (np.random.default_rng(3).standard_normal((len(rows), VOCAB)) * 3).astype(np.float32)
+    sampled = [i for i, r in enumerate(rows) if r is not None]
+    want = Sampler().sample(logits[sampled], reference).token_ids
+    got = TorchSampler(torch.device("cpu")).sample_on_device(torch.from_numpy(logits), rows).numpy()
+    assert got[2] == -1 and got[sampled].tolist() == want.tolist()
+    with pytest.raises(ValueError, match="not left on the device"):
+        TorchSampler(torch.device("cpu")).sample_on_device(torch.from_numpy(logits[:3]), states(PARAMS[:3]))

@@ -51,17 +51,24 @@ class TorchSampler:
     def sample_on_device(self, logits: torch.Tensor, rows: Sequence[SamplingState | None]) -> torch.Tensor:
         """`sample_rows`' tokens left on the device ([B] int64, -1 where rows[i] is None), for an overlapped step:
         nothing is read back. Rows without penalties, grammars or logprobs only (their host state would lag)."""
-        if any(r is not None and r.host_sampled for r in rows):
-            raise ValueError("a row with penalties, a grammar or logprobs is sampled with sample_rows, not left on "
-                             "the device")  # fmt: skip
-        picked = [i for i, r in enumerate(rows) if r is not None]
+        picked: list[int] = []  # the rows sampled, one pass over the batch (every overlapped step's)
+        states: list[SamplingState] = []
+        rand: list[int] = []  # which of `states` draw at random
+        for i, r in enumerate(rows):
+            if r is None:
+                continue
+            if r.host_sampled:
+                raise ValueError("a row with penalties, a grammar or logprobs is sampled with sample_rows, not left "
+                                 "on the device")  # fmt: skip
+            if not r.params.greedy:
+                rand.append(len(states))
+            picked.append(i)
+            states.append(r)
         tokens = torch.full((len(rows),), -1, dtype=torch.int64, device=logits.device)
         if not picked:
             return tokens
-        states = [r for r in rows if r is not None]
         x = (logits if len(picked) == len(rows) else logits[self._index(picked)]).float()
         chosen = x.argmax(dim=1)
-        rand = [j for j, r in enumerate(states) if not r.params.greedy]
         if rand:
             u = np.array([states[j].rng.random() for j in rand])  # drawn now, in step order: the same stream
             index = self._index(rand)
