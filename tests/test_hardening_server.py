@@ -200,7 +200,9 @@ def _long_stream_inputs() -> list[grpcclient.InferInput]:
 
 
 def test_sigterm_drains_then_cuts_with_an_error(slow_engine):
-    serve = Serve(slow_engine, "--drain-timeout", "3", "--health-interval", "0.5")
+    """The deadline gives the short stream (19 tokens to go) ~15x its time on a quiet machine (in a slow phase CI
+    once took over 3 s for 39 tokens), and the long one (1,500 tokens, ~30 s) far less than it needs."""
+    serve = Serve(slow_engine, "--drain-timeout", "8", "--health-interval", "0.5")
     outcomes: dict[str, queue.Queue] = {"long": queue.Queue(), "short": queue.Queue()}
     try:
         serve.output_until("OpenAI")
@@ -208,7 +210,7 @@ def test_sigterm_drains_then_cuts_with_an_error(slow_engine):
         prefix = shm_prefix_of(triton_pid)
         assert list(SHM_ROOT.glob(f"{prefix}*"))
         sdk = client(f"http://127.0.0.1:{serve.ports['openai']}")
-        for name, tokens in (("long", 1500), ("short", 40)):
+        for name, tokens in (("long", 1500), ("short", 20)):
             _start_stream(sdk, slow_engine.name, tokens, outcomes[name])
         assert outcomes["long"].get(timeout=60) == "token" and outcomes["short"].get(timeout=60) == "token"
         serve.process.send_signal(signal.SIGTERM)
@@ -216,7 +218,7 @@ def test_sigterm_drains_then_cuts_with_an_error(slow_engine):
         assert _last(outcomes["short"]) == "finished length"
         last = _last(outcomes["long"])
         assert "server shutting down" in last and "drain deadline" in last, last
-        code = serve.process.wait(timeout=30)
+        code = serve.process.wait(timeout=60)
     finally:
         if serve.process.poll() is None:
             serve.stop()
