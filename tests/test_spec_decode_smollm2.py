@@ -25,17 +25,15 @@ PROMPTS = [
 ]
 
 
+def make_llm(engine, **args) -> LLM:
+    return LLM(engine, max_num_batched_tokens=256, backend=FLOAT32_BACKEND, **args)
+
+
 def test_greedy_answers_are_unchanged_by_speculation(smollm2_engine):
     messages = [[{"role": "user", "content": p}] for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=64)
-    plain = LLM(smollm2_engine, max_num_batched_tokens=256, backend=FLOAT32_BACKEND).generate(messages, params)
-    llm = LLM(
-        smollm2_engine,
-        max_num_batched_tokens=256,
-        backend=FLOAT32_BACKEND,
-        speculative="ngram",
-        num_speculative_tokens=4,
-    )
+    plain = make_llm(smollm2_engine).generate(messages, params)
+    llm = make_llm(smollm2_engine, speculative="ngram", num_speculative_tokens=4)
     spec = llm.generate(messages, params)
     pairs = enumerate(zip(spec, plain, strict=True))
     assert not [(i, s.text, p.text) for i, (s, p) in pairs if s.token_ids != p.token_ids]
@@ -50,14 +48,8 @@ def test_seeded_sampling_is_unchanged_by_speculation(smollm2_engine):
     """The verifier draws each token as the sampler does from the same stream: seeded answers agree."""
     messages = [[{"role": "user", "content": p}] for p in PROMPTS[:3]]
     params = [SamplingParams(temperature=0.7, top_p=0.95, seed=i, max_tokens=48) for i in range(3)]
-    plain = LLM(smollm2_engine, max_num_batched_tokens=256, backend=FLOAT32_BACKEND).generate(messages, params)
-    llm = LLM(
-        smollm2_engine,
-        max_num_batched_tokens=256,
-        backend=FLOAT32_BACKEND,
-        speculative="ngram",
-        num_speculative_tokens=4,
-    )
+    plain = make_llm(smollm2_engine).generate(messages, params)
+    llm = make_llm(smollm2_engine, speculative="ngram", num_speculative_tokens=4)
     spec = llm.generate(messages, params)
     assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
     assert llm.engine.stats().spec_decode.accepted_tokens > 0  # type: ignore[union-attr]
