@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 
-from executors.sampling import Sampler, SamplingParams, SamplingState
+from executors.sampling import Sampler, SamplingParams, SamplingState, numpy_sampler
 from executors.sampling.numpy_sampler import apply_penalties
 
 V = 64
@@ -216,6 +216,69 @@ def test_only_one_token_survives_no_nan() -> None:
     dist = Sampler().distribution(logits, states)
     assert not np.isnan(dist).any()
     np.testing.assert_array_equal(Sampler().sample(logits, states).token_ids, [7, 7, 7])
+
+
+def test_ties_at_a_cutoff_stay_whole() -> None:
+    """Every filter keeps whole groups of equal logits: the kept set never depends on how ties are ordered."""
+    logits = np.array([[3.0, 1.0, 2.0, 2.0, 2.0, 0.0]], dtype=np.float32)
+    top_k = Sampler().distribution(logits, [state(vocab=6, top_k=2)])[0]
+    np.testing.assert_array_equal(top_k > 0, [True, False, True, True, True, False])  # the 2nd largest is a tie of 3
+    top_p = Sampler().distribution(logits, [state(vocab=6, top_p=0.6)])[0]  # 3.0 alone is ~0.46 of the mass
+    np.testing.assert_array_equal(top_p > 0, [True, False, True, True, True, False])
+
+
+LARGE_V = 49_152  # SmolLM2's vocabulary: rows where the candidates are a small part of the row
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.5, 2.0])
+def test_candidate_cutoffs_equal_whole_row_cutoffs(monkeypatch, temperature: float) -> None:
+    """The cutoffs found among a row's candidates (each floor in turn) are the ones a sort of the whole row
+    gives, on LM-like rows (a few strong tokens over a long tail), including rows where a floor is too high."""
+    rng = np.random.default_rng(int(temperature * 10))
+    logits = rng.normal(scale=2.0, size=(12, LARGE_V)).astype(np.float32)
+    logits[:, :30] += rng.uniform(4, 14, size=(12, 30)).astype(np.float32)
+    params = [
+        SamplingParams(temperature=temperature, **kw)
+        for kw in ({"top_p": 0.9}, {"top_p": 0.99}, {"top_p": 0.5, "min_p": 0.01}, {"top_k": 40}, {"top_k": 5000},
+                   {"top_k": 100, "top_p": 0.95}, {"top_k": 3, "top_p": 0.1}, {"min_p": 0.2}, {"top_p": 0.999},
+                   {"top_k": 1}, {"top_p": 1e-9}, {})
+    ]  # fmt: skip
+    got, first_floor = numpy_sampler.filtered_probs(logits, params), numpy_sampler.CANDIDATE_FLOORS[0]
+    monkeypatch.setattr(numpy_sampler, "CANDIDATE_FLOORS", (0.0,))  # every row sorted whole
+    want = numpy_sampler.filtered_probs(logits, params)
+    np.testing.assert_array_equal(got, want)
+    if temperature >= 1.5:  # some row keeps tokens below the first floor: the fallback ran and agreed
+        assert (np.where(want[:-1] > 0, want[:-1], 1.0).min(axis=1) < first_floor).any()  # [-1]: no filter
+
+
+def test_a_floor_that_misses_the_nucleus_is_caught(monkeypatch) -> None:
+    """The fallback is what makes the candidates exact: a single high floor with no fallback keeps too few."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(scale=1.0, size=(1, LARGE_V)).astype(np.float32)  # flat: the nucleus is huge
+    params = [SamplingParams(temperature=1.0, top_p=0.9)]
+    want = numpy_sampler.filtered_probs(logits, params)
+    monkeypatch.setattr(numpy_sampler, "CANDIDATE_FLOORS", (0.5, 0.0))
+    np.testing.assert_array_equal(numpy_sampler.filtered_probs(logits, params), want)
+    monkeypatch.setattr(numpy_sampler, "CANDIDATE_FLOORS", (0.5,))
+    with pytest.raises(AssertionError, match="unreachable"):
+        numpy_sampler.filtered_probs(logits, params)
+
+
+@pytest.mark.parametrize("vocab", [V, 1000, LARGE_V])
+def test_inverse_cdf_is_a_float64_search_in_id_order(vocab: int) -> None:
+    """Two levels of blocks give the token a full float64 running sum gives, and never a dropped (0) token."""
+    rng = np.random.default_rng(vocab)
+    probs = rng.random((64, vocab)).astype(np.float32) ** 8  # uneven mass
+    probs[rng.random(probs.shape) < 0.5] = 0.0  # dropped tokens between kept ones
+    probs[np.arange(64), rng.integers(0, vocab, 64)] = 1.0
+    u = rng.random(64)
+    u[:3] = [0.0, 1.0 - 1e-16, 0.5]
+    got = numpy_sampler.inverse_cdf(probs, u)
+    cdf = np.cumsum(probs.astype(np.float64), axis=1)
+    want = np.array([np.searchsorted(c, t, side="right") for c, t in zip(cdf, u * cdf[:, -1], strict=True)])
+    want = np.minimum(want, vocab - 1 - np.argmax(probs[:, ::-1] > 0, axis=1))
+    assert (got == want).mean() > 0.98  # they may part only where the uniform lands on a rounding boundary
+    assert (probs[np.arange(64), got] > 0).all()
 
 
 # ---- temperature, determinism, logprobs ----

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from engine_format import ceil_div
 from executors.sampling.grammar import mask_logits
 from executors.sampling.params import SamplingParams
 from executors.sampling.state import FLOAT32_TINY, SampleResult, SamplingState, TokenLogprobs, check_batch
@@ -21,7 +22,8 @@ class Sampler:
     """One token per row. Greedy rows (temperature 0) take the argmax and draw nothing random.
 
     Random rows follow vLLM's order: temperature, min-p, top-k, then top-p over the renormalized
-    survivors; each draws exactly one uniform per step and samples by inverse CDF.
+    survivors; each draws exactly one uniform per step and samples by inverse CDF over the kept
+    tokens in id order (inverse_cdf), so no row is sorted to draw from it.
 
     Logprobs are the log-softmax of the *penalized* logits, before temperature and filtering
     (vLLM's "raw_logprobs" is taken before penalties too, so the two differ only when a
@@ -38,7 +40,8 @@ class Sampler:
         rand = np.flatnonzero(~greedy)
         if rand.size:
             u = np.array([states[i].rng.random() for i in rand])  # one draw per row from its own stream
-            token_ids[rand] = draw(x[rand], [states[i].params for i in rand], u)
+            rows = x if rand.size == len(states) else x[rand]  # a [B, V] copy only when some rows are greedy
+            token_ids[rand] = draw(rows, [states[i].params for i in rand], u)
         return SampleResult(token_ids, token_logprobs(x, token_ids, states))
 
     def distribution(self, logits: np.ndarray, states: Sequence[SamplingState]) -> np.ndarray:
@@ -49,25 +52,106 @@ class Sampler:
         out[np.arange(len(states)), np.argmax(x, axis=1)] = 1.0
         rand = np.flatnonzero([not s.params.greedy for s in states])
         if rand.size:
-            order, p, cdf, n_keep = _filter_sorted(x[rand], [states[i].params for i in rand])
-            kept = np.arange(x.shape[1]) < n_keep[:, None]
-            probs = np.where(kept, p, 0.0) / cdf[np.arange(rand.size), n_keep - 1][:, None]
-            sub = np.zeros((rand.size, x.shape[1]), dtype=np.float64)
-            np.put_along_axis(sub, order, probs, axis=1)
-            out[rand] = sub
+            probs = filtered_probs(x[rand], [states[i].params for i in rand]).astype(np.float64)
+            out[rand] = probs / probs.sum(axis=1, keepdims=True)
         return out
 
 
 def draw(x: np.ndarray, params: Sequence[SamplingParams], u: np.ndarray) -> np.ndarray:
     """The token each row of penalized logits `x` draws with its uniform u: inverse CDF over the
-    filtered distribution in descending order (also the speculative verifier's draw, so a seeded
-    request samples the same tokens with speculation on or off)."""
-    order, p, cdf, n_keep = _filter_sorted(x, params)
-    target = u * cdf[np.arange(len(u)), n_keep - 1]  # u * kept mass
-    pos = np.count_nonzero(cdf <= target[:, None], axis=1)  # first index whose cdf exceeds it
-    # u*mass can round up to the mass itself: clamp to the last kept token with nonzero prob.
-    pos = np.minimum(pos, np.minimum(n_keep, np.count_nonzero(p, axis=1)) - 1)
-    return np.take_along_axis(order, pos[:, None], axis=1)[:, 0]
+    filtered distribution (also the speculative verifier's draw, so a seeded request samples the same
+    tokens with speculation on or off)."""
+    return inverse_cdf(filtered_probs(x, params), u)
+
+
+def filtered_probs(x: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
+    """[R, V] float32: each row's probabilities relative to its top token (which gets exactly 1) after
+    temperature, min-p, top-k and top-p; 0 where a filter drops the token.
+
+    Each filter keeps the tokens whose logit reaches a cutoff, ties at it included: min-p keeps
+    prob >= min_p * max_prob; top-k keeps logits >= the k-th largest; top-p keeps the fewest top logits
+    whose mass reaches top_p of what min-p and top-k left. So the kept set never depends on how equal
+    logits are ordered, and no row is sorted whole: top-k and top-p rows sort only their candidates
+    (see _cutoff); rows with neither filter sort nothing.
+    """
+    temp = np.array([max(p.temperature, FLOAT32_TINY) for p in params], dtype=np.float32)[:, None]
+    # Shift by the row max before dividing: the top token lands on exactly 0, so a tiny temperature
+    # sends the rest to -inf (an expected overflow) and never makes inf - inf = NaN.
+    scaled = x - x.max(axis=1, keepdims=True)
+    with np.errstate(over="ignore"):
+        scaled /= temp
+    probs = np.exp(scaled)  # prob / max_prob; the top entry is exactly 1
+    min_p = np.array([p.min_p for p in params], dtype=np.float64)[:, None]  # compared in float64
+    v = x.shape[1]
+    rows = [i for i, p in enumerate(params) if 0 < p.top_k < v or p.top_p < 1.0]
+    keep = probs >= min_p if min_p.any() else None
+    if rows:
+        cuts = np.full((len(params), 1), -np.inf, np.float32)
+        for i in rows:
+            p = params[i]
+            cuts[i] = _cutoff(scaled[i], probs[i], float(min_p[i, 0]), p.top_k if p.top_k < v else 0, p.top_p)
+        keep = scaled >= cuts if keep is None else keep & (scaled >= cuts)
+    if keep is not None:
+        probs *= keep  # in place: one pass, no new [R, V] array (their page faults cost as much as the math)
+    return probs
+
+
+# Relative probabilities (prob / max prob) tried in turn as the floor of a top-k / top-p row's candidates.
+# A floor that leaves too few candidates (fewer than k, or less than top_p of the mass) is lowered; the last
+# (0) takes the whole row, so the cutoff is always exact. At temperature ~0.7 a 49k vocabulary's nucleus
+# lies well above 1e-4 of the top token's probability: one argsort of a few hundred logits instead of 49k.
+CANDIDATE_FLOORS = (1e-4, 1e-6, 1e-8, 0.0)
+
+
+def _cutoff(scaled: np.ndarray, e: np.ndarray, min_p: float, k: int, top_p: float) -> float:
+    """The smallest scaled logit one row keeps under top-k (k: 0 for none) and top-p; `e` is exp(scaled)."""
+    for floor in CANDIDATE_FLOORS:
+        ids = np.flatnonzero(e >= floor)  # the top logits (exp never decreases), ties included
+        if ids.size < k:
+            continue
+        cut = -np.inf
+        if k:
+            cut = -np.partition(-scaled[ids], k - 1)[k - 1]  # the k-th largest: a selection, not a sort
+            ids = ids[scaled[ids] >= cut]  # top-k's survivors, ties at the k-th included
+        if top_p >= 1.0:
+            return float(cut)
+        ids = ids[np.argsort(-scaled[ids])]  # any order of ties: the cutoff is a value
+        kept = np.where(e[ids] >= min_p, e[ids], 0.0).astype(np.float64)
+        complete = k > 0 or ids.size == scaled.size  # the candidates hold every token top-p may keep
+        mass = kept.sum() if complete else e.sum(where=e >= min_p, dtype=np.float64)
+        cdf = np.cumsum(kept)
+        last = np.count_nonzero(cdf < top_p * mass)  # the first candidate at which the kept mass reaches top_p
+        if last < cdf.size or complete:
+            return float(max(cut, scaled[ids[min(last, cdf.size - 1)]]))
+    raise AssertionError("unreachable: the last floor takes the whole row")
+
+
+BLOCK = 256  # ids per block of inverse_cdf's first level
+
+
+def inverse_cdf(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Row r's token: the first id, in id order, at which the running sum of probs[r] (>= 0, not
+    normalized) exceeds u[r] times the row's sum. In two levels, float64: sums per block of BLOCK ids,
+    then the running sum inside the chosen block, so a draw reads the row twice instead of scanning it.
+    A token with probability 0 is never drawn (u * sum may round up to the sum: the last nonzero stays)."""
+    r, v = probs.shape
+    nb = ceil_div(v, BLOCK)
+    padded = probs if v == nb * BLOCK else np.pad(probs, ((0, 0), (0, nb * BLOCK - v)))
+    blocks = padded.reshape(r, nb, BLOCK)
+    sums = blocks.sum(axis=2, dtype=np.float64)
+    cum = np.cumsum(sums, axis=1)
+    target = u * cum[:, -1]
+    rows = np.arange(r)
+    b = np.minimum(np.count_nonzero(cum <= target[:, None], axis=1), _last_nonzero(sums))
+    inside = blocks[rows, b]
+    running = np.where(b > 0, cum[rows, b - 1], 0.0)[:, None] + np.cumsum(inside, axis=1, dtype=np.float64)
+    pos = np.minimum(np.count_nonzero(running <= target[:, None], axis=1), _last_nonzero(inside))
+    return b * BLOCK + pos
+
+
+def _last_nonzero(x: np.ndarray) -> np.ndarray:
+    """[R]: each row's last index holding a nonzero (every row has one)."""
+    return x.shape[1] - 1 - np.argmax(x[:, ::-1] > 0, axis=1)
 
 
 def apply_penalties(logits: np.ndarray, states: Sequence[SamplingState]) -> np.ndarray:
@@ -95,41 +179,6 @@ def _check(logits: np.ndarray, states: Sequence[SamplingState]) -> np.ndarray:
     logits = np.asarray(logits)
     check_batch(logits.shape, states)
     return logits
-
-
-def _filter_sorted(
-    x: np.ndarray, params: Sequence[SamplingParams]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Sort each row descending (one argsort for the batch) and apply the filters.
-
-    Returns (order [R, V] token ids, p [R, V] float32 unnormalized probs in that order with
-    min-p/top-k drops zeroed, cdf = cumsum(p) in float64, n_keep [R] = top-p's kept prefix).
-    Every filter keeps a prefix of the sorted row and the top token always survives, so the kept
-    mass is cdf[n_keep - 1] > 0 and the same cdf serves top-p and the inverse-CDF draw.
-    Ties are ordered arbitrarily but deterministically (quicksort: ~4x faster than stable here).
-    """
-    temp, min_p, top_p = (
-        np.array([getattr(p, name) for p in params], dtype=np.float64)[:, None]
-        for name in ("temperature", "min_p", "top_p")
-    )
-    r, v = x.shape
-    top_k = np.array([p.top_k if 0 < p.top_k < v else v for p in params], dtype=np.int64)
-    # Shift by the row max before dividing: the top token lands on exactly 0, so a tiny temperature
-    # sends the rest to -inf (an expected overflow) and never makes inf - inf = NaN.
-    temp32 = np.maximum(temp, FLOAT32_TINY).astype(np.float32)
-    with np.errstate(over="ignore"):
-        scaled = (x - x.max(axis=1, keepdims=True)) / temp32
-    order = np.argsort(-scaled, axis=1)
-    s = np.take_along_axis(scaled, order, axis=1)
-    e = np.exp(s)  # prob / max_prob; the top entry is exactly 1
-    keep = e >= min_p  # min-p: prob >= min_p * max_prob, independent of normalization
-    keep &= s >= s[np.arange(r), top_k - 1][:, None]  # top-k by value: ties at the k-th stay
-    p = np.where(keep, e, np.float32(0.0))
-    cdf = np.cumsum(p.astype(np.float64), axis=1)  # float64: float32 drifts ~1e-3 over 150k tokens
-    # Top-p: token i stays while the mass ranked above it (cdf[i - 1]) is still < top_p.
-    above = np.count_nonzero(cdf[:, :-1] < top_p * cdf[:, -1:], axis=1)
-    n_keep = np.where(top_p[:, 0] >= 1.0, v, 1 + above)
-    return order, p, cdf, n_keep
 
 
 def token_logprobs(x: np.ndarray, token_ids: np.ndarray, states: Sequence[SamplingState]) -> list[TokenLogprobs | None]:

@@ -3,8 +3,9 @@
 
 The same steps in the same order and precision as the numpy sampler: penalties (repetition,
 then frequency and presence, float32), temperature, min-p, top-k, top-p over the renormalized
-survivors (cumulative sums in float64), one inverse-CDF draw per random row; logprobs are the
-float32 log-softmax of the penalized logits, top-n by logprob with ties to the lower id.
+survivors (each a cutoff value, cumulative sums in float64), one inverse-CDF draw per random row over
+the kept tokens in id order (the same two levels of blocks); logprobs are the float32 log-softmax of
+the penalized logits, top-n by logprob with ties to the lower id.
 Only token ids (and the requested logprobs) come back to the host, not [batch, vocab] logits.
 
 Seeds: each request's uniform is drawn on the host from its own numpy Generator (the
@@ -14,8 +15,9 @@ seeded request gives the same tokens on either sampler and whatever shares its b
 Penalty state crosses as (row, token, count) triples of the tokens seen so far, not [B, V].
 
 Where the two can differ: float32 `exp` may round differently by an ulp between numpy and
-torch (and CUDA), which moves a draw only if the uniform lands within ~1e-7 of a boundary of
-the cumulative distribution; exact ties between logits may be ordered differently.
+torch (and CUDA), and float64 sums may add in another order, which moves a draw only if the uniform
+lands within ~1e-7 of a boundary of the cumulative distribution (or top-p's mass within as much of
+top_p). The order of equal logits never matters: every filter keeps whole groups of ties.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from engine_format import ceil_div
 from executors.sampling.grammar import grammar_rows
+from executors.sampling.numpy_sampler import BLOCK
 from executors.sampling.params import SamplingParams
 from executors.sampling.state import FLOAT32_TINY, DeviceSample, SampleResult, SamplingState, TokenLogprobs, check_batch
 
@@ -146,26 +150,33 @@ class TorchSampler:
         return x
 
     def _draw(self, x: torch.Tensor, params: Sequence[SamplingParams], u: np.ndarray) -> torch.Tensor:
-        """numpy `_filter_sorted` + the inverse-CDF draw, for rows x [R, V] and their uniforms u [R]."""
+        """numpy `draw`: the filtered distribution, then the inverse-CDF draw, for rows x [R, V] and their
+        uniforms u [R]."""
+        return _inverse_cdf(self._filtered(x, params), self._upload(u.astype(np.float64)))
+
+    def _filtered(self, x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """numpy `filtered_probs`: [R, V] float32 probabilities relative to each row's top token, 0 where
+        min-p, top-k or top-p drop a token. The cutoffs are the same values; rows with top-k or top-p sort
+        whole on the device (the numpy sampler sorts candidates: a cutoff does not depend on the order)."""
         v = x.shape[1]
         host = np.array([[p.temperature, p.min_p, p.top_p, p.top_k if 0 < p.top_k < v else v]
                          for p in params], np.float64)  # fmt: skip
         temp, min_p, top_p, top_k = self._upload(host).unbind(1)
-        u_dev = self._upload(u.astype(np.float64))
-        temp32 = temp.clamp(min=FLOAT32_TINY).float()[:, None]
-        scaled = (x - x.max(dim=1, keepdim=True).values) / temp32  # the top token lands on exactly 0
-        s, order = torch.sort(scaled, dim=1, descending=True, stable=True)
-        e = torch.exp(s)  # prob / max_prob
-        keep = e.double() >= min_p[:, None]  # min-p, compared in float64 as numpy promotes
-        keep &= s >= s.gather(1, top_k.long()[:, None] - 1)  # top-k by value: ties at the k-th stay
-        p = torch.where(keep, e, torch.zeros((), dtype=e.dtype, device=e.device))
-        cdf = torch.cumsum(p.double(), dim=1)
-        above = (cdf[:, :-1] < top_p[:, None] * cdf[:, -1:]).sum(dim=1)
-        n_keep = torch.where(top_p >= 1.0, torch.full_like(above, v), 1 + above)
-        target = u_dev * cdf.gather(1, n_keep[:, None] - 1)[:, 0]  # u * kept mass
-        pos = (cdf <= target[:, None]).sum(dim=1)
-        pos = torch.minimum(pos, torch.minimum(n_keep, (p > 0).sum(dim=1)) - 1)
-        return order.gather(1, pos[:, None])[:, 0]
+        scaled = (x - x.max(dim=1, keepdim=True).values) / temp.clamp(min=FLOAT32_TINY).float()[:, None]
+        e = torch.exp(scaled)  # prob / max_prob; the top token lands on exactly 0, its prob on 1
+        probs = torch.where(e.double() >= min_p[:, None], e, 0.0)  # compared in float64 as numpy promotes
+        cut = [i for i, p in enumerate(params) if 0 < p.top_k < v or p.top_p < 1.0]  # known on the host: no sync
+        if cut:
+            index = self._index(cut)
+            sub, k, p = scaled[index], top_k[index].long()[:, None], top_p[index]
+            ranked, order = torch.sort(sub, dim=1, descending=True)
+            cut_k = ranked.gather(1, k - 1)  # k = V for no top-k: the smallest logit, which keeps every token
+            kept = torch.where(ranked >= cut_k, probs[index].gather(1, order), 0.0).double()
+            cdf = torch.cumsum(kept, dim=1)
+            last = (cdf < (p * kept.sum(dim=1))[:, None]).sum(dim=1).clamp(max=v - 1)
+            cut_p = torch.where(p[:, None] < 1.0, ranked.gather(1, last[:, None]), -torch.inf)
+            probs[index] = torch.where(sub >= torch.maximum(cut_k, cut_p), probs[index], 0.0)
+        return probs
 
     def _logprobs(self, x: torch.Tensor, token_ids: torch.Tensor,
                   rows: Sequence[SamplingState]) -> list[TokenLogprobs | None]:  # fmt: skip
@@ -188,3 +199,25 @@ class TorchSampler:
             out[i] = TokenLogprobs(int(tokens[r]), float(chosen_lp[r]),
                                    list(zip(top_ids[r][:n], top_lp[r][:n], strict=True)))  # fmt: skip
         return out
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """numpy `inverse_cdf` on the device: per row, the first id whose running sum of probs exceeds u times
+    the row's sum, in the same two levels (float64 sums per block of BLOCK ids, then inside the block)."""
+    r, v = probs.shape
+    nb = ceil_div(v, BLOCK)
+    blocks = torch.nn.functional.pad(probs, (0, nb * BLOCK - v)).view(r, nb, BLOCK).double()
+    sums = blocks.sum(dim=2)
+    cum = torch.cumsum(sums, dim=1)
+    target = (u * cum[:, -1])[:, None]
+    rows = torch.arange(r, device=probs.device)
+    b = torch.minimum((cum <= target).sum(dim=1), _last_nonzero(sums))
+    inside = blocks[rows, b]
+    base = torch.where(b > 0, cum.gather(1, (b - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    running = base[:, None] + torch.cumsum(inside, dim=1)
+    pos = torch.minimum((running <= target).sum(dim=1), _last_nonzero(inside))
+    return b * BLOCK + pos
+
+
+def _last_nonzero(x: torch.Tensor) -> torch.Tensor:
+    return x.shape[1] - 1 - (x.flip(1) > 0).int().argmax(dim=1)

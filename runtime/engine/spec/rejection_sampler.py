@@ -89,7 +89,7 @@ class RejectionSampler:
         """One-hot q: position by position, every request still verifying draws its token as the
         normal sampler would (argmax, or the next uniform of its stream through the same inverse
         CDF) and keeps going while that token is its draft. Rows past a request's first mismatch
-        are never sampled, so it draws (and sorts) once per emitted token, as without speculation."""
+        are never sampled, so it draws once per emitted token, as without speculation."""
         counts = np.array([len(d) for d in drafts], np.int64)
         num_accepted = np.zeros(len(states), np.int64)
         final = np.zeros(len(states), np.int64)
