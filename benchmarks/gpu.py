@@ -15,7 +15,8 @@ JSON into DIR as soon as it ends, so a run cut short keeps what it measured:
   and Llama-3.2-1B's shapes (the weights do not change the speed; real ones cannot travel to a lent GPU).
   The engine loop is timed as served: its step returns token ids, text is made on another thread.
 Sized for about 8 minutes on one H100/H200; `--parts` picks some. `--dry-run` runs the same code on the
-CPU at toy sizes (Triton interpreted), which is how this file is tested where there is no GPU.
+CPU at toy sizes (Triton interpreted), which is how this file is tested where there is no GPU; without
+CUDA and without `--dry-run` the command runs nothing and exits 2 at once.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ SHAPES = {  # random-weight models: (layers, hidden, intermediate, heads, kv hea
 @click.option("--dry-run", is_flag=True, help="Toy sizes on the CPU (the plumbing, not the speed).")
 @click.option("--part-timeout-s", default=300, show_default=True, type=click.IntRange(10))
 def main(out: Path, parts: str, dry_run: bool, part_timeout_s: int) -> None:
+    if not dry_run and not _cuda_available():  # before DIR or any part: on a CPU the engine part ran 10+ minutes
+        raise click.UsageError(NO_CUDA)
     out.mkdir(parents=True, exist_ok=True)
     chosen = [p for p in parts.split(",") if p]
     unknown = set(chosen) - set(PARTS)
@@ -66,6 +69,24 @@ def main(out: Path, parts: str, dry_run: bool, part_timeout_s: int) -> None:
             result["seconds"] = round(time.perf_counter() - start, 1)
             _write(out / f"{name}.run.json", {"command": command, **result})  # the part's own figures: {name}.json
             click.echo(f"{name}: {result['returncode']} in {result['seconds']} s")
+
+
+NO_CUDA = (
+    "benchmarks.gpu needs a GPU (CUDA), and none is visible here (no NVIDIA device, CUDA_VISIBLE_DEVICES empty, "
+    "or torch without CUDA); nothing was run. To rehearse it on a CPU at toy sizes, add --dry-run."
+)
+
+
+def _cuda_available() -> bool:
+    """An NVIDIA device visible to a CUDA build of torch: the cheap look first (no torch import, so a CPU
+    machine refuses in well under a second), torch itself only where a device is there."""
+    from executors.factory import cuda_present
+
+    if not cuda_present():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _commands(part: str, out: Path, dry_run: bool) -> list[tuple[str, list[str]]]:

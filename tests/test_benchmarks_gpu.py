@@ -5,8 +5,10 @@ batch. What they measure on a GPU is not checked here (no GPU)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from benchmarks import host_overhead, overlap
@@ -26,6 +28,21 @@ def test_gpu_check_dry_run_writes_each_part(tmp_path):
     assert measured["hf_eager"]["out_tok_s"] > 0
     profiled = measured["profiled_batch"]  # on the CPU no kernel runs on a device: a zero busy share
     assert profiled["tokens"] == 4 * 8 and profiled["gpu_busy_share"] == 0.0 and profiled["wall_ms_per_step"] > 0
+
+
+def test_gpu_check_without_cuda_refuses_in_seconds_and_names_the_dry_run(tmp_path):
+    """Without CUDA (hidden here, so this holds on a GPU machine too) the command runs no part: before,
+    it ran the engine part at full size on the CPU for over ten minutes."""
+    out = tmp_path / "run"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)  # fmt: skip
+    seconds = time.monotonic() - start
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "GPU (CUDA)" in done.stderr and "--dry-run" in done.stderr, done.stderr
+    assert seconds < 10, f"took {seconds:.1f} s"
+    assert not out.exists() or not any(out.iterdir()), sorted(out.iterdir())
 
 
 def test_host_overhead_times_the_core_step_and_the_text_apart(llama_engine):
