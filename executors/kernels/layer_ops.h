@@ -35,26 +35,30 @@ static void rms_norm_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, i
     }
 }
 
-/* qkv [T, (Hq + 2 Hkv) D] bfloat16 -> q [T, Hq D], k [T, Hkv D] rotated, v [T, Hkv D], float32. cos, sin:
- * [positions, D] tables of the rotate-half form, x * cos + [x2, x1] * sin (sin's first half negated). */
-static void rope_split_rows(const uint16_t *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *cos,
-                            const float *sin, const int64_t *positions, float *q, float *k, float *v) {
-    const int64_t half = D / 2, width = (Hq + 2 * Hkv) * D;
-#pragma omp parallel for schedule(static) if (T * width >= 65536)
-    for (int64_t t = 0; t < T; t++) {
-        const uint16_t *row = qkv + t * width;
-        const float *c = cos + positions[t] * D, *s = sin + positions[t] * D;
-        for (int64_t h = 0; h < Hq + Hkv; h++) {
-            const uint16_t *x = row + h * D;
-            float *o = h < Hq ? q + (t * Hq + h) * D : k + (t * Hkv + h - Hq) * D;
-            for (int64_t i = 0; i < D; i++) {
-                const float rotated = bf16_value(x[i < half ? i + half : i - half]);
-                o[i] = bf16_value(x[i]) * c[i] + rotated * s[i];
-            }
-        }
-        for (int64_t i = 0; i < Hkv * D; i++) v[t * Hkv * D + i] = bf16_value(row[(Hq + Hkv) * D + i]);
+/* qkv [T, (Hq + 2 Hkv) D] (bfloat16 or float32, read by LOAD) -> q [T, Hq D], k [T, Hkv D] rotated, v [T, Hkv D],
+ * float32. cos, sin: [positions, D] tables of the rotate-half form, x * cos + [x2, x1] * sin (sin's first half
+ * negated). */
+#define ROPE_SPLIT_ROWS(NAME, TYPE, LOAD)                                                                       \
+    static void NAME(const TYPE *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *cos,          \
+                     const float *sin, const int64_t *positions, float *q, float *k, float *v) {                \
+        const int64_t half = D / 2, width = (Hq + 2 * Hkv) * D;                                                 \
+        _Pragma("omp parallel for schedule(static) if (T * width >= 65536)") for (int64_t t = 0; t < T; t++) { \
+            const TYPE *row = qkv + t * width;                                                                  \
+            const float *c = cos + positions[t] * D, *s = sin + positions[t] * D;                               \
+            for (int64_t h = 0; h < Hq + Hkv; h++) {                                                            \
+                const TYPE *x = row + h * D;                                                                    \
+                float *o = h < Hq ? q + (t * Hq + h) * D : k + (t * Hkv + h - Hq) * D;                          \
+                for (int64_t i = 0; i < D; i++) {                                                               \
+                    const float rotated = LOAD(x[i < half ? i + half : i - half]);                              \
+                    o[i] = LOAD(x[i]) * c[i] + rotated * s[i];                                                  \
+                }                                                                                               \
+            }                                                                                                   \
+            for (int64_t i = 0; i < Hkv * D; i++) v[t * Hkv * D + i] = LOAD(row[(Hq + Hkv) * D + i]);            \
+        }                                                                                                       \
     }
-}
+#define FLOAT_VALUE(x) (x)
+ROPE_SPLIT_ROWS(rope_split_rows, uint16_t, bf16_value)
+ROPE_SPLIT_ROWS(rope_split_rows_f32, float, FLOAT_VALUE)
 
 static PyObject *rms_norm_bf16(PyObject *self, PyObject *args) {
     unsigned long long x, w, out;
@@ -80,5 +84,31 @@ static PyObject *rope_split_bf16(PyObject *self, PyObject *args) {
     rope_split_rows((const uint16_t *)qkv, T, Hq, Hkv, D, (const float *)cos, (const float *)sin,
                     (const int64_t *)positions, (float *)q, (float *)k, (float *)v);
     Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+
+/* The float32 form takes numpy arrays (buffers, sizes checked): the cpu-int8 backend calls it every layer. */
+static PyObject *rope_split_f32(PyObject *self, PyObject *args) {
+    Py_buffer qkv, cos, sin, positions, q, k, v;
+    int64_t T, Hq, Hkv, D, max_positions;
+    if (!PyArg_ParseTuple(args, "y*LLLLy*y*Ly*w*w*w*", &qkv, &T, &Hq, &Hkv, &D, &cos, &sin, &max_positions,
+                          &positions, &q, &k, &v))
+        return NULL;
+    const Py_ssize_t f = 4;
+    const int bad = D % 2 || qkv.len < T * (Hq + 2 * Hkv) * D * f || cos.len < max_positions * D * f ||
+                    sin.len < max_positions * D * f || positions.len < T * 8 || q.len < T * Hq * D * f ||
+                    k.len < T * Hkv * D * f || v.len < T * Hkv * D * f;
+    if (!bad) {
+        Py_BEGIN_ALLOW_THREADS
+        rope_split_rows_f32(qkv.buf, T, Hq, Hkv, D, cos.buf, sin.buf, positions.buf, q.buf, k.buf, v.buf);
+        Py_END_ALLOW_THREADS
+    }
+    Py_buffer *views[] = {&qkv, &cos, &sin, &positions, &q, &k, &v};
+    for (size_t i = 0; i < sizeof views / sizeof *views; i++) PyBuffer_Release(views[i]);
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "rope_split_f32: head_dim must be even and the buffers fit the shapes");
+        return NULL;
+    }
     Py_RETURN_NONE;
 }

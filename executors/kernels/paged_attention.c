@@ -465,6 +465,7 @@ static PyObject *write_kv(PyObject *self, PyObject *args) {
 }
 
 #include "layer_ops.h"
+#include "int8_linear.h"
 
 static PyObject *amx_available(PyObject *self, PyObject *unused) { return PyBool_FromLong(KV_AMX && amx_usable()); }
 
@@ -481,6 +482,18 @@ static PyMethodDef methods[] = {
      "rms_norm_bf16(x, weight, out, T, H, eps): bfloat16 rows; see executors/layer_ops.py"},
     {"rope_split_bf16", rope_split_bf16, METH_VARARGS,
      "rope_split_bf16(qkv, T, Hq, Hkv, D, cos, sin, positions, q, k, v); see executors/layer_ops.py"},
+    {"rope_split_f32", rope_split_f32, METH_VARARGS,
+     "rope_split_f32(qkv, T, Hq, Hkv, D, cos, sin, positions, q, k, v): float32 rows; see executors/int8_ops.py"},
+    {"quantize_rows", quantize_rows, METH_VARARGS,
+     "quantize_rows(x, ldx, T, K, Kp, q, scale, zp): per-token uint8; see executors/int8_ops.py"},
+    {"rms_norm_quantize", rms_norm_quantize, METH_VARARGS,
+     "rms_norm_quantize(x, weight, T, K, Kp, eps, q, scale, zp); see executors/int8_ops.py"},
+    {"silu_mul_quantize", silu_mul_quantize, METH_VARARGS,
+     "silu_mul_quantize(gate_up, T, I, Kp, q, scale, zp); see executors/int8_ops.py"},
+    {"int8_linear", int8_linear, METH_VARARGS,
+     "int8_linear(a, T, Kp, a_scale, a_zp, w, N, w_scale, colsum, bias, out, ldo, accumulate, threads, simd); "
+     "see executors/int8_ops.py"},
+    {"int8_vnni", int8_vnni, METH_NOARGS, "int8_vnni(): whether int8_linear runs on AVX512-VNNI here"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_paged_attention", NULL, -1, methods};
@@ -488,8 +501,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_paged_attention", N
 PyMODINIT_FUNC PyInit__paged_attention(void) {
     PyObject *m = PyModule_Create(&module);
     /* The call's interface version (cpu_attention.py refuses an older build of this file). 2: kv_kind + scales;
-     * 3: simd flag, write_kv; 4: rms_norm_bf16, rope_split_bf16; 5: amx flag, amx_available. */
-    if (m && PyModule_AddIntConstant(m, "ABI", 5) < 0) {
+     * 3: simd flag, write_kv; 4: rms_norm_bf16, rope_split_bf16; 5: amx flag, amx_available; 6: the int8
+     * dense layers (int8_linear.h) and rope_split_f32. */
+    if (m && PyModule_AddIntConstant(m, "ABI", 6) < 0) {
         Py_DECREF(m);
         return NULL;
     }
