@@ -20,7 +20,7 @@ from builder.plugin_graph import write_plugin_graph
 from builder.sources import load_checkpoint, resolve_model
 from builder.verify import verify_engine
 from calibration.data import DataConfig, TextSets, load_text_sets
-from calibration.gate import run_gate
+from calibration.gate import run_backend_gate, run_gate
 from calibration.job import write_gate_report
 from calibration.kv_scales import measure_kv_scales
 from calibration.quantize import QuantConfig, quantize_model
@@ -130,6 +130,10 @@ def build_engine(options: BuildOptions, step: StepReporter = _no_report) -> dict
                 trt_section = build_plan(staging, config)
         with step("verify engine against HF eager (prefill, chunked prefill, decode)"):
             verification = verify_engine(config, model)
+        if "cpu-int8" in verification["backends"]:
+            texts = quantization.texts if quantization else None
+            verification["backends"]["cpu-int8"]["gate"] = _gate_backend("cpu-int8", config, tokenizer, options,
+                                                                         texts, step)  # fmt: skip
         manifest = config.manifest_fields()
         manifest["graph"].update(opset=OPSET, ir_version=IR_VERSION)
         manifest.update(_provenance(options, source, spec, verification))
@@ -224,6 +228,21 @@ def _gate(quantization: _Quantization, tokenizer, options: BuildOptions, candida
         )
     return {"passed": report.passed, "overridden": not report.passed, "report": GATE_REPORT_JSON,
             "gate_config_version": report.config_version}  # fmt: skip
+
+
+def _gate_backend(kind: str, config: EngineConfig, tokenizer, options: BuildOptions, texts: TextSets | None,
+                  step: StepReporter) -> dict:  # fmt: skip
+    """The quality gate of a backend that quantizes the engine as it loads (cpu-int8) against the float32 CPU
+    backend: it becomes a default backend (executors/factory.py) only if this passes. A failure does not fail
+    the build (the engine itself is verified); the backend then serves only when asked for by name."""
+    if texts is None:
+        with step("load held-out text for the backends' quality gate"):
+            texts = load_text_sets(tokenizer, options.calibration)
+    with step(f"quality gate: {kind} (int8 dense layers) vs the float32 CPU backend on held-out text"):
+        report = run_backend_gate(config, kind, texts, tokenizer, options.gate_config)
+    record = report.to_dict()
+    record["metrics"] = {k: v for k, v in record["metrics"].items() if k != "answers"}
+    return record
 
 
 def _provenance(options: BuildOptions, source, spec: ModelSpec, verification: dict) -> dict:

@@ -9,7 +9,8 @@ plugin graph TensorRT compiles) run as a float32 view, the same graph over the s
 weights with every bf16 type widened (`float32_view`), and the cpu-bf16 backend runs the engine in
 bfloat16 itself. Their bound is HF's own bfloat16 forward: no further from float32 HF than
 BF16_HEADROOM times HF-bfloat16's distance. float32 engines built on a CPU with AMX are also verified on
-cpu-bf16, the default there (executors/factory.py), at that bound.
+cpu-bf16, the default there (executors/factory.py), at that bound; built on a CPU with AVX512-VNNI, on
+cpu-int8 (int8 dense layers) at W8A8's bound, and then judged by the quality gate (builder/build.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from engine_format import EngineConfig, ceil_div
 from engine_format.files import GRAPH_FILE, PLUGIN_GRAPH_FILE
 from executors import create_backend
 from executors.base import EngineBackend, SequenceChunk
-from executors.cpus import amx_bf16
+from executors.cpus import amx_bf16, vnni_int8
 
 # Max |logit difference| between the engine and HF eager on the verification prompt, as a
 # fraction of the largest |logit|. fp32 differs only in summation order (measured ~1e-6 on
@@ -43,6 +44,9 @@ BF16_HEADROOM = 2.0
 # (fake-quantized in torch); what remains is ORT's arithmetic: MatMulNBits computes INT4
 # GEMMs with int8-quantized activations, and FP8 engines quantize activations per tensor.
 QUANTIZED_VERIFY_TOLERANCE = {"int4-awq": 5e-2, "int4-rtn": 5e-2, "fp8": 1e-1}
+# cpu-int8 quantizes weights per channel and activations per token (W8A8) as it loads a float32 engine: like
+# FP8 engines, an error bound that catches a wrong op or weight; its quality is judged by the gate.
+INT8_VERIFY_TOLERANCE = 1e-1
 # A quantized KV cache adds its rounding to every attention read (the HF reference keeps fp32 K/V);
 # its quality is judged by the gate, verification only catches a wrong pool or kernel.
 KV_VERIFY_TOLERANCE = {"int8": 3e-2, "fp8": 1e-1}
@@ -77,7 +81,7 @@ def verify_engine(config: EngineConfig, model) -> dict:
     result["tolerance"] = tolerance
     with tempfile.TemporaryDirectory() as scratch:
         for kind, backend in _backends(config, ceil_div(prompt_len + 1, config.block_size), Path(scratch)):
-            bound = bf16_tolerance if kind == "cpu-bf16" else tolerance
+            bound = {"cpu-bf16": bf16_tolerance, "cpu-int8": INT8_VERIFY_TOLERANCE * scale}.get(kind, tolerance)
             got = _run(backend, tokens, config.block_size)
             errors = {k: float(np.abs(got[k] - want[k]).max()) for k in got}
             result["backends"][kind] = {
@@ -91,11 +95,21 @@ def verify_engine(config: EngineConfig, model) -> dict:
     return result
 
 
+def _plain(config: EngineConfig) -> bool:
+    """float32 weights and KV pool: quantized ones keep the backend their gate ran on."""
+    return config.dtype == "float32" and config.quantization is None and not config.kv_quantized
+
+
 def _runs_bf16(config: EngineConfig) -> bool:
     """A float32 engine is also verified on cpu-bf16 (dense layers in bfloat16, at bfloat16's bound) where
-    this CPU is one it is the default on; quantized weights or KV pools keep the backend their gate ran on."""
-    plain = config.dtype == "float32" and config.quantization is None and not config.kv_quantized
-    return plain and config.has_cpu_segments and amx_bf16()
+    this CPU is one it is the default on."""
+    return _plain(config) and config.has_cpu_segments and amx_bf16()
+
+
+def runs_int8(config: EngineConfig) -> bool:
+    """A float32 engine is also verified on cpu-int8 (then gated) where this CPU multiplies int8 on AVX512-VNNI
+    and has no AMX (where cpu-bf16 is the default): elsewhere its portable loops would make the build slow."""
+    return _plain(config) and vnni_int8() and not amx_bf16()
 
 
 def _backends(config: EngineConfig, blocks: int, scratch: Path):
@@ -111,6 +125,8 @@ def _backends(config: EngineConfig, blocks: int, scratch: Path):
             yield kind, create_backend(config, num_blocks=num_blocks, kind=kind)
         if _runs_bf16(config):
             yield "cpu-bf16", create_backend(config, num_blocks=num_blocks, kind="cpu-bf16")
+        if runs_int8(config):
+            yield "cpu-int8", create_backend(config, num_blocks=num_blocks, kind="cpu-int8")
     if config.target == "tensorrt":
         yield "tensorrt", create_backend(config, num_blocks=num_blocks, kind="tensorrt")
 

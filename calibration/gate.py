@@ -94,14 +94,28 @@ def run_gate(reference_config, quantized_config, texts: TextSets, tokenizer, con
     """Load both engines on the CPU backend (segments + paged-attention kernel) and evaluate."""
     from executors import create_backend
 
-    config = load_gate_config(config_path)
-    block = reference_config.block_size
-    longest = max(len(s) for s in texts.heldout)
-    # Greedy answers hold every question at once; held-out scoring one sequence at a time.
-    num_blocks = max(ceil_div(longest, block), len(texts.qa_prompts) * ceil_div(QUESTION_TOKENS + ANSWER_TOKENS, block))
+    num_blocks = _gate_blocks(texts, reference_config.block_size)
     reference = create_backend(reference_config, num_blocks=num_blocks, kind="cpu")
     quantized = create_backend(quantized_config, num_blocks=num_blocks, kind="cpu")
-    return evaluate_gate(reference, quantized, gate_method(quantized_config), texts, tokenizer, config)
+    return evaluate_gate(reference, quantized, gate_method(quantized_config), texts, tokenizer,
+                         load_gate_config(config_path))  # fmt: skip
+
+
+def run_backend_gate(engine_config, kind: str, texts: TextSets, tokenizer, config_path: Path | None = None):
+    """A backend that quantizes a float32 engine as it loads (cpu-int8) against the float32 CPU backend on the
+    same engine, judged by the thresholds named after the backend."""
+    from executors import create_backend
+
+    num_blocks = _gate_blocks(texts, engine_config.block_size)
+    reference = create_backend(engine_config, num_blocks=num_blocks, kind="cpu")
+    candidate = create_backend(engine_config, num_blocks=num_blocks, kind=kind)
+    return evaluate_gate(reference, candidate, kind, texts, tokenizer, load_gate_config(config_path))
+
+
+def _gate_blocks(texts: TextSets, block: int) -> int:
+    """Greedy answers hold every question at once; held-out scoring one sequence at a time."""
+    longest = max(len(s) for s in texts.heldout)
+    return max(ceil_div(longest, block), len(texts.qa_prompts) * ceil_div(QUESTION_TOKENS + ANSWER_TOKENS, block))
 
 
 def evaluate_gate(reference, quantized, method: str, texts: TextSets, tokenizer, config: dict) -> GateReport:

@@ -33,6 +33,12 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def verified_backends(manifest: dict) -> tuple[str, ...]:
+    """The manifest's verified backends: each in verification.backends, unless its own quality gate failed."""
+    backends = (manifest.get("verification") or {}).get("backends", {})
+    return tuple(kind for kind, record in backends.items() if (record.get("gate") or {}).get("passed", True))
+
+
 @dataclass(frozen=True)
 class TensorRTLimits:
     """The shapes a TensorRT plan accepts (its optimization profiles are built from these)."""
@@ -70,7 +76,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     kv_scales: tuple[tuple[float, float], ...] | None = None
     # The backends the builder checked this engine on against HF eager (provenance: the manifest's
-    # verification.backends); a backend that changes the arithmetic is a default only where it was verified.
+    # verification.backends) and, for those that quantize as they load (cpu-int8), whose quality gate passed:
+    # a backend that changes the arithmetic is a default only where it was verified.
     verified_backends: tuple[str, ...] = ()
 
     @property
@@ -163,7 +170,7 @@ class EngineConfig:
                 tensorrt=TensorRTLimits(**trt["limits"]) if trt else None,
                 kv_cache_dtype=kv.get("dtype", "auto"),
                 kv_scales=tuple((float(k), float(v)) for k, v in kv_scales) if kv_scales is not None else None,
-                verified_backends=tuple((manifest.get("verification") or {}).get("backends", {})),
+                verified_backends=verified_backends(manifest),
             )
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise EngineLoadError(f"{path} is malformed ({type(exc).__name__}: {exc}); rebuild") from None

@@ -11,12 +11,12 @@ from pathlib import Path
 from engine_format import EngineConfig
 from engine_format.files import PLUGIN_GRAPH_FILE
 from executors.base import EngineBackend
-from executors.cpus import amx_bf16
+from executors.cpus import amx_bf16, vnni_int8
 from executors.kv_pool import require_kv_support
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("cpu", "cpu-bf16", "graph", "plugin", "tensorrt", "torch")
+BACKENDS = ("cpu", "cpu-bf16", "cpu-int8", "graph", "plugin", "tensorrt", "torch")
 
 
 def cuda_present() -> bool:
@@ -32,7 +32,9 @@ def default_backend(config: EngineConfig) -> str:
     """TensorRT for its own engines where it is installed; else torch on a GPU (unless this process
     runs Triton interpreted, TRITON_INTERPRET=1, as the kernel tests do); else the CPU backends: cpu-bf16
     for bfloat16 engines, and for float32 ones verified on it where the CPU has AMX (1.3-1.5x per decode
-    step, 2-4x per prefill step there); else ONNX Runtime with our kernel (`cpu`), or its graph alone.
+    step, 2-4x per prefill step there); cpu-int8 for float32 ones whose build verified and gated it, where the
+    CPU has AVX512-VNNI (int8 dense layers: ~3x per decode step); else ONNX Runtime with our kernel (`cpu`),
+    or its graph alone.
     An int8/fp8 KV cache with CPU segments: the CPU kernel backend, where the gate ran (the graphs and torch
     read it too, torch's quantized kernels verified interpreted only; TensorRT does not)."""
     if config.kv_quantized and config.has_cpu_segments:
@@ -47,6 +49,8 @@ def default_backend(config: EngineConfig) -> str:
         return "cpu-bf16"  # ONNX Runtime has no bfloat16 MatMul on CPUs
     if "cpu-bf16" in config.verified_backends and amx_bf16():
         return "cpu-bf16"
+    if "cpu-int8" in config.verified_backends and vnni_int8():
+        return "cpu-int8"
     return "cpu" if config.has_cpu_segments else "graph"
 
 
@@ -84,6 +88,10 @@ def create_backend(
         from executors.torch_cpu import TorchCpuBackend  # loads the kernel, then torch
 
         return TorchCpuBackend(config, num_blocks, threads)
+    if kind == "cpu-int8":
+        from executors.cpu_int8 import Int8CpuBackend  # sets the OpenMP spin policy, then loads the kernel
+
+        return Int8CpuBackend(config, num_blocks, threads)
     if kind in ("graph", "plugin"):
         from executors.ort_graph import OrtGraphBackend
 

@@ -77,7 +77,7 @@ def _cgroup_files() -> list[tuple[Path, Path]]:
 
 
 # The backends that read an int8/fp8 pool (the others refuse such an engine at load, naming themselves).
-KV_QUANT_BACKENDS = ("cpu", "cpu-bf16", "graph", "plugin", "torch")
+KV_QUANT_BACKENDS = ("cpu", "cpu-bf16", "cpu-int8", "graph", "plugin", "torch")
 
 
 def require_kv_support(config: EngineConfig, backend: str) -> None:

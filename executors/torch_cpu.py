@@ -17,16 +17,12 @@ Weights are the engine's (executors/torch/weights.py; INT4 engines dequantized),
 into oneDNN's blocked layout.
 
 OpenMP: torch's elementwise ops over more than 32K elements and the kernel share one libgomp pool,
-used hundreds of times a step, microseconds apart. Sleeping workers (the `cpu` backend's passive
-policy, right between ONNX Runtime runs) cost a futex wake-up each time: 93 vs 38 ms for a 64-token
-chunk. So this backend lets them spin ~1 ms before sleeping (GOMP_SPINCOUNT), set before libgomp
-loads: the first of the two CPU backends imported in a process sets the policy for both.
+used hundreds of times a step, microseconds apart, so its workers spin before sleeping
+(executors/cpus.py `spin_openmp_workers`).
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,18 +30,11 @@ import numpy as np
 
 from engine_format import EngineConfig, EngineLoadError, ceil_div
 from executors.base import SequenceChunk
-from executors.cpus import libgomp_loaded, usable_cpus
+from executors.cpus import spin_openmp_workers, usable_cpus
 from executors.flat_step import FlatStep
 from executors.kv_pool import KVPool
 
-SPIN_COUNT = "100000"  # libgomp spins ~100,000 per ms (its own estimate)
-if "GOMP_SPINCOUNT" not in os.environ and libgomp_loaded():
-    logging.getLogger(__name__).warning(
-        "libgomp was loaded (by torch?) before the cpu-bf16 backend could set GOMP_SPINCOUNT: its steps will "
-        "be slower; export GOMP_SPINCOUNT=%s or create the engine before importing torch",
-        SPIN_COUNT,
-    )
-os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
+spin_openmp_workers("cpu-bf16")
 
 # isort: off
 from executors.cpu_attention import AttentionShape, paged_attention  # noqa: E402 - loads libgomp
