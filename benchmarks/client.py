@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import aiohttp
 import numpy as np
 
-from benchmarks.datasets import BenchRequest
+from benchmarks.datasets import BenchRequest, ChatRequest
 from benchmarks.metrics import RequestRecord
 
 Sender = Callable[[aiohttp.ClientSession, BenchRequest], Awaitable[RequestRecord]]
@@ -34,7 +34,8 @@ Sender = Callable[[aiohttp.ClientSession, BenchRequest], Awaitable[RequestRecord
 @dataclass(frozen=True)
 class Endpoint:
     # "triton" (generate_stream), "triton-whole" (the same, "stream": false: one response per request),
-    # "openai" (vLLM's /v1/completions) or "gateway" (trtserve's)
+    # "openai" (vLLM's /v1/completions) or "gateway" (trtserve's); "openai-chat" / "gateway-chat": their
+    # /v1/chat/completions (requests are datasets.ChatRequest)
     kind: str
     url: str  # http://host:port
     model: str = "llm"
@@ -93,6 +94,44 @@ async def send_gateway(session: aiohttp.ClientSession, endpoint: Endpoint, req: 
     return await _stream(session, f"{endpoint.url}/v1/completions", body, req, counts)
 
 
+async def send_chat(session: aiohttp.ClientSession, endpoint: Endpoint, req: BenchRequest) -> RequestRecord:
+    """/v1/chat/completions, streamed, with the request's messages, temperature and seed (EOS honoured unless the
+    request ignores it). vLLM ("openai-chat"): usage in every chunk (continuous_usage_stats) gives the exact
+    tokens per chunk. trtserve's gateway ("gateway-chat") has no per-chunk usage: every chunk with a choice counts
+    as one token (one upstream delta each; chat's first also carries the role) and the final usage chunk settles
+    the total. Either way a stream without that final usage, or whose tokens differ from it, is an error."""
+    if not isinstance(req, ChatRequest) or not req.messages:
+        raise TypeError("chat endpoints take datasets.ChatRequest with messages")
+    per_chunk = endpoint.kind == "openai-chat"
+    options = {"include_usage": True, **({"continuous_usage_stats": True} if per_chunk else {})}
+    body = {"model": endpoint.model, "messages": [{"role": role, "content": text} for role, text in req.messages],
+            "max_tokens": req.max_tokens, "temperature": req.temperature, "stream": True,
+            "stream_options": options}  # fmt: skip
+    if req.seed is not None:
+        body["seed"] = req.seed
+    if req.ignore_eos:
+        body["ignore_eos"] = True
+    chunks, final = 0, None
+
+    def counts(event: dict) -> dict:
+        nonlocal chunks, final
+        usage = event.get("usage")
+        if usage and not event.get("choices"):  # the last chunk: the totals
+            final = int(usage.get("completion_tokens", -1))
+            return usage
+        if per_chunk:
+            return usage or {}
+        chunks += len(event.get("choices", []))
+        return {"completion_tokens": chunks}
+
+    record = await _stream(session, f"{endpoint.url}/v1/chat/completions", body, req, counts)
+    if record.error is None and final is None:
+        record.error = "the stream ended without its usage chunk"
+    elif record.error is None and final != record.output_tokens:
+        record.error = f"server counted {final} completion tokens, the stream carried {record.output_tokens}"
+    return record
+
+
 async def _stream(session: aiohttp.ClientSession, url: str, body: dict, req: BenchRequest, counts) -> RequestRecord:
     """POST one streaming request and time its chunks. `counts(event)` returns the dict holding
     the cumulative `completion_tokens` / `prompt_tokens` of an SSE event."""
@@ -132,7 +171,7 @@ def _check(record: RequestRecord, req: BenchRequest) -> RequestRecord:
 
 def sender_for(endpoint: Endpoint) -> Sender:
     send = {"triton": send_triton, "triton-whole": functools.partial(send_triton, stream=False), "openai": send_openai,
-            "gateway": send_gateway}[endpoint.kind]  # fmt: skip
+            "gateway": send_gateway, "openai-chat": send_chat, "gateway-chat": send_chat}[endpoint.kind]  # fmt: skip
     return lambda session, req: send(session, endpoint, req)
 
 

@@ -32,6 +32,25 @@ class BenchRequest:
     ignore_eos: bool
 
 
+@dataclass(frozen=True)
+class ChatRequest(BenchRequest):
+    """A request sent as chat messages (OpenAI /v1/chat/completions): `prompt` / `prompt_ids` are its messages in
+    the model's chat template (what the servers render; the client checks their prompt token count against
+    them), sampled at `temperature` with `seed` (None: the server's)."""
+
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content)
+    temperature: float = 0.0
+    seed: int | None = None
+
+
+def chat_request(tokenizer, user: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
+                 ignore_eos: bool = False) -> ChatRequest:  # fmt: skip
+    """One user turn as a ChatRequest (EOS honoured unless `ignore_eos`)."""
+    prompt = _chat(tokenizer, user)
+    ids = tuple(tokenizer.encode(prompt, add_special_tokens=False))
+    return ChatRequest(prompt, ids, max_tokens, ignore_eos, (("user", user),), temperature, seed)
+
+
 def corpus_text() -> str:
     from pydoc_data.topics import topics
 

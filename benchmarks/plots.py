@@ -188,6 +188,24 @@ def speedup_bars(panels: dict[str, dict[str, list[tuple[int, float, float, float
     _save(fig, path)
 
 
+def server_bars(panels: dict[str, dict[str, tuple[float, float, float]]], path: Path) -> None:
+    """benchmarks/decode_chat.py: one bar per server (median, min–max error bars), one panel per metric
+    (title -> server -> (median, min, max))."""
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(4.5 * max(len(panels), 1), 4.5), squeeze=False)
+    for ax, (title, servers) in zip(axes[0], panels.items(), strict=False):
+        names = list(servers)
+        meds = [servers[n][0] for n in names]
+        err = [[servers[n][0] - servers[n][1] for n in names], [servers[n][2] - servers[n][0] for n in names]]
+        ax.bar(range(len(names)), meds, 0.6, yerr=err, capsize=4, color=[f"C{i}" for i in range(len(names))])
+        ax.set_xticks(range(len(names)), names, fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+        _empty(ax, names)
+    if not panels:
+        _empty(axes[0][0], [])
+    _save(fig, path)
+
+
 def _empty(ax, picked: list[dict]) -> bool:
     if not picked:
         ax.text(0.5, 0.5, "not measured in this run", ha="center", va="center", transform=ax.transAxes)

@@ -75,11 +75,13 @@ def stdout_path(pid: int) -> Path | None:
 
 
 class Serve:
-    """`trtserve serve --engine DIR --max-num-seqs 32 --num-kv-blocks 1024 [--backend B]` on free ports."""
+    """`trtserve serve --engine DIR --max-num-seqs 32 --num-kv-blocks 1024 [--backend B]` on free ports (`args`
+    in place of the sizing options: benchmarks.decode_chat's `--max-num-seqs 32 --max-num-batched-tokens 512`)."""
 
-    def __init__(self, engine: Path, backend: str | None, log_path: Path, extra: Sequence[str] = ()) -> None:
+    def __init__(self, engine: Path, backend: str | None, log_path: Path, extra: Sequence[str] = (),
+                 args: Sequence[str] = SERVE_ARGS) -> None:  # fmt: skip
         self.ports = {name: free_port() for name in ("http", "grpc", "metrics", "openai")}
-        self.command = [str(TRTSERVE), "serve", "--engine", str(engine), *SERVE_ARGS,
+        self.command = [str(TRTSERVE), "serve", "--engine", str(engine), *args,
                         *(["--backend", backend] if backend else []), *extra,
                         *(f"--{name}-port={port}" for name, port in self.ports.items())]  # fmt: skip
         self.lines: list[tuple[float, str]] = []  # (time.monotonic(), line)
