@@ -11,6 +11,8 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from builder.engine_dir import atomic_directory, write_manifest
 from builder.errors import BuildError
 from builder.export import DTYPES, ExportOptions, export_onnx
@@ -18,17 +20,19 @@ from builder.hf_config import model_spec_from_hf_config
 from builder.onnx_graph import IR_VERSION, OPSET
 from builder.plugin_graph import write_plugin_graph
 from builder.sources import load_checkpoint, resolve_model
-from builder.verify import verify_engine
+from builder.verify import runs_int8, verify_engine
+from calibration.activations import activation_ranges
 from calibration.data import DataConfig, TextSets, load_text_sets
 from calibration.gate import run_backend_gate, run_gate
 from calibration.job import write_gate_report
 from calibration.kv_scales import measure_kv_scales
 from calibration.quantize import QuantConfig, quantize_model
 from engine_format import TARGETS, EngineConfig, ModelSpec, TensorRTLimits
-from engine_format.files import GATE_REPORT_JSON, SOURCE_CONFIG_FILE
+from engine_format.files import ACTIVATION_RANGES_FILE, GATE_REPORT_JSON, SOURCE_CONFIG_FILE
 from engine_format.kv_cache import KV_CACHE_DTYPES, QUANTIZED_KV_DTYPES, SCALES_SHAPE, bytes_per_token, pool_dtype
 
 StepReporter = Callable[[str], AbstractContextManager]
+INT8_RANGE_SEQUENCES = 16  # calibration sequences whose activation ranges smooth cpu-int8 (SmoothQuant)
 
 
 @dataclass(frozen=True)
@@ -128,12 +132,20 @@ def build_engine(options: BuildOptions, step: StepReporter = _no_report) -> dict
 
             with step("compile the TensorRT engine (plugin graph, AOT kernels)"):
                 trt_section = build_plan(staging, config)
+        texts = quantization.texts if quantization else None
+        if runs_int8(config):  # before verification: the cpu-int8 backend it checks reads them
+            with step("load calibration and held-out text for the cpu-int8 backend"):
+                texts = texts or load_text_sets(tokenizer, options.calibration)
+            with step(f"measure activation ranges for cpu-int8 ({INT8_RANGE_SEQUENCES} calibration sequences)"):
+                ranges = activation_ranges(model, spec, texts.calibration[:INT8_RANGE_SEQUENCES])
+                np.savez(staging / ACTIVATION_RANGES_FILE, **ranges)
         with step("verify engine against HF eager (prefill, chunked prefill, decode)"):
             verification = verify_engine(config, model)
         if "cpu-int8" in verification["backends"]:
-            texts = quantization.texts if quantization else None
-            verification["backends"]["cpu-int8"]["gate"] = _gate_backend("cpu-int8", config, tokenizer, options,
-                                                                         texts, step)  # fmt: skip
+            assert texts is not None
+            with step("quality gate: cpu-int8 (int8 dense layers) vs the float32 CPU backend on held-out text"):
+                verification["backends"]["cpu-int8"]["gate"] = _gate_backend("cpu-int8", config, tokenizer, texts,
+                                                                             options.gate_config)  # fmt: skip
         manifest = config.manifest_fields()
         manifest["graph"].update(opset=OPSET, ir_version=IR_VERSION)
         manifest.update(_provenance(options, source, spec, verification))
@@ -230,16 +242,11 @@ def _gate(quantization: _Quantization, tokenizer, options: BuildOptions, candida
             "gate_config_version": report.config_version}  # fmt: skip
 
 
-def _gate_backend(kind: str, config: EngineConfig, tokenizer, options: BuildOptions, texts: TextSets | None,
-                  step: StepReporter) -> dict:  # fmt: skip
+def _gate_backend(kind: str, config: EngineConfig, tokenizer, texts: TextSets, gate_config: Path | None) -> dict:
     """The quality gate of a backend that quantizes the engine as it loads (cpu-int8) against the float32 CPU
     backend: it becomes a default backend (executors/factory.py) only if this passes. A failure does not fail
     the build (the engine itself is verified); the backend then serves only when asked for by name."""
-    if texts is None:
-        with step("load held-out text for the backends' quality gate"):
-            texts = load_text_sets(tokenizer, options.calibration)
-    with step(f"quality gate: {kind} (int8 dense layers) vs the float32 CPU backend on held-out text"):
-        report = run_backend_gate(config, kind, texts, tokenizer, options.gate_config)
+    report = run_backend_gate(config, kind, texts, tokenizer, gate_config)
     record = report.to_dict()
     record["metrics"] = {k: v for k, v in record["metrics"].items() if k != "answers"}
     return record

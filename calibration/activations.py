@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from calibration.linears import LinearGroup
+from calibration.linears import LinearGroup, linear_groups, lm_head_group
 from engine_format import ceil_div
 
 
@@ -35,6 +36,15 @@ class InputStats:
     @property
     def sample(self) -> torch.Tensor:
         return torch.cat(self.rows)
+
+
+def activation_ranges(model, spec, sequences: list[list[int]]) -> dict[str, np.ndarray]:
+    """max |x| per input channel of every graph MatMul (keyed by its name) and of the LM head, on `sequences`:
+    what the cpu-int8 backend smooths its per-token activation quantization with (engine_format.files
+    ACTIVATION_RANGES_FILE)."""
+    groups = [*linear_groups(spec), lm_head_group(spec)]
+    stats = collect_input_stats(model, groups, sequences, sample_rows=len(groups))
+    return {name: entry.abs_max.numpy().astype(np.float32) for name, entry in stats.items()}
 
 
 @torch.no_grad()

@@ -10,6 +10,9 @@ TRT_GRAPH_FILE = "model.trt.onnx"  # the plugin graph as TensorRT parses it (no 
 PLAN_FILE = "model.plan"  # the compiled TensorRT engine
 SOURCE_CONFIG_FILE = "source_config.json"  # the checkpoint's Hugging Face config
 GATE_REPORT_JSON = "gate_report.json"  # quantized engines: the quality gate's verdict
+# float32 engines built where cpu-int8 is verified: max |input| per channel of every MatMul (numpy .npz keyed by
+# the graph's MatMul names and "lm_head"), on calibration text; the backend's smoothing factors come from it.
+ACTIVATION_RANGES_FILE = "activation_ranges.npz"
 GATE_REPORT_MD = "gate_report.md"
 # Listed in the manifest's files_sha256 but rewritten in place by `trtserve calibrate`
 # (calibration/job.py) without updating the manifest; the runtime never reads them, so the

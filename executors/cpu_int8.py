@@ -8,6 +8,9 @@ float32 (benchmarks/results/decode_profile.md). Weights are quantized symmetrica
 the engine loads, activations per token (asymmetric, over [min(x, 0), max(x, 0)]): per-token scales keep
 SmolLM2's perplexity within 0.2% of float32 where one scale per tensor lost 40%. It changes the arithmetic,
 so it is a default only where the build verified it and ran the quality gate on it (executors/factory.py).
+The build also measures each matmul input's range per channel on calibration text (activation_ranges.npz):
+SmoothQuant's factors move half of each outlier channel's range into the weights (Int8Layer), which halves the
+KL divergence from float32 again.
 
 A step has the `cpu` backend's layout (`FlatStep`): per layer RMSNorm -> quantize -> QKV -> RoPE, the new
 K/V rows into the pool, attention over each sequence's blocks in place, quantize -> o_proj added into the
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine_format import EngineConfig, EngineLoadError
+from engine_format.files import ACTIVATION_RANGES_FILE
 from executors.base import SequenceChunk
 from executors.cpus import spin_openmp_workers, usable_cpus
 
@@ -34,7 +38,7 @@ from executors.cpu_attention import AttentionShape, paged_attention  # noqa: E40
 from executors.engine_weights import WeightReader  # noqa: E402
 from executors.flat_step import FlatStep  # noqa: E402
 from executors.int8_ops import (  # noqa: E402
-    PackedLinear, linear, quantize_rows, rms_norm_quantize, rope_split, silu_mul_quantize, vnni,
+    PackedLinear, linear, quantize_rows, rms_norm_quantize, rope_split, silu_mul_quantize, smoothing, vnni,
 )  # fmt: skip
 from executors.kv_pool import KVPool  # noqa: E402
 # isort: on
@@ -42,13 +46,63 @@ from executors.kv_pool import KVPool  # noqa: E402
 
 @dataclass(frozen=True)
 class Int8Layer:
+    """One decoder layer as this backend runs it. Smoothing (SmoothQuant) is folded in where it is exact: the
+    norms' weights divide qkv's and gate_up's inputs, the up projection divides down's, and the matmuls' rows
+    carry the factors; only o_proj's input (attention output, mixed across heads) is divided as it is quantized."""
+
     input_norm: np.ndarray  # float32 [hidden]
     qkv: PackedLinear
     o_proj: PackedLinear
+    o_proj_multiplier: np.ndarray | None  # 1 / o_proj's smoothing, applied as its input is quantized
     post_norm: np.ndarray
     gate_up: PackedLinear  # gate | up
     down: PackedLinear
     window: int | None  # sliding window in tokens; None = full attention
+
+
+def _activation_ranges(config: EngineConfig) -> dict[str, np.ndarray] | None:
+    """max |input| per channel of each MatMul, measured by the build (None: an engine built without them runs
+    unsmoothed)."""
+    path = config.engine_dir / ACTIVATION_RANGES_FILE
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path) as ranges:
+            return {name: ranges[name].astype(np.float32) for name in ranges.files}
+    except (OSError, ValueError) as exc:
+        raise EngineLoadError(f"{path} could not be read ({exc}); rebuild the engine") from None
+
+
+def _smoothed(ranges: dict[str, np.ndarray] | None, name: str, weight: np.ndarray,
+              producer: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """(the weight [in, out] with its rows times the smoothing s, the producer of its input divided by s: a norm's
+    weight [in] or the up projection's columns [.., in]; 1 / s itself when producer is None)."""
+    if ranges is None or name not in ranges:
+        ones = np.ones(weight.shape[0], np.float32)
+        return np.asarray(weight, np.float32), (ones if producer is None else producer)
+    s = smoothing(ranges[name], weight)
+    divided = np.float32(1) / s if producer is None else (producer / s).astype(np.float32)
+    return (weight * s[:, None]).astype(np.float32), divided
+
+
+def _layer(reader: WeightReader, ranges: dict[str, np.ndarray] | None, i: int) -> Int8Layer:
+    spec = reader.config.model
+    name = f"layer{i}."
+    qkv, input_norm = _smoothed(ranges, name + "qkv_proj", reader.array(name + "qkv_proj"),
+                                reader.array(name + "input_norm.weight"))  # fmt: skip
+    o_proj, o_multiplier = _smoothed(ranges, name + "o_proj", reader.array(name + "o_proj"))
+    gate_up, post_norm = _smoothed(ranges, name + "gate_up_proj", reader.array(name + "gate_up_proj"),
+                                   reader.array(name + "post_norm.weight"))  # fmt: skip
+    half = gate_up.shape[1] // 2
+    down, up = _smoothed(ranges, name + "down_proj", reader.array(name + "down_proj"), gate_up[:, half:])
+    gate_up = np.concatenate([gate_up[:, :half], up], axis=1)
+    bias = reader.array(name + "qkv_proj.bias") if spec.qkv_bias else None
+    return Int8Layer(
+        input_norm=input_norm, qkv=PackedLinear.pack(qkv, bias), o_proj=PackedLinear.pack(o_proj),
+        o_proj_multiplier=o_multiplier if ranges is not None and name + "o_proj" in ranges else None,
+        post_norm=post_norm, gate_up=PackedLinear.pack(gate_up), down=PackedLinear.pack(down),
+        window=spec.sliding_windows[i],
+    )  # fmt: skip
 
 
 class Int8CpuBackend:
@@ -68,34 +122,23 @@ class Int8CpuBackend:
         self.num_blocks = num_blocks or config.max_batch_size * config.max_blocks_per_seq
         self.shape = AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, config.block_size)
         reader = WeightReader(config)
-
-        def packed(name: str, bias: bool = False) -> PackedLinear:
-            return PackedLinear.pack(reader.array(name), reader.array(name + ".bias") if bias else None)
-
-        self.layers = [
-            Int8Layer(
-                input_norm=reader.array(f"layer{i}.input_norm.weight"),
-                qkv=packed(f"layer{i}.qkv_proj", bias=spec.qkv_bias),
-                o_proj=packed(f"layer{i}.o_proj"),
-                post_norm=reader.array(f"layer{i}.post_norm.weight"),
-                gate_up=packed(f"layer{i}.gate_up_proj"),
-                down=packed(f"layer{i}.down_proj"),
-                window=spec.sliding_windows[i],
-            )
-            for i in range(spec.num_layers)
-        ]
+        ranges = _activation_ranges(config)
+        self.layers = [_layer(reader, ranges, i) for i in range(spec.num_layers)]
         self.embed = reader.array("embed_tokens")
         head = reader.untied_lm_head()
-        self.lm_head = PackedLinear.pack((self.embed if head is None else head).T)
-        self.final_norm = reader.array("final_norm.weight")
+        # the LM head's input smoothing goes into the final norm, not the embedding a tied head shares
+        head_weight, final_norm = _smoothed(ranges, "lm_head", (self.embed if head is None else head).T,
+                                            reader.array("final_norm.weight"))  # fmt: skip
+        self.lm_head, self.final_norm = PackedLinear.pack(head_weight), final_norm
         # RoPE as x * [cos, cos] + [x2, x1] * [-sin, sin] over x = [x1, x2] (the kernel's rotate-half tables)
         cos, sin = reader.array("rope_cos"), reader.array("rope_sin")
         self.cos = np.ascontiguousarray(np.concatenate([cos, cos], axis=1), np.float32)
         self.sin = np.ascontiguousarray(np.concatenate([-sin, sin], axis=1), np.float32)
+        first = self.layers[0]
         reader.check_shapes({
             "embed_tokens": self.embed.shape, "lm_head": (self.lm_head.out_features, self.lm_head.in_features),
-            "rope_cos": cos.shape, "layer0.qkv_proj": (self.layers[0].qkv.in_features, self.layers[0].qkv.out_features),
-            "layer0.gate_up_proj": (self.layers[0].gate_up.in_features, self.layers[0].gate_up.out_features),
+            "rope_cos": cos.shape, "layer0.qkv_proj": (first.qkv.in_features, first.qkv.out_features),
+            "layer0.gate_up_proj": (first.gate_up.in_features, first.gate_up.out_features),
         })  # fmt: skip
         self.kv = KVPool.allocate(config, self.num_blocks)
         self.pool = self.kv.data
@@ -122,7 +165,8 @@ class Int8CpuBackend:
                 q, self.pool[index, 0], self.pool[index, 1], flat.block_tables, flat.seq_of_token, positions,
                 self.shape, window=layer.window, threads=threads, quant=self.kv.quant(index),
             )  # fmt: skip
-            linear(quantize_rows(attn, layer.o_proj.padded_in), layer.o_proj, hidden, accumulate=True, threads=threads)
+            o_in = quantize_rows(attn, layer.o_proj.padded_in, layer.o_proj_multiplier)
+            linear(o_in, layer.o_proj, hidden, accumulate=True, threads=threads)
             gate_up = linear(rms_norm_quantize(hidden, layer.post_norm, eps, layer.gate_up.padded_in), layer.gate_up,
                              threads=threads)  # fmt: skip
             linear(silu_mul_quantize(gate_up, layer.down.padded_in), layer.down, hidden, accumulate=True,

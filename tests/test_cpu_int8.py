@@ -20,6 +20,7 @@ import executors.factory
 from builder.verify import INT8_VERIFY_TOLERANCE, verify_engine
 from engine_format import EngineConfig, EngineLoadError
 from engine_format.config import verified_backends
+from engine_format.files import ACTIVATION_RANGES_FILE
 from executors import create_backend, default_backend
 from executors.base import SequenceChunk
 from executors.cpus import vnni_int8
@@ -130,6 +131,30 @@ def test_the_build_gates_cpu_int8_and_records_it(llama_engine):
     }  # fmt: skip
     assert gate["passed"] == all(check["passed"] for check in gate["checks"].values())
     assert "answers" not in gate["metrics"]  # the texts stay out of the manifest
+    config = EngineConfig.load(llama_engine)
+    with np.load(llama_engine / ACTIVATION_RANGES_FILE) as ranges:  # what smooths the backend's quantization
+        spec = config.model
+        want = {f"layer{i}.{m}" for i in range(spec.num_layers) for m in ("qkv_proj", "o_proj", "gate_up_proj",
+                                                                          "down_proj")} | {"lm_head"}  # fmt: skip
+        assert set(ranges.files) == want
+        assert ranges["layer0.down_proj"].shape == (spec.intermediate_size,)
+        assert (ranges["lm_head"] > 0).all() and ranges["lm_head"].shape == (spec.hidden_size,)
+
+
+def test_an_engine_without_ranges_runs_unsmoothed_and_a_damaged_file_is_refused(llama_engine, tmp_path):
+    import shutil
+
+    copy = tmp_path / "engine"
+    shutil.copytree(llama_engine, copy)
+    (copy / ACTIVATION_RANGES_FILE).unlink(missing_ok=True)
+    config = EngineConfig.load(copy)
+    plain = create_backend(config, num_blocks=8, kind="cpu-int8")
+    assert all(layer.o_proj_multiplier is None for layer in plain.layers)
+    tokens = random_prompts(config.model.vocab_size, [12])[0]
+    assert plain.step([SequenceChunk(tokens, 0, [0, 1])]).shape == (1, config.model.vocab_size)
+    (copy / ACTIVATION_RANGES_FILE).write_bytes(b"not an npz")
+    with pytest.raises(EngineLoadError, match=r"activation_ranges\.npz could not be read"):
+        create_backend(config, num_blocks=8, kind="cpu-int8")
 
 
 def test_a_failed_gate_keeps_the_backend_out_of_the_verified_ones():

@@ -1,5 +1,6 @@
 """SmolLM2-135M (the default real model) through the OpenAI gateway and the `openai` SDK: the
-chat answer equals HF eager greedy decoding, whole and streamed."""
+chat answer equals HF eager greedy decoding, whole and streamed (served in float32: `FLOAT32_BACKEND`, as every
+token-exact comparison with HF float32 is)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from engine_format import EngineConfig
 from runtime.engine.tokenizer import encode_prompt, stop_token_ids
 from tests.gateway_helpers import client, running_gateway
-from tests.helpers import hf_greedy
+from tests.helpers import FLOAT32_BACKEND, hf_greedy
 from tests.triton_helpers import running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.serving]
@@ -18,7 +19,10 @@ QUESTION = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def sdk(smollm2_engine):
-    with running_server(smollm2_engine) as triton, running_gateway(triton.config.grpc_port, MODEL) as gateway:
+    with (
+        running_server(smollm2_engine, {"backend": FLOAT32_BACKEND}) as triton,
+        running_gateway(triton.config.grpc_port, MODEL) as gateway,
+    ):
         yield client(gateway.url)
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from engine_format import EngineConfig
 from runtime.engine.tokenizer import encode_prompt, stop_token_ids
-from tests.helpers import hf_greedy
+from tests.helpers import FLOAT32_BACKEND, hf_greedy
 from tests.triton_helpers import grpc_inputs, grpc_stream, ignore_eos, metric, metrics, post, running_server, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.serving]
@@ -28,7 +28,8 @@ CANCELLED_MAX_TOKENS = 1000
 
 @pytest.fixture(scope="module")
 def server(smollm2_engine):
-    with running_server(smollm2_engine, {"cancel_poll_s": "0"}) as srv:
+    # float32 arithmetic: the chat answer is compared token for token with HF float32 (tests/helpers.py)
+    with running_server(smollm2_engine, {"cancel_poll_s": "0", "backend": FLOAT32_BACKEND}) as srv:
         yield srv
 
 

@@ -43,11 +43,20 @@ static void quantize_row_u8(const float *x, int64_t K, int64_t Kp, uint8_t *q, f
     *zp = (int32_t)z;
 }
 
-/* Rows of x [T, K] (row stride ldx) quantized into q [T, Kp]. Each input form below ends here. */
-static void quantize_rows_u8(const float *x, int64_t ldx, int64_t T, int64_t K, int64_t Kp, uint8_t *q,
-                             float *scale, int32_t *zp) {
+/* Rows of x [T, K] (row stride ldx), each channel times multiplier[k] if given (a smoothing factor that
+ * cannot be folded into a producer: the attention output), quantized into q [T, Kp]. */
+static void quantize_rows_u8(const float *x, int64_t ldx, int64_t T, int64_t K, int64_t Kp, const float *multiplier,
+                             uint8_t *q, float *scale, int32_t *zp) {
 #pragma omp parallel for schedule(static) if (T * K >= 262144)
-    for (int64_t t = 0; t < T; t++) quantize_row_u8(x + t * ldx, K, Kp, q + t * Kp, scale + t, zp + t);
+    for (int64_t t = 0; t < T; t++) {
+        float scaled[K];
+        const float *row = x + t * ldx;
+        if (multiplier) {
+            for (int64_t i = 0; i < K; i++) scaled[i] = row[i] * multiplier[i];
+            row = scaled;
+        }
+        quantize_row_u8(row, K, Kp, q + t * Kp, scale + t, zp + t);
+    }
 }
 
 /* HF Llama's RMSNorm in float32 (x * rsqrt(mean(x^2) + eps), then * w), then quantized: qkv's and the MLP's
@@ -220,16 +229,20 @@ static int int8_check_rows(const Py_buffer *q, const Py_buffer *scale, const Py_
 }
 
 static PyObject *quantize_rows(PyObject *self, PyObject *args) {
-    Py_buffer x, q, scale, zp;
+    Py_buffer x, q, scale, zp, multiplier = {0};
+    PyObject *multiplier_obj;
     int64_t ldx, T, K, Kp;
-    if (!PyArg_ParseTuple(args, "y*LLLLw*w*w*", &x, &ldx, &T, &K, &Kp, &q, &scale, &zp)) return NULL;
-    int bad = K > ldx || Kp < K || int8_check(&x, (T ? (T - 1) * ldx + K : 0) * 4, "x") ||
-              int8_check_rows(&q, &scale, &zp, T, Kp);
+    if (!PyArg_ParseTuple(args, "y*LLLLOw*w*w*", &x, &ldx, &T, &K, &Kp, &multiplier_obj, &q, &scale, &zp))
+        return NULL;
+    int bad = multiplier_obj != Py_None && PyObject_GetBuffer(multiplier_obj, &multiplier, PyBUF_SIMPLE) < 0;
+    bad = bad || K > ldx || Kp < K || int8_check(&x, (T ? (T - 1) * ldx + K : 0) * 4, "x") ||
+          (multiplier.buf && int8_check(&multiplier, K * 4, "multiplier")) || int8_check_rows(&q, &scale, &zp, T, Kp);
     if (!bad) {
         Py_BEGIN_ALLOW_THREADS
-        quantize_rows_u8(x.buf, ldx, T, K, Kp, q.buf, scale.buf, zp.buf);
+        quantize_rows_u8(x.buf, ldx, T, K, Kp, multiplier.buf, q.buf, scale.buf, zp.buf);
         Py_END_ALLOW_THREADS
     }
+    if (multiplier.buf) PyBuffer_Release(&multiplier);
     INT8_RELEASE(&x, &q, &scale, &zp);
     if (bad && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "quantize_rows: bad shapes");
     if (bad) return NULL;

@@ -485,7 +485,7 @@ static PyMethodDef methods[] = {
     {"rope_split_f32", rope_split_f32, METH_VARARGS,
      "rope_split_f32(qkv, T, Hq, Hkv, D, cos, sin, positions, q, k, v): float32 rows; see executors/int8_ops.py"},
     {"quantize_rows", quantize_rows, METH_VARARGS,
-     "quantize_rows(x, ldx, T, K, Kp, q, scale, zp): per-token uint8; see executors/int8_ops.py"},
+     "quantize_rows(x, ldx, T, K, Kp, multiplier, q, scale, zp): per-token uint8; see executors/int8_ops.py"},
     {"rms_norm_quantize", rms_norm_quantize, METH_VARARGS,
      "rms_norm_quantize(x, weight, T, K, Kp, eps, q, scale, zp); see executors/int8_ops.py"},
     {"silu_mul_quantize", silu_mul_quantize, METH_VARARGS,
