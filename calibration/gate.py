@@ -124,8 +124,10 @@ def evaluate_gate(reference, quantized, method: str, texts: TextSets, tokenizer,
     thresholds = config["thresholds"].get(method)
     if thresholds is None:
         raise ValueError(f"gate config v{config['version']} has no thresholds for {method!r}")
-    metrics = _heldout_metrics(reference, quantized, texts.heldout)
-    metrics.update(_answer_metrics(reference, quantized, texts.qa_prompts, tokenizer))
+    max_len = reference.config.max_seq_len  # an engine built for short sequences scores them cut to its length
+    metrics = _heldout_metrics(reference, quantized, [s[:max_len] for s in texts.heldout])
+    metrics.update(_answer_metrics(reference, quantized, texts.qa_prompts, tokenizer,
+                                   min(QUESTION_TOKENS, max_len - ANSWER_TOKENS)))  # fmt: skip
     values = {
         "perplexity_increase": metrics["quantized_perplexity"] / metrics["reference_perplexity"] - 1,
         "mean_kl": metrics["mean_kl"],
@@ -180,8 +182,8 @@ def _question_tokens(tokenizer, question: str) -> list[int]:
     return tokenizer.encode(question)
 
 
-def _answer_metrics(reference, quantized, qa_prompts: list[dict], tokenizer) -> dict:
-    prompts = [_question_tokens(tokenizer, q["question"])[:QUESTION_TOKENS] for q in qa_prompts]
+def _answer_metrics(reference, quantized, qa_prompts: list[dict], tokenizer, question_tokens: int) -> dict:
+    prompts = [_question_tokens(tokenizer, q["question"])[:question_tokens] for q in qa_prompts]
     eos = set(reference.config.model.eos_token_ids)
     texts = {}
     for name, backend in (("reference", reference), ("quantized", quantized)):

@@ -277,7 +277,7 @@ def test_stop_string_ends_generation_and_is_excluded(llama_engine):
 def test_a_failing_backend_step_fails_only_its_requests(llama_engine, reference):
     """A backend error finishes the step's requests with finish_reason "error" and frees their
     blocks; requests added afterwards are served normally."""
-    engine = LLMEngine(llama_engine)
+    engine = LLMEngine(llama_engine, EngineArgs(backend=FLOAT32_BACKEND))  # compared with HF float32
     doomed = engine.add_request([5, 6, 7], GREEDY)
     real_step = engine.backend.step
     engine.backend.step = lambda chunks: (_ for _ in ()).throw(RuntimeError("injected backend failure"))
