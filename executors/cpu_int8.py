@@ -21,14 +21,12 @@ The LM head is int8 too. Embedding lookups, norms and RoPE stay float32.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from engine_format import EngineConfig, EngineLoadError
 from engine_format.files import ACTIVATION_RANGES_FILE
-from executors.base import SequenceChunk
 from executors.cpus import spin_openmp_workers, usable_cpus
 
 spin_openmp_workers("cpu-int8")  # before the kernel module loads libgomp
@@ -36,7 +34,7 @@ spin_openmp_workers("cpu-int8")  # before the kernel module loads libgomp
 # isort: off
 from executors.cpu_attention import AttentionShape, paged_attention  # noqa: E402 - loads libgomp
 from executors.engine_weights import WeightReader  # noqa: E402
-from executors.flat_step import FlatStep  # noqa: E402
+from executors.flat_step import FlatStep, FlatStepBackend  # noqa: E402
 from executors.int8_ops import (  # noqa: E402
     PackedLinear, linear, quantize_rows, rms_norm_quantize, rope_split, silu_mul_quantize, smoothing, vnni,
 )  # fmt: skip
@@ -105,7 +103,7 @@ def _layer(reader: WeightReader, ranges: dict[str, np.ndarray] | None, i: int) -
     )  # fmt: skip
 
 
-class Int8CpuBackend:
+class Int8CpuBackend(FlatStepBackend):
     def __init__(self, config: EngineConfig, num_blocks: int | None = None, threads: int | None = None) -> None:
         if config.dtype != "float32" or config.quantization is not None:
             raise EngineLoadError(
@@ -142,15 +140,6 @@ class Int8CpuBackend:
         })  # fmt: skip
         self.kv = KVPool.allocate(config, self.num_blocks)
         self.pool = self.kv.data
-
-    def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
-        flat = FlatStep.pack(chunks, self.config.block_size)
-        return self._run(flat, flat.logit_rows)
-
-    def prompt_logits(self, chunk: SequenceChunk) -> np.ndarray:
-        """The logits of every token of one chunk [len(token_ids), vocab] (perplexity, KL)."""
-        flat = FlatStep.pack([chunk], self.config.block_size)
-        return self._run(flat, np.arange(len(chunk.token_ids)))
 
     def _run(self, flat: FlatStep, logit_rows: np.ndarray) -> np.ndarray:
         spec, threads = self.config.model, self.threads

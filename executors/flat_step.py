@@ -1,13 +1,15 @@
 """A step's chunks as one flat ragged token list: the layout of the CPU segments and the kernel
-(engine_format/INTERFACE.md, "The CPU segments"), shared by the `cpu` and `cpu-bf16` backends."""
+(engine_format/INTERFACE.md, "The CPU segments"), shared by the `cpu`, `cpu-bf16` and `cpu-int8` backends."""
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from engine_format import EngineConfig
 from executors.base import SequenceChunk, logit_rows
 
 
@@ -41,3 +43,23 @@ class FlatStep:
             slots=slots,
             logit_rows=logit_rows(lengths, np.array([c.num_logits for c in chunks]), np.cumsum(lengths) - lengths),
         )
+
+
+class FlatStepBackend(abc.ABC):
+    """The entry points of a backend that runs each step as one flat token list: it implements `_run`."""
+
+    config: EngineConfig
+
+    def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
+        flat = FlatStep.pack(chunks, self.config.block_size)
+        return self._run(flat, flat.logit_rows)
+
+    def prompt_logits(self, chunk: SequenceChunk) -> np.ndarray:
+        """The logits of every token of one chunk [len(token_ids), vocab] (teacher-forced scoring: perplexity,
+        KL between engines)."""
+        flat = FlatStep.pack([chunk], self.config.block_size)
+        return self._run(flat, np.arange(len(chunk.token_ids)))
+
+    @abc.abstractmethod
+    def _run(self, flat: FlatStep, logit_rows: np.ndarray) -> np.ndarray:
+        """Logits [len(logit_rows), vocab] of the flat step's rows `logit_rows`."""

@@ -22,7 +22,7 @@ from engine_format.files import segment_file
 from executors.base import SequenceChunk
 from executors.cpu_attention import AttentionShape, paged_attention
 from executors.cpus import usable_cpus
-from executors.flat_step import FlatStep
+from executors.flat_step import FlatStep, FlatStepBackend
 from executors.kv_pool import KVPool
 from executors.ort_graph import OrtGraphBackend, graph_pool_dtype
 from executors.ort_session import create_session
@@ -55,7 +55,7 @@ def runs_whole_graph(chunks: Sequence[SequenceChunk]) -> bool:
     return short and len(chunks) * max(c.past_len + len(c.token_ids) for c in chunks) <= GRAPH_MAX_PADDED_CONTEXT
 
 
-class OrtCpuBackend:
+class OrtCpuBackend(FlatStepBackend):
     def __init__(self, config: EngineConfig, num_blocks: int | None = None, threads: int | None = None) -> None:
         if config.dtype != "float32":
             raise EngineLoadError(
@@ -85,14 +85,7 @@ class OrtCpuBackend:
     def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
         if self.small_steps is not None and runs_whole_graph(chunks):
             return self.small_steps.step(chunks)
-        flat = FlatStep.pack(chunks, self.config.block_size)
-        return self._run(flat, flat.logit_rows)
-
-    def prompt_logits(self, chunk: SequenceChunk) -> np.ndarray:
-        """Run one chunk and return the logits of *every* token [len(token_ids), vocab]
-        (teacher-forced scoring: perplexity, KL between engines)."""
-        flat = FlatStep.pack([chunk], self.config.block_size)
-        return self._run(flat, np.arange(len(chunk.token_ids)))
+        return super().step(chunks)
 
     def _run(self, flat: FlatStep, logit_rows: np.ndarray) -> np.ndarray:
         spec = self.config.model

@@ -23,15 +23,13 @@ used hundreds of times a step, microseconds apart, so its workers spin before sl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from engine_format import EngineConfig, EngineLoadError, ceil_div
-from executors.base import SequenceChunk
 from executors.cpus import spin_openmp_workers, usable_cpus
-from executors.flat_step import FlatStep
+from executors.flat_step import FlatStep, FlatStepBackend
 from executors.kv_pool import KVPool
 
 spin_openmp_workers("cpu-bf16")
@@ -86,7 +84,7 @@ class PackedLayer:
                    _packed(layer.down, rows_hint))  # fmt: skip
 
 
-class TorchCpuBackend:
+class TorchCpuBackend(FlatStepBackend):
     def __init__(self, config: EngineConfig, num_blocks: int | None = None, threads: int | None = None) -> None:
         if config.dtype not in ("float32", "bfloat16"):
             raise EngineLoadError(
@@ -110,15 +108,6 @@ class TorchCpuBackend:
         self.layers = [PackedLayer.pack(layer, hint) for layer in weights.layers]
         self.kv = KVPool.allocate(config, self.num_blocks, float_pool="float32")  # attention runs in float32
         self.pool = self.kv.data
-
-    def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
-        flat = FlatStep.pack(chunks, self.config.block_size)
-        return self._run(flat, flat.logit_rows)
-
-    def prompt_logits(self, chunk: SequenceChunk) -> np.ndarray:
-        """The logits of every token of one chunk [len(token_ids), vocab] (perplexity, KL)."""
-        flat = FlatStep.pack([chunk], self.config.block_size)
-        return self._run(flat, np.arange(len(chunk.token_ids)))
 
     @torch.inference_mode()
     def _run(self, flat: FlatStep, logit_rows: np.ndarray) -> np.ndarray:
