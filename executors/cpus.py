@@ -59,6 +59,6 @@ def amx_bf16() -> bool:
 
 def vnni_int8() -> bool:
     """Whether this CPU multiplies int8 on AVX512-VNNI (Ice Lake and later Xeons, Zen 4), where the cpu-int8
-    backend's matmuls run at ~3x float32's speed (benchmarks/results/decode_profile.md). Read from the flags,
+    backend's dense layers run ~3x faster than float32's (benchmarks/results/decode_profile.md). Read from the flags,
     not the kernel module, whose loading would set OpenMP's policy before the backend chooses it."""
     return {"avx512_vnni", "avx512bw"} <= cpu_flags()
