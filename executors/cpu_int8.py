@@ -71,34 +71,32 @@ def _activation_ranges(config: EngineConfig) -> dict[str, np.ndarray] | None:
         raise EngineLoadError(f"{path} could not be read ({exc}); rebuild the engine") from None
 
 
-def _smoothed(ranges: dict[str, np.ndarray] | None, name: str, weight: np.ndarray,
-              producer: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """(the weight [in, out] with its rows times the smoothing s, the producer of its input divided by s: a norm's
-    weight [in] or the up projection's columns [.., in]; 1 / s itself when producer is None)."""
+def _smoothing(ranges: dict[str, np.ndarray] | None, name: str, weight: np.ndarray) -> np.ndarray:
+    """The SmoothQuant factors s [in] of a weight [in, out] (ones without measured ranges): its rows are
+    multiplied by s, its input divided by it."""
     if ranges is None or name not in ranges:
-        ones = np.ones(weight.shape[0], np.float32)
-        return np.asarray(weight, np.float32), (ones if producer is None else producer)
-    s = smoothing(ranges[name], weight)
-    divided = np.float32(1) / s if producer is None else (producer / s).astype(np.float32)
-    return (weight * s[:, None]).astype(np.float32), divided
+        return np.ones(weight.shape[0], np.float32)
+    return smoothing(ranges[name], weight)
 
 
 def _layer(reader: WeightReader, ranges: dict[str, np.ndarray] | None, i: int) -> Int8Layer:
     spec = reader.config.model
     name = f"layer{i}."
-    qkv, input_norm = _smoothed(ranges, name + "qkv_proj", reader.array(name + "qkv_proj"),
-                                reader.array(name + "input_norm.weight"))  # fmt: skip
-    o_proj, o_multiplier = _smoothed(ranges, name + "o_proj", reader.array(name + "o_proj"))
-    gate_up, post_norm = _smoothed(ranges, name + "gate_up_proj", reader.array(name + "gate_up_proj"),
-                                   reader.array(name + "post_norm.weight"))  # fmt: skip
+    qkv, o_proj, gate_up, down = (reader.array(name + m) for m in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    s_qkv, s_o, s_gate_up, s_down = (_smoothing(ranges, name + m, w) for m, w in
+                                     (("qkv_proj", qkv), ("o_proj", o_proj), ("gate_up_proj", gate_up),
+                                      ("down_proj", down)))  # fmt: skip
+    gate_up = gate_up * s_gate_up[:, None]
     half = gate_up.shape[1] // 2
-    down, up = _smoothed(ranges, name + "down_proj", reader.array(name + "down_proj"), gate_up[:, half:])
-    gate_up = np.concatenate([gate_up[:, :half], up], axis=1)
+    gate_up[:, half:] /= s_down  # up's columns: down's input is silu(gate) * up
     bias = reader.array(name + "qkv_proj.bias") if spec.qkv_bias else None
     return Int8Layer(
-        input_norm=input_norm, qkv=PackedLinear.pack(qkv, bias), o_proj=PackedLinear.pack(o_proj),
-        o_proj_multiplier=o_multiplier if ranges is not None and name + "o_proj" in ranges else None,
-        post_norm=post_norm, gate_up=PackedLinear.pack(gate_up), down=PackedLinear.pack(down),
+        input_norm=(reader.array(name + "input_norm.weight") / s_qkv).astype(np.float32),
+        qkv=PackedLinear.pack(qkv * s_qkv[:, None], bias),
+        o_proj=PackedLinear.pack(o_proj * s_o[:, None]),
+        o_proj_multiplier=None if ranges is None else (1 / s_o).astype(np.float32),
+        post_norm=(reader.array(name + "post_norm.weight") / s_gate_up).astype(np.float32),
+        gate_up=PackedLinear.pack(gate_up), down=PackedLinear.pack(down * s_down[:, None]),
         window=spec.sliding_windows[i],
     )  # fmt: skip
 
@@ -123,11 +121,10 @@ class Int8CpuBackend(FlatStepBackend):
         ranges = _activation_ranges(config)
         self.layers = [_layer(reader, ranges, i) for i in range(spec.num_layers)]
         self.embed = reader.array("embed_tokens")
-        head = reader.untied_lm_head()
-        # the LM head's input smoothing goes into the final norm, not the embedding a tied head shares
-        head_weight, final_norm = _smoothed(ranges, "lm_head", (self.embed if head is None else head).T,
-                                            reader.array("final_norm.weight"))  # fmt: skip
-        self.lm_head, self.final_norm = PackedLinear.pack(head_weight), final_norm
+        head = (self.embed if (untied := reader.untied_lm_head()) is None else untied).T  # [hidden, vocab]
+        s_head = _smoothing(ranges, "lm_head", head)  # into the final norm, not the embedding a tied head shares
+        self.lm_head = PackedLinear.pack(head * s_head[:, None])
+        self.final_norm = (reader.array("final_norm.weight") / s_head).astype(np.float32)
         # RoPE as x * [cos, cos] + [x2, x1] * [-sin, sin] over x = [x1, x2] (the kernel's rotate-half tables)
         cos, sin = reader.array("rope_cos"), reader.array("rope_sin")
         self.cos = np.ascontiguousarray(np.concatenate([cos, cos], axis=1), np.float32)
