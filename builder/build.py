@@ -144,8 +144,9 @@ def build_engine(options: BuildOptions, step: StepReporter = _no_report) -> dict
         if "cpu-int8" in verification["backends"]:
             assert texts is not None
             with step("quality gate: cpu-int8 (int8 dense layers) vs the float32 CPU backend on held-out text"):
-                verification["backends"]["cpu-int8"]["gate"] = _gate_backend("cpu-int8", config, tokenizer, texts,
-                                                                             options.gate_config)  # fmt: skip
+                verification["backends"]["cpu-int8"]["gate"] = _gate_backend(
+                    "cpu-int8", config, tokenizer, texts, options.gate_config
+                )
         manifest = config.manifest_fields()
         manifest["graph"].update(opset=OPSET, ir_version=IR_VERSION)
         manifest.update(_provenance(options, source, spec, verification))

@@ -172,8 +172,11 @@ def main(model, output, max_batch_size, max_seq_len, block_size, dtype, target, 
         console.print((output / "gate_report.md").read_text(), markup=False)
     if gate := verify["backends"].get("cpu-int8", {}).get("gate"):
         checks = ", ".join(f"{name} {c['value']:.3f}" for name, c in gate["checks"].items())
-        verdict = "passed: the default backend on CPUs with AVX512-VNNI" if gate["passed"] else (
-            "failed: served only with --backend cpu-int8")  # fmt: skip
+        verdict = (
+            "passed: the default backend on CPUs with AVX512-VNNI"
+            if gate["passed"]
+            else ("failed: served only with --backend cpu-int8")
+        )
         console.print(f"cpu-int8 (int8 dense layers) quality gate {verdict} ({checks})")
     if as_json:
         click.echo(json.dumps(manifest, indent=2))

@@ -97,8 +97,9 @@ def run_gate(reference_config, quantized_config, texts: TextSets, tokenizer, con
     num_blocks = _gate_blocks(texts, reference_config.block_size)
     reference = create_backend(reference_config, num_blocks=num_blocks, kind="cpu")
     quantized = create_backend(quantized_config, num_blocks=num_blocks, kind="cpu")
-    return evaluate_gate(reference, quantized, gate_method(quantized_config), texts, tokenizer,
-                         load_gate_config(config_path))  # fmt: skip
+    return evaluate_gate(
+        reference, quantized, gate_method(quantized_config), texts, tokenizer, load_gate_config(config_path)
+    )
 
 
 def run_backend_gate(engine_config, kind: str, texts: TextSets, tokenizer, config_path: Path | None = None):
@@ -126,8 +127,11 @@ def evaluate_gate(reference, quantized, method: str, texts: TextSets, tokenizer,
         raise ValueError(f"gate config v{config['version']} has no thresholds for {method!r}")
     max_len = reference.config.max_seq_len  # an engine built for short sequences scores them cut to its length
     metrics = _heldout_metrics(reference, quantized, [s[:max_len] for s in texts.heldout])
-    metrics.update(_answer_metrics(reference, quantized, texts.qa_prompts, tokenizer,
-                                   min(QUESTION_TOKENS, max_len - ANSWER_TOKENS)))  # fmt: skip
+    metrics.update(
+        _answer_metrics(
+            reference, quantized, texts.qa_prompts, tokenizer, min(QUESTION_TOKENS, max_len - ANSWER_TOKENS)
+        )
+    )
     values = {
         "perplexity_increase": metrics["quantized_perplexity"] / metrics["reference_perplexity"] - 1,
         "mean_kl": metrics["mean_kl"],

@@ -36,8 +36,15 @@ from executors.cpu_attention import AttentionShape, paged_attention  # noqa: E40
 from executors.engine_weights import WeightReader  # noqa: E402
 from executors.flat_step import FlatStep, FlatStepBackend  # noqa: E402
 from executors.int8_ops import (  # noqa: E402
-    PackedLinear, linear, quantize_rows, rms_norm_quantize, rope_split, silu_mul_quantize, smoothing, vnni,
-)  # fmt: skip
+    PackedLinear,
+    linear,
+    quantize_rows,
+    rms_norm_quantize,
+    rope_split,
+    silu_mul_quantize,
+    smoothing,
+    vnni,
+)
 from executors.kv_pool import KVPool  # noqa: E402
 # isort: on
 
@@ -83,9 +90,10 @@ def _layer(reader: WeightReader, ranges: dict[str, np.ndarray] | None, i: int) -
     spec = reader.config.model
     name = f"layer{i}."
     qkv, o_proj, gate_up, down = (reader.array(name + m) for m in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
-    s_qkv, s_o, s_gate_up, s_down = (_smoothing(ranges, name + m, w) for m, w in
-                                     (("qkv_proj", qkv), ("o_proj", o_proj), ("gate_up_proj", gate_up),
-                                      ("down_proj", down)))  # fmt: skip
+    s_qkv, s_o, s_gate_up, s_down = (
+        _smoothing(ranges, name + m, w)
+        for m, w in (("qkv_proj", qkv), ("o_proj", o_proj), ("gate_up_proj", gate_up), ("down_proj", down))
+    )
     gate_up = gate_up * s_gate_up[:, None]
     half = gate_up.shape[1] // 2
     gate_up[:, half:] /= s_down  # up's columns: down's input is silu(gate) * up
@@ -96,9 +104,10 @@ def _layer(reader: WeightReader, ranges: dict[str, np.ndarray] | None, i: int) -
         o_proj=PackedLinear.pack(o_proj * s_o[:, None]),
         o_proj_multiplier=None if ranges is None else (1 / s_o).astype(np.float32),
         post_norm=(reader.array(name + "post_norm.weight") / s_gate_up).astype(np.float32),
-        gate_up=PackedLinear.pack(gate_up), down=PackedLinear.pack(down * s_down[:, None]),
+        gate_up=PackedLinear.pack(gate_up),
+        down=PackedLinear.pack(down * s_down[:, None]),
         window=spec.sliding_windows[i],
-    )  # fmt: skip
+    )
 
 
 class Int8CpuBackend(FlatStepBackend):
@@ -130,11 +139,15 @@ class Int8CpuBackend(FlatStepBackend):
         self.cos = np.ascontiguousarray(np.concatenate([cos, cos], axis=1), np.float32)
         self.sin = np.ascontiguousarray(np.concatenate([-sin, sin], axis=1), np.float32)
         first = self.layers[0]
-        reader.check_shapes({
-            "embed_tokens": self.embed.shape, "lm_head": (self.lm_head.out_features, self.lm_head.in_features),
-            "rope_cos": cos.shape, "layer0.qkv_proj": (first.qkv.in_features, first.qkv.out_features),
-            "layer0.gate_up_proj": (first.gate_up.in_features, first.gate_up.out_features),
-        })  # fmt: skip
+        reader.check_shapes(
+            {
+                "embed_tokens": self.embed.shape,
+                "lm_head": (self.lm_head.out_features, self.lm_head.in_features),
+                "rope_cos": cos.shape,
+                "layer0.qkv_proj": (first.qkv.in_features, first.qkv.out_features),
+                "layer0.gate_up_proj": (first.gate_up.in_features, first.gate_up.out_features),
+            }
+        )
         self.kv = KVPool.allocate(config, self.num_blocks)
         self.pool = self.kv.data
 
@@ -148,15 +161,26 @@ class Int8CpuBackend(FlatStepBackend):
             q, k, v = rope_split(qkv, spec.num_heads, spec.num_kv_heads, self.cos, self.sin, positions)
             self.kv.write(index, flat.slots, k, v)
             attn = paged_attention(
-                q, self.pool[index, 0], self.pool[index, 1], flat.block_tables, flat.seq_of_token, positions,
-                self.shape, window=layer.window, threads=threads, quant=self.kv.quant(index),
-            )  # fmt: skip
+                q,
+                self.pool[index, 0],
+                self.pool[index, 1],
+                flat.block_tables,
+                flat.seq_of_token,
+                positions,
+                self.shape,
+                window=layer.window,
+                threads=threads,
+                quant=self.kv.quant(index),
+            )
             o_in = quantize_rows(attn, layer.o_proj.padded_in, layer.o_proj_multiplier)
             linear(o_in, layer.o_proj, hidden, accumulate=True, threads=threads)
-            gate_up = linear(rms_norm_quantize(hidden, layer.post_norm, eps, layer.gate_up.padded_in), layer.gate_up,
-                             threads=threads)  # fmt: skip
-            linear(silu_mul_quantize(gate_up, layer.down.padded_in), layer.down, hidden, accumulate=True,
-                   threads=threads)  # fmt: skip
+            gate_up = linear(
+                rms_norm_quantize(hidden, layer.post_norm, eps, layer.gate_up.padded_in), layer.gate_up, threads=threads
+            )
+            linear(
+                silu_mul_quantize(gate_up, layer.down.padded_in), layer.down, hidden, accumulate=True, threads=threads
+            )
         last = np.ascontiguousarray(hidden[logit_rows])
-        return linear(rms_norm_quantize(last, self.final_norm, eps, self.lm_head.padded_in), self.lm_head,
-                      threads=threads)  # fmt: skip
+        return linear(
+            rms_norm_quantize(last, self.final_norm, eps, self.lm_head.padded_in), self.lm_head, threads=threads
+        )

@@ -130,8 +130,14 @@ def silu_mul_quantize(gate_up: np.ndarray, padded_in: int) -> QuantizedRows:
     return out
 
 
-def linear(rows: QuantizedRows, weight: PackedLinear, out: np.ndarray | None = None, accumulate: bool = False,
-           threads: int | None = None, simd: bool = True) -> np.ndarray:  # fmt: skip
+def linear(
+    rows: QuantizedRows,
+    weight: PackedLinear,
+    out: np.ndarray | None = None,
+    accumulate: bool = False,
+    threads: int | None = None,
+    simd: bool = True,
+) -> np.ndarray:
     """rows @ weight (+ bias) as float32 [T, N] into `out` (new if None), or added to it (`accumulate`: the
     residual connections). `simd=False` runs the portable loops (tests compare the two)."""
     tokens = rows.codes.shape[0]
@@ -144,14 +150,28 @@ def linear(rows: QuantizedRows, weight: PackedLinear, out: np.ndarray | None = N
     elif out.dtype != np.float32 or out.shape != (tokens, weight.out_features) or not out.flags.c_contiguous:
         raise ValueError(f"out must be C-contiguous float32 [{tokens}, {weight.out_features}], got {out.shape}")
     _kernel.int8_linear(
-        rows.codes, tokens, weight.padded_in, rows.scale, rows.zero_point, weight.packed, weight.out_features,
-        weight.scale, weight.colsum, weight.bias, out, weight.out_features, accumulate, threads or usable_cpus(), simd,
-    )  # fmt: skip
+        rows.codes,
+        tokens,
+        weight.padded_in,
+        rows.scale,
+        rows.zero_point,
+        weight.packed,
+        weight.out_features,
+        weight.scale,
+        weight.colsum,
+        weight.bias,
+        out,
+        weight.out_features,
+        accumulate,
+        threads or usable_cpus(),
+        simd,
+    )
     return out
 
 
-def rope_split(qkv: np.ndarray, heads: int, kv_heads: int, cos: np.ndarray, sin: np.ndarray,
-               positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+def rope_split(
+    qkv: np.ndarray, heads: int, kv_heads: int, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Fused QKV rows [T, (heads + 2 kv_heads) D] float32 -> q [T, heads D] and k [T, kv_heads D] rotated at
     `positions`, and v [T, kv_heads D]. cos, sin: float32 [max_positions, D] tables of the rotate-half form
     (x * cos + [x2, x1] * sin; sin's first half negated)."""

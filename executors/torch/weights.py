@@ -62,8 +62,9 @@ def load_weights(config: EngineConfig, device: torch.device, dtype: torch.dtype)
 
     def linear(name: str, bias: bool = False) -> Linear:
         weight, input_scale = reader.linear(name)
-        return Linear(_as_torch(weight).to(device=device, dtype=dtype), tensor(name + ".bias") if bias else None,
-                      input_scale)  # fmt: skip
+        return Linear(
+            _as_torch(weight).to(device=device, dtype=dtype), tensor(name + ".bias") if bias else None, input_scale
+        )
 
     layers = [
         Layer(
@@ -87,11 +88,15 @@ def load_weights(config: EngineConfig, device: torch.device, dtype: torch.dtype)
         cos=tensor("rope_cos", torch.float32),
         sin=tensor("rope_sin", torch.float32),
     )
-    reader.check_shapes({
-        "embed_tokens": tuple(weights.embed.shape), "lm_head": tuple(weights.lm_head.shape),
-        "rope_cos": tuple(weights.cos.shape), "layer0.qkv_proj": tuple(layers[0].qkv.weight.shape),
-        "layer0.gate_up_proj": tuple(layers[0].gate_up.weight.shape),
-    })  # fmt: skip
+    reader.check_shapes(
+        {
+            "embed_tokens": tuple(weights.embed.shape),
+            "lm_head": tuple(weights.lm_head.shape),
+            "rope_cos": tuple(weights.cos.shape),
+            "layer0.qkv_proj": tuple(layers[0].qkv.weight.shape),
+            "layer0.gate_up_proj": tuple(layers[0].gate_up.weight.shape),
+        }
+    )
     return weights
 
 
