@@ -17,6 +17,12 @@ from hypothesis import strategies as st
 
 from builder.tiny import _CORPUS, make_tokenizer
 from runtime.engine.detokenizer import DetokenizedStream, IncrementalDetokenizer, StopStringMatcher
+from runtime.engine.fast_detokenizer import (
+    ByteLevelDetokenizer,
+    Detokenizers,
+    StreamDetokenizer,
+    byte_level_tables,
+)
 from runtime.engine.tokenizer import encode_prompt
 
 TEXTS = [
@@ -80,8 +86,25 @@ def sp_tok():
     return make_sentencepiece_style_tokenizer()
 
 
-def stream_deltas(tok, prompt_ids: list[int], ids: list[int], skip_special_tokens: bool = True) -> list[str]:
-    detok = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens=skip_special_tokens)
+# Each detokenizer test runs over all three (fast_detokenizer.py): Python, DecodeStream's, and the byte table's
+# (which applies to a tokenizer with a ByteLevel decoder only: not the SentencePiece-style one).
+BOTH = pytest.mark.parametrize("kind", ["python", "stream", "byte-level"])
+
+
+def make_detokenizer(tok, prompt_ids: list[int], skip_special_tokens: bool = True, kind: str = "python"):
+    if kind == "stream":
+        return StreamDetokenizer(tok.backend_tokenizer, prompt_ids, skip_special_tokens)
+    if kind == "byte-level":
+        tables = byte_level_tables(tok.backend_tokenizer)
+        if tables is None:
+            pytest.skip("not a ByteLevel tokenizer")
+        return ByteLevelDetokenizer(tables[1] if skip_special_tokens else tables[0])
+    return IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens)
+
+
+def stream_deltas(tok, prompt_ids: list[int], ids: list[int], skip_special_tokens: bool = True,
+                  kind: str = "python") -> list[str]:  # fmt: skip
+    detok = make_detokenizer(tok, prompt_ids, skip_special_tokens, kind)
     deltas = [detok.add(i) for i in ids]
     deltas.append(detok.flush())
     assert detok.output_text == "".join(deltas)
@@ -95,29 +118,32 @@ def chat_prompt(tok) -> list[int]:
 # ---------------------------------------------------------------- incremental detokenizer
 
 
+@BOTH
 @pytest.mark.parametrize("tok_name", ["smollm2_tok", "tiny_tok"])
 @pytest.mark.parametrize("text", TEXTS)
-def test_deltas_equal_full_decode(request, tok_name: str, text: str) -> None:
+def test_deltas_equal_full_decode(request, tok_name: str, text: str, kind: str) -> None:
     tok = request.getfixturevalue(tok_name)
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids) == text  # byte-level BPE round-trips exactly
-    deltas = stream_deltas(tok, chat_prompt(tok), ids)
+    deltas = stream_deltas(tok, chat_prompt(tok), ids, kind=kind)
     assert "".join(deltas) == tok.decode(ids)
     assert not any("\ufffd" in d for d in deltas), deltas
 
 
+@BOTH
 @pytest.mark.parametrize("text", HARD)
-def test_naive_per_token_decode_is_broken(smollm2_tok, text: str) -> None:
+def test_naive_per_token_decode_is_broken(smollm2_tok, text: str, kind: str) -> None:
     """The inputs exercise split characters: decoding token by token yields U+FFFD."""
     ids = smollm2_tok.encode(text, add_special_tokens=False)
     naive = "".join(smollm2_tok.decode([i]) for i in ids)
     assert "\ufffd" in naive
     assert naive != text
-    assert "".join(stream_deltas(smollm2_tok, chat_prompt(smollm2_tok), ids)) == text
+    assert "".join(stream_deltas(smollm2_tok, chat_prompt(smollm2_tok), ids, kind=kind)) == text
 
 
+@BOTH
 @pytest.mark.parametrize("text", TEXTS)
-def test_sentencepiece_style_spaces(sp_tok, text: str) -> None:
+def test_sentencepiece_style_spaces(sp_tok, text: str, kind: str) -> None:
     """Per-token decode drops word spaces; with prompt context the stream keeps them all.
 
     With such tokenizers the first output token's leading space is real text in context, so the
@@ -125,45 +151,51 @@ def test_sentencepiece_style_spaces(sp_tok, text: str) -> None:
     """
     prompt = sp_tok.encode("Say", add_special_tokens=False)
     ids = sp_tok.encode(text, add_special_tokens=False)
-    deltas = stream_deltas(sp_tok, prompt, ids)
+    deltas = stream_deltas(sp_tok, prompt, ids, kind=kind)
     assert sp_tok.decode(prompt) + "".join(deltas) == sp_tok.decode(prompt + ids)
     assert not any("\ufffd" in d for d in deltas)
     if " " in text.strip():
         assert "".join(sp_tok.decode([i]) for i in ids) != sp_tok.decode(ids)
 
 
+@BOTH
 @pytest.mark.parametrize("skip", [True, False])
-def test_special_tokens(smollm2_tok, skip: bool) -> None:
+def test_special_tokens(smollm2_tok, skip: bool, kind: str) -> None:
     tok = smollm2_tok
     ids = tok.encode("I love 🚀", add_special_tokens=False)
     ids = [*ids[:3], tok.eos_token_id, *ids[3:], tok.eos_token_id]
-    deltas = stream_deltas(tok, chat_prompt(tok), ids, skip_special_tokens=skip)
+    deltas = stream_deltas(tok, chat_prompt(tok), ids, skip_special_tokens=skip, kind=kind)
     expected = tok.decode(ids, skip_special_tokens=skip)
     assert "".join(deltas) == expected
     assert ("<|im_end|>" in expected) is not skip
 
 
-def test_unfinished_character_released_by_flush(tiny_tok) -> None:
+@BOTH
+def test_unfinished_character_released_by_flush(tiny_tok, kind: str) -> None:
     ids = tiny_tok.encode("ok 😀", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tiny_tok, [])
+    detok = make_detokenizer(tiny_tok, [], kind=kind)
     text = "".join(detok.add(i) for i in ids[:-1])  # the emoji's last byte never comes
     assert "\ufffd" not in text
     assert text + detok.flush() == tiny_tok.decode(ids[:-1])
 
 
-def test_prompt_ending_mid_character(tiny_tok) -> None:
+@BOTH
+def test_prompt_ending_mid_character(tiny_tok, kind: str) -> None:
     """Raw-id prompts may split a character; the output then decodes exactly like decode(ids)."""
     ids = tiny_tok.encode("東京 ok", add_special_tokens=False)
     assert "\ufffd" in tiny_tok.decode(ids[:1])
-    assert "".join(stream_deltas(tiny_tok, ids[:1], ids[1:])) == tiny_tok.decode(ids[1:])
+    assert "".join(stream_deltas(tiny_tok, ids[:1], ids[1:], kind=kind)) == tiny_tok.decode(ids[1:])
 
 
+@BOTH
 @settings(max_examples=300, deadline=None)
 @given(ids=st.lists(st.integers(0, 487), max_size=40), prompt=st.lists(st.integers(3, 487), max_size=8))
-def test_random_ids_equal_full_decode(tiny_tok, ids: list[int], prompt: list[int]) -> None:
+def test_random_ids_equal_full_decode(tiny_tok, ids: list[int], prompt: list[int], kind: str) -> None:
     """Arbitrary ids, invalid UTF-8 included: still exactly decode(ids), by the end."""
     for skip in (True, False):
-        assert "".join(stream_deltas(tiny_tok, prompt, ids, skip)) == tiny_tok.decode(ids, skip_special_tokens=skip)
+        assert "".join(stream_deltas(tiny_tok, prompt, ids, skip, kind)) == tiny_tok.decode(
+            ids, skip_special_tokens=skip
+        )
 
 
 # ---------------------------------------------------------------- stop strings
@@ -285,7 +317,7 @@ def test_stream_without_stop_equals_decode(smollm2_tok) -> None:
     tok = smollm2_tok
     text = "你好，世界。 I love 🚀 END"
     ids = tok.encode(text, add_special_tokens=False)
-    stream = DetokenizedStream(tok, chat_prompt(tok), stops=["ENDX"])
+    stream = DetokenizedStream(Detokenizers(tok)(chat_prompt(tok)), stops=["ENDX"])
     outs = [stream.add(i) for i in ids]
     assert not any(stopped for _, stopped in outs)
     assert stream.finish().endswith("END")  # held back as a possible "ENDX" until the end
@@ -299,7 +331,7 @@ def test_stream_stop_inside_split_characters(smollm2_tok, include: bool) -> None
     tok = smollm2_tok
     text = "前言：你好，世界。東京は日本の首都です"
     ids = tok.encode(text, add_special_tokens=False)
-    stream = DetokenizedStream(tok, chat_prompt(tok), stops=["世界", "首都"], include_stop_str_in_output=include)
+    stream = DetokenizedStream(Detokenizers(tok)(chat_prompt(tok)), ["世界", "首都"], include)
     expected = "前言：你好，世界" if include else "前言：你好，"
     emitted = ""
     for i in ids:
@@ -313,3 +345,36 @@ def test_stream_stop_inside_split_characters(smollm2_tok, include: bool) -> None
     assert stream.add(ids[-1]) == ("", True)
     assert stream.finish() == ""
     assert emitted == stream.text == expected
+
+
+def test_the_fastest_detokenizer_that_decodes_alike(smollm2_tok, sp_tok) -> None:
+    assert isinstance(Detokenizers(smollm2_tok)([1, 2]), ByteLevelDetokenizer)
+    assert isinstance(Detokenizers(sp_tok)([1, 2]), StreamDetokenizer)  # its decoder strips and replaces
+    sp_tok.clean_up_tokenization_spaces = True  # transformers' clean-up runs in Python: the Python detokenizer
+    try:
+        assert isinstance(Detokenizers(sp_tok)([1, 2]), IncrementalDetokenizer)
+    finally:
+        sp_tok.clean_up_tokenization_spaces = False
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_byte_table_decodes_every_token_as_the_tokenizer(smollm2_tok, skip: bool) -> None:
+    """The table is built by hand from the ByteLevel decoder's rule: each of SmolLM2's 49,152 tokens, and a
+    random run of them, decode alike (replacement characters of invalid bytes included)."""
+    import random
+
+    backend = smollm2_tok.backend_tokenizer
+    table = byte_level_tables(backend)[1 if skip else 0]
+    assert len(table) == backend.get_vocab_size()
+    for token_id, raw in enumerate(table):
+        assert raw.decode("utf-8", "replace") == backend.decode([token_id], skip_special_tokens=skip), token_id
+    ids = random.Random(0).choices(range(len(table)), k=5000)
+    assert b"".join(table[i] for i in ids).decode("utf-8", "replace") == backend.decode(ids, skip_special_tokens=skip)
+
+
+def test_byte_table_check_catches_a_wrong_byte(smollm2_tok) -> None:
+    table = list(byte_level_tables(smollm2_tok.backend_tokenizer)[0])
+    table[300] = table[300] + b"x"
+    detok = ByteLevelDetokenizer(table)
+    text = "".join(detok.add(i) for i in [299, 300, 301]) + detok.flush()
+    assert text != smollm2_tok.decode([299, 300, 301])

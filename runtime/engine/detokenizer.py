@@ -7,6 +7,7 @@ are matched on that text (not on tokens), since a stop string rarely aligns with
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,6 +114,12 @@ class StopStringMatcher:
             raise ValueError("stop strings must be non-empty")
         self._stops = tuple(dict.fromkeys(stops))
         self._include = include_stop_str_in_output
+        # Text ending in a proper prefix of a stop string is held back: one regex over the text's tail finds
+        # the longest such suffix (the earliest start), in C.
+        prefixes = sorted({s[:k] for s in self._stops for k in range(1, len(s))}, key=len, reverse=True)
+        self._longest_prefix = len(prefixes[0]) if prefixes else 0
+        self._partial = re.compile("(?:" + "|".join(map(re.escape, prefixes)) + r")\Z") if prefixes else None
+        self._any_stop = re.compile("|".join(map(re.escape, self._stops))) if self._stops else None
         self._held = ""
         self.stopped = False
         self.matched: str | None = None  # the stop string that ended generation
@@ -121,15 +128,16 @@ class StopStringMatcher:
         """Return (text safe to emit now, stopped). After a stop, nothing more is emitted."""
         if self.stopped:
             return "", True
-        if not self._stops:
+        if self._any_stop is None or not delta:
             return delta, False
         text = self._held + delta
-        best: tuple[int, int, str] | None = None  # (end, -len, stop)
-        for stop in self._stops:
-            i = text.find(stop)
-            if i >= 0 and (best is None or (i + len(stop), -len(stop)) < best[:2]):
-                best = (i + len(stop), -len(stop), stop)
-        if best is not None:
+        if self._any_stop.search(text) is not None:  # a stop completed: which one ends first
+            best: tuple[int, int, str] | None = None  # (end, -len, stop)
+            for stop in self._stops:
+                i = text.find(stop)
+                if i >= 0 and (best is None or (i + len(stop), -len(stop)) < best[:2]):
+                    best = (i + len(stop), -len(stop), stop)
+            assert best is not None
             end, neg_len, stop = best
             self.stopped, self.matched, self._held = True, stop, ""
             return text[: end if self._include else end + neg_len], True
@@ -144,26 +152,18 @@ class StopStringMatcher:
 
     def _partial_suffix_len(self, text: str) -> int:
         # No complete stop is in `text` here, so only proper prefixes can match.
-        longest = max(len(s) for s in self._stops) - 1
-        for k in range(min(longest, len(text)), 0, -1):
-            tail = text[-k:]
-            if any(s.startswith(tail) for s in self._stops):
-                return k
-        return 0
+        if self._partial is None:
+            return 0
+        match = self._partial.search(text, max(0, len(text) - self._longest_prefix))
+        return 0 if match is None else len(text) - match.start()
 
 
 class DetokenizedStream:
-    """Per-request text stream: ids in, stop-checked text deltas out. One `add` per token."""
+    """Per-request text stream: ids in, stop-checked text deltas out. One `add` per token. `detokenizer`:
+    the request's (runtime/engine/fast_detokenizer.py's Detokenizers make it)."""
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        prompt_token_ids: Sequence[int],
-        stops: Sequence[str] = (),
-        include_stop_str_in_output: bool = False,
-        skip_special_tokens: bool = True,
-    ) -> None:
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+    def __init__(self, detokenizer: Any, stops: Sequence[str] = (), include_stop_str_in_output: bool = False) -> None:
+        self.detokenizer = detokenizer
         self.matcher = StopStringMatcher(stops, include_stop_str_in_output)
         self._emitted: list[str] = []
 
@@ -181,7 +181,8 @@ class DetokenizedStream:
         if self.matcher.stopped:
             return "", True
         out, stopped = self.matcher.feed(self.detokenizer.add(token_id))
-        self._emitted.append(out)
+        if out:
+            self._emitted.append(out)
         return out, stopped
 
     def finish(self) -> str:

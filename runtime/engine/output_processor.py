@@ -21,6 +21,7 @@ from typing import Any
 
 from executors.sampling import SamplingParams, TokenLogprobs
 from runtime.engine.detokenizer import LOGPROB_CONTEXT_TOKENS, DetokenizedStream, candidate_texts
+from runtime.engine.fast_detokenizer import Detokenizers
 from runtime.engine.outputs import RequestOutput, TokenOutput
 from runtime.engine.tokenizer import decoder
 
@@ -42,30 +43,38 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any, stop_request: StopRequest) -> None:
         self.tokenizer, self.stop_request = tokenizer, stop_request
         self._decode = decoder(tokenizer)
+        self.detokenizers = Detokenizers(tokenizer)
         self._texts: dict[str, _Text] = {}
         self._lock = threading.Lock()  # add (a caller's thread) and process/finish (the output thread)
 
     def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Register a request before the core can produce anything for it."""
-        stream = DetokenizedStream(self.tokenizer, prompt_ids, stops=params.stop,
-                                   include_stop_str_in_output=params.include_stop_str_in_output,
-                                   skip_special_tokens=params.skip_special_tokens)  # fmt: skip
+        detokenizer = self.detokenizers(prompt_ids, params.skip_special_tokens)
+        stream = DetokenizedStream(detokenizer, params.stop, params.include_stop_str_in_output)
         with self._lock:
             self._texts[request_id] = _Text(stream, list(prompt_ids[-LOGPROB_CONTEXT_TOKENS:]))
 
     def process(self, outputs: Sequence[TokenOutput]) -> list[RequestOutput]:
+        with self._lock:
+            texts = [self._texts.get(out.request_id) for out in outputs]
         done = []
-        for out in outputs:
-            delta = self._one(out)
-            if delta is not None:
-                done.append(delta)
+        for out, text in zip(outputs, texts, strict=True):
+            if text is None:  # finished here already (a stop string), or never registered
+                continue
+            token_ids = out.token_ids
+            if len(token_ids) == 1 and out.finish_reason is None and out.logprobs is None:  # a decode's token
+                piece, stopped = text.stream.add(token_ids[0])
+                if not stopped:  # (the core's list is the delta's: made for this output, not kept)
+                    text.num_output_tokens += 1
+                    n_prompt, n_output = out.num_prompt_tokens, text.num_output_tokens
+                    done.append(RequestOutput(out.request_id, piece, token_ids, False, None, None, n_prompt, n_output))
+                else:
+                    done.append(self._stopped(text, out, piece, token_ids, None, 1))
+            else:
+                done.append(self._one(out, text))
         return done
 
-    def _one(self, out: TokenOutput) -> RequestOutput | None:
-        with self._lock:
-            text = self._texts.get(out.request_id)
-        if text is None:  # finished here already (a stop string), or never registered
-            return None
+    def _one(self, out: TokenOutput, text: _Text) -> RequestOutput:
         logprobs = self._with_texts(text, out.token_ids, out.logprobs) if out.logprobs is not None else None
         # The core finishes with "stop" only at a stop token (stop strings are found here): its text is not output.
         spoken = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids

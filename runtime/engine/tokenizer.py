@@ -19,13 +19,19 @@ def load_tokenizer(engine_dir: str | Path) -> Any:
 Decode = Callable[[Sequence[int], bool], str]  # (token ids, skip_special_tokens) -> text
 
 
-def decoder(tokenizer: Any) -> Decode:
-    """`tokenizer.decode`, through its Rust backend directly where that gives the same text: transformers'
-    `decode` converts and checks its arguments in Python on every call, which cost 4-5x the decode itself
-    (SmolLM2: ~9 vs ~49 us a token incrementally). Its only other work, clean_up_tokenization_spaces,
-    keeps the slow path where a tokenizer asks for it."""
+def rust_tokenizer(tokenizer: Any) -> Any | None:
+    """The tokenizer's Rust backend (a `tokenizers.Tokenizer`) where decoding through it gives
+    `tokenizer.decode`'s text, else None: transformers' `decode` converts and checks its arguments in Python
+    on every call, which cost 4-5x the decode itself (SmolLM2: ~9 vs ~49 us a token incrementally). Its only
+    other work, clean_up_tokenization_spaces, keeps the slow path where a tokenizer asks for it."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+    return None if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False) else backend
+
+
+def decoder(tokenizer: Any) -> Decode:
+    """`tokenizer.decode`, through its Rust backend directly where that gives the same text (rust_tokenizer)."""
+    backend = rust_tokenizer(tokenizer)
+    if backend is None:
         return lambda ids, skip: tokenizer.decode(list(ids), skip_special_tokens=skip)
     return lambda ids, skip: backend.decode(list(ids), skip_special_tokens=skip)
 

@@ -1,0 +1,205 @@
+"""`python -m benchmarks.host_step_ab`: the offline step's host cost, text included, against an older commit.
+
+`LLMEngine.step()` (what `LLM.generate` drives: schedule, the backend, the update, then detokenization and
+stop strings) over a backend that computes nothing and returns random token ids, as a new user would try
+it: the engine's own tokenizer (SmolLM2's for a SmolLM2 engine), 200-token prompts, temperature 0.7 /
+top-p 0.9, one stop string, EOS ignored. B requests decode together; the steady decode steps are timed
+and reported as µs per request-step. The same measurement runs over the code of `--baseline` (a commit,
+exported with `git archive` into a temporary directory) in alternating rounds in one run, each round a
+fresh process per code and batch, so the two share the machine's state.
+
+    python -m benchmarks.host_step_ab --engine engines/smollm2-135m-b256 [--baseline ed039d9]
+                                      [--batches 1,64,256] [--steps 48] [--rounds 3]
+
+The engine's max batch size must cover the largest batch (build one with --max-batch-size 256); the
+backend never reads its weights. The worker (`python benchmarks/host_step_ab.py worker ...`) imports only
+what both codes provide, from whichever tree is first on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPT_TOKENS = 200
+FIRST_TEXT_TOKEN = 17  # SmolLM2's special tokens are ids 0-16: random output stays text
+STOP = "\n\n\n\n\n"  # one stop string, rarely (if ever) produced by random tokens
+
+
+def worker(engine_dir: str, batch: int, steps: int, seed: int = 0) -> dict:
+    """Seconds of each steady decode step of `batch` requests through `LLMEngine.step()`, in this process's code."""
+    import numpy as np
+
+    from engine_format import EngineConfig
+    from runtime.engine.engine_args import EngineArgs
+    from runtime.engine.llm_engine import LLMEngine
+
+    # The older layout first: the project's editable install puts this tree's `executors` on the path too.
+    try:  # before the executors package (ed039d9)
+        from runtime.backends import DeviceSample  # type: ignore[attr-defined]
+        from runtime.engine.sampling_params import SamplingParams  # type: ignore[import-not-found]
+    except ImportError:  # this wave's layout
+        from executors.sampling import DeviceSample, SamplingParams
+
+    config = EngineConfig.load(engine_dir)
+    vocab = config.model.vocab_size
+    rng = np.random.default_rng(seed)
+
+    class RandomTokens:
+        """A backend that computes nothing: each sampled row gets a random text token at once."""
+
+        def __init__(self, num_blocks: int) -> None:
+            self.config, self.num_blocks = config, num_blocks
+
+        def step(self, chunks):
+            return np.zeros((sum(c.num_logits for c in chunks), vocab), np.float32)
+
+        def step_sample(self, chunks, rows):
+            tokens = rng.integers(FIRST_TEXT_TOKEN, vocab, len(chunks))
+            tokens[[i for i, row in enumerate(rows) if row is None]] = -1
+            return DeviceSample(tokens, [None] * len(chunks))
+
+    # Requests admitted first decode while later prompts prefill (budget 8192): max_tokens leaves them room.
+    max_tokens = steps + 64
+    blocks = batch * (PROMPT_TOKENS + max_tokens) // config.block_size + 2 * batch
+    args = EngineArgs(
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(8192, batch),
+        num_kv_blocks=blocks,
+        itl_target_ms=None,
+        max_waiting=batch,
+    )
+    engine = LLMEngine(engine_dir, args, backend=RandomTokens(blocks))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.9, stop=(STOP,), ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(rng.integers(FIRST_TEXT_TOKEN, vocab, PROMPT_TOKENS).tolist(), params)
+    while any(r.num_computed_tokens < len(r.all_token_ids) - 1 for r in engine.requests.values()):
+        engine.step()  # the prefills, then every request decoding
+    seconds = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        outputs = engine.step()
+        seconds.append(time.perf_counter() - start)
+        assert len(outputs) == batch, f"{len(outputs)} outputs for {batch} decoding requests"
+    return {"batch": batch, "step_s": seconds}
+
+
+def _run_worker(tree: Path, engine_dir: Path, batch: int, steps: int) -> list[float]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-P",
+            str(Path(__file__).resolve()),
+            "worker",
+            str(engine_dir.resolve()),
+            str(batch),
+            str(steps),
+        ],
+        cwd=tree,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])["step_s"]
+
+
+def _export(commit: str, into: Path) -> Path:
+    """The commit's files (no .git): the worker needs no built extension (its backend runs no kernel)."""
+    root = Path(__file__).resolve().parent.parent
+    archive = subprocess.run(["git", "archive", commit], cwd=root, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def main(argv: list[str]) -> None:
+    import click
+
+    @click.command()
+    @click.option(
+        "--engine",
+        "engine_dir",
+        type=click.Path(path_type=Path, exists=True, file_okay=False),
+        required=True,
+        help="An engine whose max batch size covers the largest batch.",
+    )
+    @click.option("--baseline", default="ed039d9", show_default=True, help="The commit to compare with.")
+    @click.option("--batches", default="1,64,256", show_default=True)
+    @click.option("--steps", default=48, show_default=True, type=click.IntRange(8))
+    @click.option("--rounds", default=3, show_default=True, type=click.IntRange(1))
+    @click.option("--output", default="host_step_ab", show_default=True)
+    def run(engine_dir: Path, baseline: str, batches: str, steps: int, rounds: int, output: str) -> None:
+        from benchmarks.report import write_report
+
+        sizes = [int(b) for b in batches.split(",")]
+        here = Path(__file__).resolve().parent.parent
+        samples: dict[tuple[str, int], list[float]] = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            trees = {"baseline": _export(baseline, Path(tmp)), "current": here}
+            for round_ in range(rounds):
+                for batch in sizes:
+                    for code in ("baseline", "current") if round_ % 2 == 0 else ("current", "baseline"):
+                        step_s = _run_worker(trees[code], engine_dir, batch, steps)
+                        us = statistics.median(step_s) * 1e6 / batch
+                        samples.setdefault((code, batch), []).append(us)
+                        click.echo(f"round {round_ + 1} batch {batch:4d} {code:8s}: {us:8.2f} us per request-step")
+        rows = []
+        for batch in sizes:
+            old, new = samples[("baseline", batch)], samples[("current", batch)]
+            ratios = [n / o for n, o in zip(new, old, strict=True)]
+            rows.append(
+                {
+                    "batch": batch,
+                    "baseline_us": [round(x, 2) for x in old],
+                    "current_us": [round(x, 2) for x in new],
+                    "ratio_median": round(statistics.median(ratios), 3),
+                    "ratio_min": round(min(ratios), 3),
+                    "ratio_max": round(max(ratios), 3),
+                }
+            )
+        command = (
+            f"python -m benchmarks.host_step_ab --engine {engine_dir} --baseline {baseline} "
+            f"--batches {batches} --steps {steps} --rounds {rounds}"
+        )
+        write_report(output, {"command": command, "baseline": baseline, "rows": rows}, render)
+
+    run.main(argv, standalone_mode=True)
+
+
+def render(payload: dict) -> str:
+    lines = [
+        "# The offline step's host cost, text included: this code against an older commit",
+        "",
+        f"Machine: {payload.get('machine', '?')}",
+        "",
+        f"Command: `{payload['command']}`",
+        "",
+        "`LLMEngine.step()` over a backend that returns random token ids at once (200-token prompts, "
+        "temperature 0.7 / top-p 0.9, one stop string), steady decode steps; µs per request-step, the "
+        "median of each round (rounds alternate which code runs first).",
+        "",
+        f"| batch | {payload['baseline']}, µs per request-step | this code | this / {payload['baseline']} "
+        "(median, min-max over rounds) |",
+        "|---|---|---|---|",
+    ]
+    for r in payload["rows"]:
+        lines.append(
+            f"| {r['batch']} | {', '.join(map(str, r['baseline_us']))} | {', '.join(map(str, r['current_us']))} "
+            f"| {r['ratio_median']} ({r['ratio_min']}-{r['ratio_max']}) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        engine, batch, steps = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+        print(json.dumps(worker(engine, batch, steps)))
+    else:
+        main(sys.argv[1:])
