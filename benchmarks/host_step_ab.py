@@ -32,8 +32,10 @@ FIRST_TEXT_TOKEN = 17  # SmolLM2's special tokens are ids 0-16: random output st
 STOP = "\n\n\n\n\n"  # one stop string, rarely (if ever) produced by random tokens
 
 
-def worker(engine_dir: str, batch: int, steps: int, seed: int = 0) -> dict:
-    """Seconds of each steady decode step of `batch` requests through `LLMEngine.step()`, in this process's code."""
+def worker(engine_dir: str, batch: int, steps: int, backend: str = "null", seed: int = 0) -> dict:
+    """Seconds of each steady decode step of `batch` requests through `LLMEngine.step()`, in this process's code,
+    and of the backend's calls within each. `backend`: "null" (random tokens, nothing computed) or "torch" (the
+    torch backend with its kernels removed: benchmarks.host_overhead's, from the same code)."""
     import numpy as np
 
     from engine_format import EngineConfig
@@ -75,45 +77,56 @@ def worker(engine_dir: str, batch: int, steps: int, seed: int = 0) -> dict:
         itl_target_ms=None,
         max_waiting=batch,
     )
-    engine = LLMEngine(engine_dir, args, backend=RandomTokens(blocks))
+    if backend == "torch":
+        from benchmarks.host_overhead import torch_without_kernels
+
+        engine = LLMEngine(engine_dir, args, backend=torch_without_kernels(config, blocks, batch))
+    else:
+        engine = LLMEngine(engine_dir, args, backend=RandomTokens(blocks))
+    in_backend = [0.0]
+    for name in ("step", "step_sample", "launch"):  # each entry point timed on the instance
+        method = getattr(engine.backend, name, None)
+        if method is not None:
+            setattr(engine.backend, name, _timed(method, in_backend))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.9, stop=(STOP,), ignore_eos=True)
     for _ in range(batch):
         engine.add_request(rng.integers(FIRST_TEXT_TOKEN, vocab, PROMPT_TOKENS).tolist(), params)
     while any(r.num_computed_tokens < len(r.all_token_ids) - 1 for r in engine.requests.values()):
         engine.step()  # the prefills, then every request decoding
-    seconds = []
+    seconds, backend_s = [], []
     for _ in range(steps):
+        in_backend[0] = 0.0
         start = time.perf_counter()
         outputs = engine.step()
         seconds.append(time.perf_counter() - start)
+        backend_s.append(in_backend[0])
         assert len(outputs) == batch, f"{len(outputs)} outputs for {batch} decoding requests"
-    return {"batch": batch, "step_s": seconds}
+    return {"batch": batch, "step_s": seconds, "backend_s": backend_s}
 
 
-def _run_worker(tree: Path, engine_dir: Path, batch: int, steps: int) -> list[float]:
+def _timed(method, total: list[float]):
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            total[0] += time.perf_counter() - start
+
+    return timed
+
+
+def _run_worker(tree: Path, engine_dir: Path, batch: int, steps: int, backend: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-P",
-            str(Path(__file__).resolve()),
-            "worker",
-            str(engine_dir.resolve()),
-            str(batch),
-            str(steps),
-        ],
-        cwd=tree,
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])["step_s"]
+    script = str(Path(__file__).resolve())
+    command = [sys.executable, "-P", script, "worker", str(engine_dir.resolve()), str(batch), str(steps), backend]
+    out = subprocess.run(command, cwd=tree, env=env, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _export(commit: str, into: Path) -> Path:
     """The commit's files (no .git): the worker needs no built extension (its backend runs no kernel)."""
     root = Path(__file__).resolve().parent.parent
+    into.mkdir(parents=True, exist_ok=True)
     archive = subprocess.run(["git", "archive", commit], cwd=root, check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     return into
@@ -127,53 +140,75 @@ def main(argv: list[str]) -> None:
         "--engine",
         "engine_dir",
         type=click.Path(path_type=Path, exists=True, file_okay=False),
-        required=True,
-        help="An engine whose max batch size covers the largest batch.",
+        default=None,
+        help="An engine whose max batch size covers the largest batch (default with --backend torch: the tiny "
+        "model, built; its KV pool is allocated for real).",
     )
     @click.option("--baseline", default="ed039d9", show_default=True, help="The commit to compare with.")
+    @click.option("--backend", type=click.Choice(["null", "torch"]), default="null", show_default=True)
     @click.option("--batches", default="1,64,256", show_default=True)
     @click.option("--steps", default=48, show_default=True, type=click.IntRange(8))
     @click.option("--rounds", default=3, show_default=True, type=click.IntRange(1))
-    @click.option("--output", default="host_step_ab", show_default=True)
-    def run(engine_dir: Path, baseline: str, batches: str, steps: int, rounds: int, output: str) -> None:
+    @click.option("--output", default=None, help="Report name (default host_step_ab[-torch]).")
+    def run(
+        engine_dir: Path | None, baseline: str, backend: str, batches: str, steps: int, rounds: int, output: str | None
+    ) -> None:
+        from benchmarks.host_overhead import engine_with_batch
         from benchmarks.report import write_report
 
         sizes = [int(b) for b in batches.split(",")]
         here = Path(__file__).resolve().parent.parent
-        samples: dict[tuple[str, int], list[float]] = {}
+        samples: dict[tuple[str, int], list[tuple[float, float]]] = {}  # (µs per request-step, backend's share)
         with tempfile.TemporaryDirectory() as tmp:
-            trees = {"baseline": _export(baseline, Path(tmp)), "current": here}
+            if engine_dir is None:
+                if backend != "torch":
+                    raise click.UsageError("--engine is required with --backend null (SmolLM2's tokenizer, say)")
+                engine_dir = engine_with_batch(max(sizes), Path(tmp))
+            trees = {"baseline": _export(baseline, Path(tmp) / "baseline"), "current": here}
             for round_ in range(rounds):
                 for batch in sizes:
                     for code in ("baseline", "current") if round_ % 2 == 0 else ("current", "baseline"):
-                        step_s = _run_worker(trees[code], engine_dir, batch, steps)
-                        us = statistics.median(step_s) * 1e6 / batch
-                        samples.setdefault((code, batch), []).append(us)
-                        click.echo(f"round {round_ + 1} batch {batch:4d} {code:8s}: {us:8.2f} us per request-step")
+                        result = _run_worker(trees[code], engine_dir, batch, steps, backend)
+                        us = statistics.median(result["step_s"]) * 1e6 / batch
+                        backend_us = statistics.median(result["backend_s"]) * 1e6 / batch
+                        samples.setdefault((code, batch), []).append((us, backend_us))
+                        click.echo(
+                            f"round {round_ + 1} batch {batch:4d} {code:8s}: {us:8.2f} us per request-step "
+                            f"({backend_us:.2f} in the backend)"
+                        )
         rows = []
         for batch in sizes:
             old, new = samples[("baseline", batch)], samples[("current", batch)]
-            ratios = [n / o for n, o in zip(new, old, strict=True)]
+            ratios = [n[0] / o[0] for n, o in zip(new, old, strict=True)]
             rows.append(
                 {
                     "batch": batch,
-                    "baseline_us": [round(x, 2) for x in old],
-                    "current_us": [round(x, 2) for x in new],
+                    "baseline_us": [round(x, 2) for x, _ in old],
+                    "current_us": [round(x, 2) for x, _ in new],
+                    "baseline_backend_us": [round(b, 2) for _, b in old],
+                    "current_backend_us": [round(b, 2) for _, b in new],
                     "ratio_median": round(statistics.median(ratios), 3),
                     "ratio_min": round(min(ratios), 3),
                     "ratio_max": round(max(ratios), 3),
                 }
             )
         command = (
-            f"python -m benchmarks.host_step_ab --engine {engine_dir} --baseline {baseline} "
-            f"--batches {batches} --steps {steps} --rounds {rounds}"
+            f"python -m benchmarks.host_step_ab --backend {backend} --baseline {baseline} --batches {batches} "
+            f"--steps {steps} --rounds {rounds}" + (f" --engine {engine_dir}" if backend == "null" else "")
         )
-        write_report(output, {"command": command, "baseline": baseline, "rows": rows}, render)
+        payload = {"command": command, "baseline": baseline, "backend": backend, "rows": rows}
+        write_report(output or ("host_step_ab" if backend == "null" else f"host_step_ab-{backend}"), payload, render)
 
     run.main(argv, standalone_mode=True)
 
 
 def render(payload: dict) -> str:
+    base = payload["baseline"]
+    what = (
+        "a backend that returns random token ids at once"
+        if payload.get("backend", "null") == "null"
+        else "the torch backend on the CPU with its kernels removed (benchmarks/host_overhead.py)"
+    )
     lines = [
         "# The offline step's host cost, text included: this code against an older commit",
         "",
@@ -181,25 +216,23 @@ def render(payload: dict) -> str:
         "",
         f"Command: `{payload['command']}`",
         "",
-        "`LLMEngine.step()` over a backend that returns random token ids at once (200-token prompts, "
-        "temperature 0.7 / top-p 0.9, one stop string), steady decode steps; µs per request-step, the "
-        "median of each round (rounds alternate which code runs first).",
+        f"`LLMEngine.step()` over {what}: 200-token prompts, temperature 0.7 / top-p 0.9, one stop string, "
+        "steady decode steps. µs per request-step, the median of each round (rounds alternate which code "
+        "runs first), and of it the time inside the backend's calls.",
         "",
-        f"| batch | {payload['baseline']}, µs per request-step | this code | this / {payload['baseline']} "
-        "(median, min-max over rounds) |",
+        f"| batch | {base}: µs per request-step (in the backend) | this code | this / {base} (median, min-max) |",
         "|---|---|---|---|",
     ]
     for r in payload["rows"]:
-        lines.append(
-            f"| {r['batch']} | {', '.join(map(str, r['baseline_us']))} | {', '.join(map(str, r['current_us']))} "
-            f"| {r['ratio_median']} ({r['ratio_min']}-{r['ratio_max']}) |"
-        )
+        old = ", ".join(f"{t} ({b})" for t, b in zip(r["baseline_us"], r.get("baseline_backend_us", []), strict=False))
+        new = ", ".join(f"{t} ({b})" for t, b in zip(r["current_us"], r.get("current_backend_us", []), strict=False))
+        lines.append(f"| {r['batch']} | {old} | {new} | {r['ratio_median']} ({r['ratio_min']}-{r['ratio_max']}) |")
     return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        engine, batch, steps = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-        print(json.dumps(worker(engine, batch, steps)))
+        engine, batch, steps, backend = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+        print(json.dumps(worker(engine, batch, steps, backend)))
     else:
         main(sys.argv[1:])

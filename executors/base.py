@@ -24,12 +24,18 @@ class SequenceChunk:
     `block_table` must cover every position up to past_len + len(token_ids). The step returns
     logits for the chunk's last `num_logits` tokens: 1 normally (the token that is sampled),
     k + 1 when the chunk ends in k speculative draft tokens that are verified.
+
+    `slot`: the sequence's row in the backend's persistent batch (executors/block_table_rows.py), held by
+    one running sequence at a time (0 <= slot < the engine's max_batch_size), or None. A sequence's
+    `block_table` is then replaced when it changes, never edited in place, so a backend that keeps each
+    slot's table copies a row only when its list is a new one.
     """
 
     token_ids: Sequence[int]
     past_len: int
     block_table: Sequence[int]
     num_logits: int = 1
+    slot: int | None = None
 
 
 def logit_rows(lengths: np.ndarray, num_logits: np.ndarray, row_starts: np.ndarray) -> np.ndarray:

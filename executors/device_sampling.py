@@ -21,6 +21,7 @@ import numpy as np
 
 from engine_format import EngineConfig
 from executors.base import SequenceChunk
+from executors.block_table_rows import BlockTableRows
 from executors.sampling.state import DeviceSample, SamplingState
 
 
@@ -82,14 +83,23 @@ class ChunkArrays:
     tables: np.ndarray  # each chunk's table up to `need` blocks (fewer where it is shorter), chunk after chunk
 
     @classmethod
-    def gather(cls, chunks: Sequence[SequenceChunk], block_size: int) -> ChunkArrays:
+    def gather(
+        cls, chunks: Sequence[SequenceChunk], block_size: int, rows: BlockTableRows | None = None
+    ) -> ChunkArrays:
+        """`rows`: the backend's persistent batch, which holds the tables of chunks with a slot (every chunk
+        must have one then); else each table is read from its chunk."""
         scalars = [(len(c.token_ids), c.past_len, c.num_logits, len(c.block_table)) for c in chunks]
         lengths, past_lens, num_logits, table_lens = (
             _int64s(chain.from_iterable(scalars), 4 * len(chunks)).reshape(-1, 4).T
         )
         need = np.maximum(past_lens + lengths + (block_size - 1), 0) // block_size  # 0 where there is no position
-        prefixes = [c.block_table[:k] for c, k in zip(chunks, need.tolist(), strict=True)]
-        tables = _int64s(chain.from_iterable(prefixes), int(np.minimum(need, table_lens).sum()))
+        if rows is not None:
+            width = int(need.max(initial=0))
+            kept = np.arange(width) < np.minimum(need, table_lens)[:, None]
+            tables = rows.gather(chunks, [c.slot for c in chunks], width)[kept]  # type: ignore[misc]
+        else:
+            prefixes = [c.block_table[:k] for c, k in zip(chunks, need.tolist(), strict=True)]
+            tables = _int64s(chain.from_iterable(prefixes), int(np.minimum(need, table_lens).sum()))
         query_start = np.zeros(len(chunks) + 1, np.int64)
         lengths.cumsum(out=query_start[1:])
         token_ids = _int64s(chain.from_iterable([c.token_ids for c in chunks]), int(query_start[-1]))

@@ -136,7 +136,7 @@ def test_engine_greedy_matches_hf_and_ort(wide):
     params = SamplingParams(temperature=0.0, max_tokens=10)
 
     got, llm = run_cached_prefix(engine, "torch", prompts, params)
-    assert type(llm.backend).__name__ == "TorchBackend"
+    assert type(llm.backend).__name__ == "TorchBackend" and llm.backend.rows.rewrites > 0, "the persistent batch"
     stats = llm.stats()
     assert stats.preemptions >= 1 and stats.prefix_cache_hits >= 1, stats
     assert got == [hf_greedy(model, p, 10, tuple(llm.eos_token_ids)) for p in prompts]
@@ -210,6 +210,30 @@ def test_warm_up_runs_every_decode_bucket_on_cuda_and_nothing_here(llama_engine)
         assert seconds > 0 and sorted(backend.graphs.graphs) == [1, 2, 4]
     else:
         assert seconds == 0.0 and backend.graphs.graphs == {}
+
+
+def test_the_persistent_batch_gives_the_tokens_of_packing_every_table(llama_engine):
+    """Overlapped launches, seeded sampling, preemption (6 KV blocks for four sequences) and an abort mid-way,
+    through the torch backend's persistent batch and again without it (each chunk's table packed every step):
+    the same tokens. tests/test_persistent_batch.py compares the packed steps themselves."""
+    vocab = EngineConfig.load(llama_engine).model.vocab_size
+    prompts = random_prompts(vocab, [9, 14, 5, 20], seed=2)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=14, ignore_eos=True)
+    runs = []
+    for persistent in (True, False):
+        llm = LLMEngine(llama_engine, EngineArgs(backend="torch", num_kv_blocks=6, itl_target_ms=None))
+        assert llm.overlap is not None, "overlapped launches"
+        if not persistent:
+            llm.backend.rows = None
+        ids = [llm.add_request(p, params) for p in prompts]
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        while llm.has_unfinished_requests():
+            for out in llm.step():
+                tokens[out.request_id] += out.token_ids
+            if len(tokens[ids[1]]) >= 4 and ids[1] in llm.requests:
+                llm.abort(ids[1])
+        runs.append(([tokens[i] for i in ids], llm.stats().preemptions))
+    assert runs[0] == runs[1] and runs[0][1] > 0, runs
 
 
 def test_broken_inputs_are_caught_before_any_kernel(llama_engine):

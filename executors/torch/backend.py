@@ -22,6 +22,7 @@ import torch
 
 from engine_format import EngineConfig, EngineLoadError
 from executors.base import SequenceChunk
+from executors.block_table_rows import BlockTableRows
 from executors.device_sampling import PendingSample
 from executors.sampling.state import DeviceSample, SamplingState
 from executors.sampling.torch_sampler import TorchSampler
@@ -61,6 +62,7 @@ class TorchBackend:
         sm_count = kernels.attention.sm_count_of(self.device)
         self.decoder = Decoder(config, self.weights, self.kv, kernels, sm_count)
         self.sampler = TorchSampler(self.device)
+        self.rows = BlockTableRows(config.max_batch_size, config.max_blocks_per_seq)  # the persistent batch
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs if cuda_graphs is not None else on_cuda:
             buckets = graph_buckets or default_buckets(config.max_batch_size)
@@ -93,7 +95,7 @@ class TorchBackend:
         if filled.any() and not isinstance(previous, _Launched):
             raise ValueError("placeholder tokens need the previous launch of this backend")
         with torch.inference_mode():
-            step = HostStep.pack(chunks, self.config, self.num_blocks, placeholders=filled)
+            step = HostStep.pack(chunks, self.config, self.num_blocks, placeholders=filled, rows=self.rows)
             first_rows = np.flatnonzero(filled)  # a chunk's first token is its sequence's first row...
             starts = step.packed[4 * step.tokens : 4 * step.tokens + step.batch]  # ...query_start[i]
             where = torch.from_numpy(starts[first_rows]).to(self.device, non_blocking=True)
@@ -156,7 +158,7 @@ class TorchBackend:
 
     @torch.inference_mode()
     def _logits(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
-        return self._run(HostStep.pack(chunks, self.config, self.num_blocks), chunks)
+        return self._run(HostStep.pack(chunks, self.config, self.num_blocks, rows=self.rows), chunks)
 
     def _run(self, step: HostStep, chunks: Sequence[SequenceChunk], fill: Fill | None = None) -> torch.Tensor:
         """The step's logits rows. `fill`: writes the placeholder tokens into the input ids on the device."""

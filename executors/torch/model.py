@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from engine_format import EngineConfig
 from executors.base import SequenceChunk, logit_rows
+from executors.block_table_rows import BlockTableRows
 from executors.device_sampling import ChunkArrays
 from executors.torch.kernels import Kernels
 from executors.torch.kv_cache import TorchKVPool
@@ -49,11 +50,13 @@ class HostStep:
 
     @classmethod
     def pack(cls, chunks: Sequence[SequenceChunk], config: EngineConfig, num_blocks: int,
-             placeholders: np.ndarray | None = None) -> HostStep:  # fmt: skip
+             placeholders: np.ndarray | None = None, rows: BlockTableRows | None = None) -> HostStep:  # fmt: skip
         """Validates every chunk first (check_chunks): the kernels index the pool with these numbers.
-        `placeholders[i]`: chunk i's first token is filled on the device (an overlapped launch).
-        Gathered once (ChunkArrays), checked and laid out by numpy calls over the whole batch."""
-        step = ChunkArrays.gather(chunks, config.block_size)
+        `placeholders[i]`: chunk i's first token is filled on the device (an overlapped launch). `rows`: the
+        backend's persistent batch, used where every chunk has a slot. Gathered once (ChunkArrays), checked
+        and laid out by numpy calls over the whole batch."""
+        slotted = rows is not None and all(c.slot is not None for c in chunks)
+        step = ChunkArrays.gather(chunks, config.block_size, rows if slotted else None)
         step.check(config, num_blocks, placeholders)
         bs, batch, tokens, width = config.block_size, len(chunks), step.token_ids.size, int(step.need.max())
         tables = np.zeros((batch, width), np.int64)

@@ -74,6 +74,7 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     stop_token_ids: frozenset[int] = frozenset()  # tokens that end it: its params' and the EOS ids unless ignored
     pending_row: int = -1  # its row in the overlapped step in flight, whose sampled token is its last (placeholder)
+    slot: int | None = None  # its row in the backend's persistent batch while it runs (the scheduler's)
     num_prompt_tokens: int = field(init=False)
     max_tokens: int = field(init=False)  # the most tokens it may generate: its params', read every step
 

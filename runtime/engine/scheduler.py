@@ -81,6 +81,8 @@ class Scheduler:
         self.num_deadlines = 0  # live requests with a deadline_s: the engine looks for expired ones only then
         self.waiting: list[tuple[tuple[int, float, int], Request]] = []  # heap by sort_key
         self.running: list[Request] = []  # kept in sort_key order (keys never change): no sort per step
+        # Persistent-batch rows (SequenceChunk.slot): each running request holds one; the lowest free first.
+        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
 
     @property
@@ -104,8 +106,7 @@ class Scheduler:
     def add_running(self, request: Request) -> None:
         """Run a request that arrives with its prompt's KV computed (a decode worker's pulled blocks) from the
         next step, in its sort_key place."""
-        request.status = RequestStatus.RUNNING
-        bisect.insort(self.running, request, key=Request.sort_key)
+        self._start_running(request)
         self.requests[request.request_id] = request
         self.num_host_sampled += request.host_sampled
         self.num_deadlines += request.params.deadline_s is not None
@@ -133,6 +134,17 @@ class Scheduler:
                 reason="slo",
             )
 
+    def _start_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=Request.sort_key)
+        request.slot = self._free_slots.pop() if self._free_slots else None  # None: the backend reads the list
+
+    def _stop_running(self, request: Request) -> None:
+        self.running.remove(request)
+        if request.slot is not None:
+            self._free_slots.append(request.slot)
+            request.slot = None
+
     def _enqueue(self, request: Request) -> None:
         heapq.heappush(self.waiting, (request.sort_key(), request))
 
@@ -142,7 +154,7 @@ class Scheduler:
         self.num_host_sampled -= request.host_sampled
         self.num_deadlines -= request.params.deadline_s is not None
         if request in self.running:
-            self.running.remove(request)
+            self._stop_running(request)
         else:
             self.waiting = [(k, r) for k, r in self.waiting if r is not request]
             heapq.heapify(self.waiting)
@@ -273,7 +285,7 @@ class Scheduler:
         return True
 
     def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:
-        self.running.remove(victim)
+        self._stop_running(victim)
         batch.budget += batch.num_tokens.pop(victim, 0)  # undo if scheduled earlier this step
         self.kv.free(victim)
         victim.num_computed_tokens = 0
@@ -295,8 +307,7 @@ class Scheduler:
         heapq.heappop(self.waiting)
         self.kv.record_lookup(request.num_tokens, num_hit)
         request.num_computed_tokens = num_hit
-        request.status = RequestStatus.RUNNING
-        bisect.insort(self.running, request, key=Request.sort_key)
+        self._start_running(request)
         step.add(n, num_hit, prefill=True)
         batch.num_tokens[request] = n
         batch.budget -= n

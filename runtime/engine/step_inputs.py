@@ -42,7 +42,7 @@ def build_chunks(num_tokens: dict[Request, int]) -> StepChunks:
         start, tokens = request.num_computed_tokens, request.all_token_ids
         uncomputed = len(tokens) - start
         if n == uncomputed == 1:  # a decode's one token: most chunks of most steps
-            chunks.append(SequenceChunk(tokens[start:], start, request.block_ids))
+            chunks.append(SequenceChunk(tokens[start:], start, request.block_ids, 1, request.slot))
             completes.append(True)
             continue
         num_drafts = max(0, n - uncomputed)  # the scheduler kept that many of draft_token_ids
@@ -50,7 +50,7 @@ def build_chunks(num_tokens: dict[Request, int]) -> StepChunks:
         if num_drafts:
             ids += request.draft_token_ids[:num_drafts]
             drafting = True
-        chunks.append(SequenceChunk(ids, start, request.block_ids, 1 + num_drafts))
+        chunks.append(SequenceChunk(ids, start, request.block_ids, 1 + num_drafts, request.slot))
         completes.append(start + n - num_drafts == len(tokens))
     return StepChunks(list(num_tokens), chunks, completes, drafting)
 
