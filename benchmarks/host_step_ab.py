@@ -32,7 +32,9 @@ FIRST_TEXT_TOKEN = 17  # SmolLM2's special tokens are ids 0-16: random output st
 STOP = "\n\n\n\n\n"  # one stop string, rarely (if ever) produced by random tokens
 
 
-def worker(engine_dir: str, batch: int, steps: int, backend: str = "null", seed: int = 0) -> dict:
+def worker(
+    engine_dir: str, batch: int, steps: int, backend: str = "null", prompt_tokens: int = PROMPT_TOKENS, seed: int = 0
+) -> dict:
     """Seconds of each steady decode step of `batch` requests through `LLMEngine.step()`, in this process's code,
     and of the backend's calls within each. `backend`: "null" (random tokens, nothing computed) or "torch" (the
     torch backend with its kernels removed: benchmarks.host_overhead's, from the same code)."""
@@ -69,7 +71,7 @@ def worker(engine_dir: str, batch: int, steps: int, backend: str = "null", seed:
 
     # Requests admitted first decode while later prompts prefill (budget 8192): max_tokens leaves them room.
     max_tokens = steps + 64
-    blocks = batch * (PROMPT_TOKENS + max_tokens) // config.block_size + 2 * batch
+    blocks = batch * (prompt_tokens + max_tokens) // config.block_size + 2 * batch
     args = EngineArgs(
         max_num_seqs=batch,
         max_num_batched_tokens=max(8192, batch),
@@ -90,7 +92,7 @@ def worker(engine_dir: str, batch: int, steps: int, backend: str = "null", seed:
             setattr(engine.backend, name, _timed(method, in_backend))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.9, stop=(STOP,), ignore_eos=True)
     for _ in range(batch):
-        engine.add_request(rng.integers(FIRST_TEXT_TOKEN, vocab, PROMPT_TOKENS).tolist(), params)
+        engine.add_request(rng.integers(FIRST_TEXT_TOKEN, vocab, prompt_tokens).tolist(), params)
     while any(r.num_computed_tokens < len(r.all_token_ids) - 1 for r in engine.requests.values()):
         engine.step()  # the prefills, then every request decoding
     seconds, backend_s = [], []

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_format.requests import OPENAI_MAX_STRING
+from executors.base import EngineBackend
 from executors.sampling import SamplingParams
 from runtime.engine.admission import Prompt
 from runtime.engine.disagg import Disagg
@@ -70,7 +71,9 @@ class AsyncLLM:
         engine_dir: str | Path,
         args: EngineArgs | None = None,
         on_finished: Callable[[RequestOutput], None] | None = None,
+        backend: EngineBackend | None = None,
     ):
+        """`backend`: run this one instead of the engine's (benchmarks: a no-work or simulated device)."""
         self.on_finished = on_finished  # e.g. metrics: called on the output thread
         self.stream_interval = (args or EngineArgs()).stream_interval
         self._streams: dict[str, _Stream] = {}
@@ -83,8 +86,9 @@ class AsyncLLM:
         # stops letting workers spin: cpu-bf16 steps built on one thread and run on another took 49.5
         # instead of 27.6 ms (8 decodes), its elementwise ops 70 instead of 12 us.
         built: concurrent.futures.Future[LLMEngine] = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, args=(engine_dir, args, built), name="trtserve-engine",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._run, args=(engine_dir, args, backend, built), name="trtserve-engine", daemon=True
+        )
         self._thread.start()
         self.engine = built.result()  # a failed build raises here, on the caller's thread
         self._output_thread = threading.Thread(target=self._process_outputs, name="trtserve-outputs", daemon=True)
@@ -181,10 +185,14 @@ class AsyncLLM:
         self.engine.disagg.close()  # the transfer agent deregisters the KV pool
 
     def _run(
-        self, engine_dir: str | Path, args: EngineArgs | None, built: concurrent.futures.Future[LLMEngine]
+        self,
+        engine_dir: str | Path,
+        args: EngineArgs | None,
+        backend: EngineBackend | None,
+        built: concurrent.futures.Future[LLMEngine],
     ) -> None:
         try:
-            engine = LLMEngine(engine_dir, args)
+            engine = LLMEngine(engine_dir, args, backend=backend)
         except BaseException as exc:
             built.set_exception(exc)
             return
