@@ -16,19 +16,27 @@ from runtime.engine.outputs import RequestOutput, TokenLogprobs
 def output_arrays(wanted: Collection[str], text: str, delta: RequestOutput,
                   logprobs: list[TokenLogprobs] | None = None) -> dict[str, np.ndarray]:  # fmt: skip
     """The outputs in `wanted` (empty: all) for a response carrying `text`, with `delta`'s finish reason and
-    counts; `logprobs`: the response's (default: the delta's)."""
-    build: dict[str, Callable[[], np.ndarray]] = {
-        "text_output": lambda: np.array([text.encode("utf-8")], dtype=np.object_),
-        "finish_reason": lambda: np.array([(delta.finish_reason or "").encode()], dtype=np.object_),
-        "prompt_tokens": lambda: np.array([delta.num_prompt_tokens], dtype=np.int32),
-        "completion_tokens": lambda: np.array([delta.num_output_tokens], dtype=np.int32),
-        "logprobs": lambda: np.array(
-            [logprobs_json(logprobs if logprobs is not None else delta.logprobs).encode()], dtype=np.object_
-        ),
-        "kv_handle": lambda: np.array([(delta.kv_handle or "").encode()], dtype=np.object_),
-    }
-    assert tuple(build) == OUTPUT_NAMES, "every output of the contract, in its order"
-    return {name: make() for name, make in build.items() if not wanted or name in wanted}
+    counts; `logprobs`: the response's (default: the delta's). Every streamed delta of every request comes
+    through here on the model's event loop: the builders are module functions, not made per call."""
+    return {name: build(text, delta, logprobs) for name, build in _BUILDERS if not wanted or name in wanted}
+
+
+def _object(value: bytes) -> np.ndarray:
+    out = np.empty(1, dtype=np.object_)
+    out[0] = value
+    return out
+
+
+Build = Callable[[str, RequestOutput, "list[TokenLogprobs] | None"], np.ndarray]
+_BUILDERS: tuple[tuple[str, Build], ...] = (
+    ("text_output", lambda text, delta, lp: _object(text.encode("utf-8"))),
+    ("finish_reason", lambda text, delta, lp: _object((delta.finish_reason or "").encode())),
+    ("prompt_tokens", lambda text, delta, lp: np.array([delta.num_prompt_tokens], dtype=np.int32)),
+    ("completion_tokens", lambda text, delta, lp: np.array([delta.num_output_tokens], dtype=np.int32)),
+    ("logprobs", lambda text, delta, lp: _object(logprobs_json(lp if lp is not None else delta.logprobs).encode())),
+    ("kv_handle", lambda text, delta, lp: _object((delta.kv_handle or "").encode())),
+)
+assert tuple(name for name, _ in _BUILDERS) == OUTPUT_NAMES, "every output of the contract, in its order"
 
 
 def logprobs_json(logprobs: list[TokenLogprobs] | None) -> str:
