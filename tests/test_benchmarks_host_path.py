@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 
-from benchmarks import host_step_ab, served_path
+from benchmarks import host_step_ab, pack_rows, served_path
 
 
 def test_served_path_reports_each_part_and_the_device_share(llama_engine):
@@ -25,3 +25,8 @@ def test_host_step_worker_steps_every_request_each_step(llama_engine):
         result = host_step_ab.worker(str(llama_engine), 4, 8, backend, prompt_tokens=32)
         assert len(result["step_s"]) == len(result["backend_s"]) == 8
         assert statistics.median(result["backend_s"]) < statistics.median(result["step_s"])
+
+
+def test_pack_rows_times_both_ways():
+    row = pack_rows.time_pack(batch=4, context=64, block_size=16, repetitions=2)
+    assert row["every_table_us"] > 0 and row["rows_us"] > 0
