@@ -141,7 +141,9 @@ class StreamDetokenizer:
         skip = self._skip_special
         head = self._backend.decode(self._context, skip_special_tokens=skip)
         full = self._backend.decode(self._context + self.output_ids, skip_special_tokens=skip)
-        expected = full[len(head) :] if full.startswith(head) else full
+        if not full.startswith(head):  # the context does not decode apart: the output alone, as IncrementalDetokenizer
+            full, head = self._backend.decode(self.output_ids, skip_special_tokens=skip), ""
+        expected = full[len(head) :]
         emitted = self.output_text
         if not expected.startswith(emitted):  # not seen; said rather than sent wrong
             log.warning("streamed text diverged from the one-shot decode; %d characters held back", len(expected))

@@ -66,8 +66,15 @@ class OutputProcessor:
                 piece, stopped = text.stream.add(token_ids[0])
                 if not stopped:  # (the core's list is the delta's: made for this output, not kept)
                     text.num_output_tokens += 1
-                    n_prompt, n_output = out.num_prompt_tokens, text.num_output_tokens
-                    done.append(RequestOutput(out.request_id, piece, token_ids, False, None, None, n_prompt, n_output))
+                    done.append(
+                        RequestOutput(
+                            out.request_id,
+                            piece,
+                            token_ids,
+                            num_prompt_tokens=out.num_prompt_tokens,
+                            num_output_tokens=text.num_output_tokens,
+                        )
+                    )
                 else:
                     done.append(self._stopped(text, out, piece, token_ids, None, 1))
             else:
