@@ -69,16 +69,8 @@ def worker(
             tokens[[i for i, row in enumerate(rows) if row is None]] = -1
             return DeviceSample(tokens, [None] * len(chunks))
 
-    # Requests admitted first decode while later prompts prefill (budget 8192): max_tokens leaves them room.
-    max_tokens = steps + 64
-    blocks = batch * (prompt_tokens + max_tokens) // config.block_size + 2 * batch
-    args = EngineArgs(
-        max_num_seqs=batch,
-        max_num_batched_tokens=max(8192, batch),
-        num_kv_blocks=blocks,
-        itl_target_ms=None,
-        max_waiting=batch,
-    )
+    max_tokens, blocks, engine_args = decode_run_sizes(batch, steps, prompt_tokens, config.block_size)
+    args = EngineArgs(**engine_args)
     if backend == "torch":
         from benchmarks.host_overhead import torch_without_kernels
 
@@ -104,6 +96,22 @@ def worker(
         backend_s.append(in_backend[0])
         assert len(outputs) == batch, f"{len(outputs)} outputs for {batch} decoding requests"
     return {"batch": batch, "step_s": seconds, "backend_s": backend_s}
+
+
+def decode_run_sizes(batch: int, steps: int, prompt_tokens: int, block_size: int) -> tuple[int, int, dict]:
+    """(max_tokens, KV blocks, EngineArgs fields) of a run that times `steps` steps of `batch` decoding requests:
+    requests admitted first decode while later prompts prefill (8,192 tokens a step), so max_tokens leaves them
+    room, and the pool holds every request at its longest."""
+    max_tokens = steps + 64
+    blocks = batch * (prompt_tokens + max_tokens) // block_size + 2 * batch
+    fields = dict(
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(8192, batch),
+        num_kv_blocks=blocks,
+        itl_target_ms=None,
+        max_waiting=batch,
+    )
+    return max_tokens, blocks, fields
 
 
 def _timed(method, total: list[float]):

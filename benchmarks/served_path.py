@@ -32,6 +32,7 @@ import numpy as np
 
 from benchmarks import overlap
 from benchmarks.host_overhead import engine_with_batch
+from benchmarks.host_step_ab import decode_run_sizes
 from benchmarks.overlap import SimulatedDevice
 from benchmarks.report import write_report
 from engine_format import EngineConfig
@@ -88,8 +89,7 @@ class Timer:
 def measure(engine_dir: Path, batch: int, device_ms: float, steps: int, prompt_tokens: int = PROMPT_TOKENS) -> dict:
     """One served run: B streams, `steps` steady steps timed after a warm-up."""
     config = EngineConfig.load(engine_dir)
-    max_tokens = steps + 64  # the warm-up's and the timed steps' tokens, with room for the prefills' skew
-    blocks = batch * (prompt_tokens + max_tokens) // config.block_size + 2 * batch
+    max_tokens, blocks, engine_args = decode_run_sizes(batch, steps, prompt_tokens, config.block_size)
     device = SimulatedDevice(config, blocks, device_ms / 1e3)
     waiting = overlap._wait_until
     timer = Timer()
@@ -97,13 +97,7 @@ def measure(engine_dir: Path, batch: int, device_ms: float, steps: int, prompt_t
         setattr(device, name, timer.excluding("backend", "device_wait", getattr(device, name)))
     # The simulated device's waits (a CUDA event's synchronize on a GPU): device time, not host work.
     overlap._wait_until = timer.wrap("device_wait", overlap._wait_until)
-    args = EngineArgs(
-        max_num_seqs=batch,
-        max_num_batched_tokens=max(8192, batch),
-        num_kv_blocks=blocks,
-        itl_target_ms=None,
-        max_waiting=batch,
-    )
+    args = EngineArgs(**engine_args)
     llm = AsyncLLM(engine_dir, args, backend=device)
     engine = llm.engine
     timed_step = timer.wrap("engine_thread", engine.step_tokens)
