@@ -22,6 +22,16 @@ PROMPT_CONTEXT_TOKENS = 5
 LOGPROB_CONTEXT_TOKENS = 4  # tokens before a logprob's candidates, decoded with each
 
 
+def prompt_context(decode: Decode, prompt_token_ids: Sequence[int], skip_special_tokens: bool) -> list[int]:
+    """The prompt's last tokens an incremental detokenizer decodes after (the prompt itself is never emitted).
+    None of them when they end mid-character (a prompt of raw ids): the completion would be swallowed into them, so
+    it is decoded without context, exactly as a full decode of the output."""
+    context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+    if context and decode(context, skip_special_tokens).endswith(REPLACEMENT_CHAR):
+        return []
+    return context
+
+
 def candidate_texts(decode_ids: Decode, context: Sequence[int], candidates: Sequence[int]) -> dict[int, str]:
     """Each candidate token's text as it reads after `context` (the few tokens before it): alone, a
     SentencePiece token would lose its leading space. A multi-byte character split across tokens shows
@@ -50,12 +60,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
         self._decoder = decoder(tokenizer)
         self._skip_special = skip_special_tokens
-        # Only the prompt tail matters as context; the prompt itself is never emitted.
-        self._tokens: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
-        # A prompt of raw ids may end mid-character; its completion would then be swallowed into
-        # the context, so decode without context (exactly what a full decode of the output does).
-        if self._tokens and self._decode(self._tokens).endswith(REPLACEMENT_CHAR):
-            self._tokens = []
+        self._tokens: list[int] = prompt_context(self._decoder, prompt_token_ids, skip_special_tokens)
         self._num_context = len(self._tokens)
         self.prefix_offset = 0
         self.read_offset = len(self._tokens)

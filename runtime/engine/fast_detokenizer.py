@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from tokenizers import decoders
 
-from runtime.engine.detokenizer import PROMPT_CONTEXT_TOKENS, REPLACEMENT_CHAR, IncrementalDetokenizer
+from runtime.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, prompt_context
 from runtime.engine.tokenizer import rust_tokenizer
 
 log = logging.getLogger(__name__)
@@ -106,11 +106,10 @@ class StreamDetokenizer:
 
     def __init__(self, backend: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
         self._backend, self._skip_special = backend, skip_special_tokens
-        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
-        if context and backend.decode(context, skip_special_tokens=skip_special_tokens).endswith(REPLACEMENT_CHAR):
-            context = []  # a prompt ending mid-character: as IncrementalDetokenizer
-        self._context = context
-        self._stream = decoders.DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._context = prompt_context(
+            lambda ids, skip: backend.decode(list(ids), skip_special_tokens=skip), prompt_token_ids, skip_special_tokens
+        )
+        self._stream = decoders.DecodeStream(ids=self._context, skip_special_tokens=skip_special_tokens)
         self.output_ids: list[int] = []
         self._text: list[str] = []
         self._held_back = False  # ids since the last text: flush owes their text
