@@ -179,6 +179,9 @@ FIELDS: tuple[RequestField, ...] = (
     RequestField("priority", Kind.INT, "Lower runs first; first come, first served within a priority.",
                  Range(-(2**31), INT32_MAX), default=0),
     RequestField("logprobs", Kind.INT, "Log-probabilities of each token and this many alternatives.", Range(0, 20)),
+    RequestField("prompt_logprobs", Kind.INT, "Log-probabilities of each prompt token given those before it, and "
+                 "this many alternatives (the first token's is null); such a prompt is computed whole, never read "
+                 "from the prefix cache.", Range(0, 20)),
     RequestField("ignore_eos", Kind.BOOL, "Keep generating past the end-of-sequence token.", default=False),
     RequestField("ttft_target_s", Kind.FLOAT, "Time-to-first-token target: orders prefills, refuses at once if the "
                  "queue cannot meet it.", Range(0.0, None, lo_open=True)),
@@ -227,6 +230,11 @@ OUTPUTS: tuple[OutputField, ...] = (
     OutputField("prompt_tokens", "INT32", "Tokens in the prompt."),
     OutputField("completion_tokens", "INT32", "Tokens generated so far."),
     OutputField("logprobs", "BYTES", "JSON: each token's text, log-probability and alternatives."),
+    OutputField(
+        "prompt_logprobs",
+        "BYTES",
+        "JSON: the same for each prompt token (the first is null), on the request's first response.",
+    ),
     OutputField("kv_handle", "BYTES", "Finish reason handoff (a prefill_only request): the KV handle's JSON."),
 )
 OUTPUT_NAMES = tuple(o.name for o in OUTPUTS)

@@ -202,6 +202,67 @@ def test_completion_logprobs_format(sdk, engine):
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
 
 
+def test_echo_scores_the_prompt_as_the_engine_does(sdk, engine):
+    """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 1): the prompt, then the completion; the
+    prompt's tokens carry the engine's prompt_logprobs (the first null), then the generated token's."""
+    prompt = "Paged attention keeps the cache"
+    want = reference(engine, prompt, max_tokens=1, logprobs=1, prompt_logprobs=1)
+    reply = sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    choice = reply.choices[0]
+    assert choice.text == prompt + want.text
+    logprobs = choice.logprobs
+    scored = want.prompt_logprobs[1:] + want.logprobs
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:] == pytest.approx([lp.logprob for lp in scored], rel=1e-5)
+    assert [list(top.values()) for top in logprobs.top_logprobs[1:]] == [
+        pytest.approx([v for _, v in lp.top], rel=1e-5) for lp in scored
+    ]
+    assert "".join(logprobs.tokens) == choice.text and len(logprobs.tokens) == reply.usage.prompt_tokens + 1
+    # max_tokens 0: the prompt scored, nothing generated
+    scores = sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=0, temperature=0, logprobs=1, echo=True)
+    assert scores.choices[0].text == prompt and scores.usage.completion_tokens == 0
+    assert scores.choices[0].logprobs.token_logprobs == logprobs.token_logprobs[:-1]
+    # echo without logprobs: the text only
+    plain = sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True)
+    assert plain.choices[0].text == prompt + want.text and plain.choices[0].logprobs is None
+
+
+def test_vllm_prompt_logprobs_field_on_both_endpoints(gateway, engine):
+    want = reference(engine, "Paged attention", max_tokens=2, prompt_logprobs=2)
+    body = {"model": MODEL, "prompt": "Paged attention", "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    got = post(gateway.url + "/v1/completions", body)["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(want.prompt_logprobs)
+    for entry, lp in zip(got[1:], want.prompt_logprobs[1:], strict=True):
+        assert entry[str(lp.token_id)]["logprob"] == pytest.approx(lp.logprob, rel=1e-5)
+        ranked = sorted((v["rank"], int(k), v["logprob"]) for k, v in entry.items() if v["rank"] is not None)
+        assert [(t, pytest.approx(v, rel=1e-5)) for _, t, v in ranked] == lp.top
+    chat = {"model": MODEL, "messages": HI, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 0}
+    reply = post(gateway.url + "/v1/chat/completions", chat)
+    assert reply["prompt_logprobs"][0] is None and len(reply["prompt_logprobs"]) == reply["usage"]["prompt_tokens"]
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param", "says"),
+    [
+        ({"echo": True, "stream": True}, "echo", "not supported with 'stream'"),
+        ({"echo": True, "n": 2}, "echo", "'n' above 1"),
+        ({"max_tokens": 0}, "max_tokens", "0 only with 'echo'"),
+        ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs", "less than or equal to 20"),
+        ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs", "not supported with 'stream'"),
+    ],
+)
+def test_bad_completions_are_400s_naming_the_parameter(sdk, kwargs, param, says):
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk.completions.create(**{"model": MODEL, "prompt": "Hi", "max_tokens": 2, **kwargs})
+    assert caught.value.status_code == 400 and caught.value.param == param and says in caught.value.message
+
+
 def test_trtserve_extra_body_fields(sdk, engine):
     """top_k, min_p, repetition_penalty, ignore_eos and priority pass through; with the penalties
     (exact in float32) the answer differs from plain greedy, so they really reached the engine."""

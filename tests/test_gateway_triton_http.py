@@ -167,6 +167,9 @@ def test_health_is_public_and_the_rest_needs_a_key_with_kserve_errors(gateway):
     assert status == 404
     status, _, raw = call(gateway.url, "/v2/models/llm/generate", b"{not json")
     assert status == 400 and "not valid JSON" in json.loads(raw)["error"]
+    # Triton answers this one 200 with an error body; the gateway says what is wrong, with a 4xx
+    status, _, raw = call(gateway.url, "/v2/models/llm/generate", {"text_input": "hi", "max_tokens": 4, "stream": True})
+    assert status == 400 and "/generate_stream" in json.loads(raw)["error"]
 
 
 @pytest.mark.serving

@@ -185,19 +185,40 @@ def token_logprobs(x: np.ndarray, token_ids: np.ndarray, states: Sequence[Sampli
     """Per row whose params ask for logprobs: the log-softmax of penalized logits `x` at token_ids[i], and the top-n."""
     out: list[TokenLogprobs | None] = [None] * len(states)
     rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-    if not rows:
-        return out
-    xr = x[rows]
-    shifted = xr - xr.max(axis=1, keepdims=True)
+    if rows:
+        ns = [states[i].params.logprobs or 0 for i in rows]
+        for i, lp in zip(rows, _logprobs(x[rows], token_ids[rows], ns), strict=True):
+            out[i] = lp
+    return out
+
+
+def prompt_logprobs(logits: np.ndarray, token_ids: Sequence[int], n: int) -> list[TokenLogprobs]:
+    """Row i's log-softmax at token_ids[i] and its top-n: the raw logits' (no penalty, temperature or grammar
+    applies to a prompt), as vLLM's prompt_logprobs. Float64 sums, chunked: a long prompt's rows need not all be
+    converted at once."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    out: list[TokenLogprobs] = []
+    for start in range(0, len(ids), _SCORE_ROWS):
+        rows = slice(start, start + _SCORE_ROWS)
+        out += _logprobs(np.asarray(logits[rows], dtype=np.float32), ids[rows], [n] * len(ids[rows]))
+    return out
+
+
+_SCORE_ROWS = 256  # rows of prompt logits normalized at once (256 x a 150k vocabulary: ~150 MB of float32)
+
+
+def _logprobs(x: np.ndarray, token_ids: np.ndarray, ns: Sequence[int]) -> list[TokenLogprobs]:
+    """Row r's log-softmax at token_ids[r] and its top-ns[r] (logprob descending, ties to the lower id)."""
+    shifted = x - x.max(axis=1, keepdims=True)
     lse = np.log(np.exp(shifted).sum(axis=1, keepdims=True, dtype=np.float64))
     lp = (shifted - lse).astype(np.float32)
-    n_max = min(max(states[i].params.logprobs or 0 for i in rows), x.shape[1])
-    cand = np.argpartition(-lp, n_max - 1, axis=1)[:, :n_max] if n_max else np.zeros((len(rows), 0), np.int64)
+    n_max = min(max(ns, default=0), x.shape[1])
+    cand = np.argpartition(-lp, n_max - 1, axis=1)[:, :n_max] if n_max else np.zeros((len(lp), 0), np.int64)
     cand_lp = np.take_along_axis(lp, cand, axis=1)
     ranked = np.lexsort((cand, -cand_lp), axis=-1)  # logprob descending, ties to the lower id
     cand, cand_lp = np.take_along_axis(cand, ranked, axis=1), np.take_along_axis(cand_lp, ranked, axis=1)
-    for r, i in enumerate(rows):
-        n, tok = states[i].params.logprobs or 0, int(token_ids[i])
+    out = []
+    for r, (n, tok) in enumerate(zip(ns, token_ids.tolist(), strict=True)):
         top = [(int(t), float(v)) for t, v in zip(cand[r, :n].tolist(), cand_lp[r, :n].tolist(), strict=True)]
-        out[i] = TokenLogprobs(tok, float(lp[r, tok]), top)
+        out.append(TokenLogprobs(int(tok), float(lp[r, tok]), top))
     return out

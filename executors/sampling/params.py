@@ -42,6 +42,7 @@ class SamplingParams:
     stop: tuple[str, ...] = _DEFAULTS["stop"]
     ignore_eos: bool = _DEFAULTS["ignore_eos"]
     logprobs: int | None = _DEFAULTS["logprobs"]
+    prompt_logprobs: int | None = _DEFAULTS["prompt_logprobs"]
     priority: int = _DEFAULTS["priority"]
     ttft_target_s: float | None = _DEFAULTS["ttft_target_s"]
     itl_target_s: float | None = _DEFAULTS["itl_target_s"]

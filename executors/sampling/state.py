@@ -67,8 +67,8 @@ class SamplingState:
     @property
     def host_sampled(self) -> bool:
         """Its tokens must be sampled from host state holding every earlier token (penalties, a grammar) or
-        come back with logprobs: never left on the device for an overlapped step."""
-        return self.tracks_tokens or self.params.logprobs is not None
+        come back with logprobs (its prompt's too): never left on the device for an overlapped step."""
+        return self.tracks_tokens or self.params.logprobs is not None or self.params.prompt_logprobs is not None
 
     def append(self, token_id: int) -> None:
         """Record a generated token (updates the penalty counts; advances the grammar's matcher)."""

@@ -65,8 +65,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
         """Longest cached prefix of full blocks, capped so at least one token is computed
-        (the last token's logits are needed to sample)."""
-        if not self.enable_prefix_caching:
+        (the last token's logits are needed to sample); none for a request scoring its prompt (cached blocks
+        come without the logits of their positions)."""
+        if not self.enable_prefix_caching or request.scores_prompt:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []

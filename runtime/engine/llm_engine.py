@@ -213,7 +213,8 @@ class LLMEngine:
         if overlap:
             return outputs + self._launch(step, rows, batch, step_start)
         try:
-            if self.device_sampling is not None and not step.drafting:  # lock released: add/abort proceed
+            # lock released: add/abort proceed
+            if self.device_sampling is not None and not step.drafting and not step.scoring:
                 logits: np.ndarray | DeviceSample = self.device_sampling.step_sample(step.chunks, rows)
             else:
                 logits = self.backend.step(step.chunks)

@@ -37,6 +37,7 @@ class _Text:
     stream: DetokenizedStream
     logprob_context: list[int]  # the last few tokens: logprobs' candidates are decoded after them
     num_output_tokens: int = 0  # delivered (tokens the core computed past a stop string are not)
+    prompt_ids: Sequence[int] = ()  # kept when its prompt is scored (prompt_logprobs): their candidates' context
 
 
 class OutputProcessor:
@@ -51,8 +52,9 @@ class OutputProcessor:
         """Register a request before the core can produce anything for it."""
         detokenizer = self.detokenizers(prompt_ids, params.skip_special_tokens)
         stream = DetokenizedStream(detokenizer, params.stop, params.include_stop_str_in_output)
+        scored = prompt_ids if params.prompt_logprobs is not None else ()
         with self._lock:
-            self._texts[request_id] = _Text(stream, list(prompt_ids[-LOGPROB_CONTEXT_TOKENS:]))
+            self._texts[request_id] = _Text(stream, list(prompt_ids[-LOGPROB_CONTEXT_TOKENS:]), prompt_ids=scored)
 
     def process(self, outputs: Sequence[TokenOutput]) -> list[RequestOutput]:
         with self._lock:
@@ -62,7 +64,8 @@ class OutputProcessor:
             if text is None:  # finished here already (a stop string), or never registered
                 continue
             token_ids = out.token_ids
-            if len(token_ids) == 1 and out.finish_reason is None and out.logprobs is None:  # a decode's token
+            one_token = len(token_ids) == 1 and out.finish_reason is None and out.logprobs is None
+            if one_token and out.prompt_logprobs is None:  # a decode's token
                 piece, stopped = text.stream.add(token_ids[0])
                 if not stopped:  # (the core's list is the delta's: made for this output, not kept)
                     text.num_output_tokens += 1
@@ -83,6 +86,7 @@ class OutputProcessor:
 
     def _one(self, out: TokenOutput, text: _Text) -> RequestOutput:
         logprobs = self._with_texts(text, out.token_ids, out.logprobs) if out.logprobs is not None else None
+        prompt_logprobs = None if out.prompt_logprobs is None else self._prompt_texts(text, out.prompt_logprobs)
         # The core finishes with "stop" only at a stop token (stop strings are found here): its text is not output.
         spoken = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
         pieces = []
@@ -90,11 +94,13 @@ class OutputProcessor:
             piece, stopped = text.stream.add(token)
             pieces.append(piece)
             if stopped:
-                return self._stopped(text, out, "".join(pieces), out.token_ids[:kept], logprobs, kept)
+                final = self._stopped(text, out, "".join(pieces), out.token_ids[:kept], logprobs, kept)
+                final.prompt_logprobs = prompt_logprobs
+                return final
         text.num_output_tokens += len(out.token_ids)
         delta = RequestOutput(out.request_id, "".join(pieces), list(out.token_ids), logprobs=logprobs,
-                              num_prompt_tokens=out.num_prompt_tokens,
-                              num_output_tokens=text.num_output_tokens)  # fmt: skip
+                              num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=text.num_output_tokens,
+                              prompt_logprobs=prompt_logprobs)  # fmt: skip
         if out.finish_reason is not None:
             if out.kv_handle is None:  # (a handed-off request's held-back text is its decode worker's to send)
                 delta.text += text.stream.finish()
@@ -142,4 +148,16 @@ class OutputProcessor:
             out.append(replace(lp, texts=texts))
             context = [*context, token][-LOGPROB_CONTEXT_TOKENS:]
         text.logprob_context = context
+        return out
+
+    def _prompt_texts(self, text: _Text, scored: list[TokenLogprobs | None]) -> list[TokenLogprobs | None]:
+        """The prompt's scores with their candidates' texts, each decoded after the prompt tokens before it."""
+        out: list[TokenLogprobs | None] = [None]
+        prompt = text.prompt_ids
+        for i, lp in enumerate(scored[1:], start=1):
+            assert lp is not None
+            context = prompt[max(0, i - LOGPROB_CONTEXT_TOKENS) : i]
+            out.append(
+                replace(lp, texts=candidate_texts(self._decode, context, [lp.token_id, *(t for t, _ in lp.top)]))
+            )
         return out

@@ -52,6 +52,7 @@ class TokenOutput:
     stats: RequestStats | None = None
     error: str | None = None
     kv_handle: str | None = None  # finish_reason "handoff": as RequestOutput.kv_handle
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first token's output: as RequestOutput's
 
 
 @dataclass
@@ -69,6 +70,9 @@ class RequestOutput:
     stats: RequestStats | None = None  # per-request timing, on the final output
     error: str | None = None  # why, when finish_reason is "error" (the engine failed the step)
     kv_handle: str | None = None  # finish_reason "handoff": the KV handle's JSON (engine_format/kv_handle.py)
+    # SamplingParams.prompt_logprobs set: on the first output, each prompt token scored given those before it
+    # (the first None), with texts as `logprobs`'
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by `later` (of the same request), as one delta."""
@@ -76,7 +80,13 @@ class RequestOutput:
         if self.logprobs is not None or later.logprobs is not None:
             logprobs = (self.logprobs or []) + (later.logprobs or [])
         token_ids = self.token_ids + later.token_ids
-        return replace(later, text=self.text + later.text, token_ids=token_ids, logprobs=logprobs)
+        return replace(
+            later,
+            text=self.text + later.text,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+        )
 
 
 @dataclass
@@ -89,11 +99,13 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     stats: RequestStats | None = None
     error: str | None = None
 
     def add(self, delta: RequestOutput) -> None:
         self.text += delta.text
+        self.prompt_logprobs = self.prompt_logprobs or delta.prompt_logprobs
         self.token_ids += delta.token_ids
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs

@@ -7,7 +7,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from executors.sampling import SamplingParams, SamplingState
+from executors.sampling import SamplingParams, SamplingState, TokenLogprobs
 from runtime.engine.outputs import RequestTimingStats
 
 
@@ -75,6 +75,9 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()  # tokens that end it: its params' and the EOS ids unless ignored
     pending_row: int = -1  # its row in the overlapped step in flight, whose sampled token is its last (placeholder)
     slot: int | None = None  # its row in the backend's persistent batch while it runs (the scheduler's)
+    # params.prompt_logprobs set: entry i scores prompt token i given those before it (entry 0: None), filled as
+    # its prefill chunks run (step_update.py); a preempted request keeps what it has.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_prompt_tokens: int = field(init=False)
     max_tokens: int = field(init=False)  # the most tokens it may generate: its params', read every step
 
@@ -84,6 +87,14 @@ class Request:
             raise ValueError("max_tokens must be resolved (admission does) before a Request is made")
         self.max_tokens = self.params.max_tokens
         self.num_prompt_tokens = len(self.all_token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt's logprobs are still being computed: every prompt position's logits are needed, so its
+        prefill runs whole (no prefix-cache hits) and returns a logits row per token."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -18,13 +18,15 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class StepChunks:
     """A step's chunks with the request each belongs to, in the same order: parallel lists (no object per
-    request per step beyond the backend's own chunk). A chunk ends in `num_logits - 1` speculative drafts;
-    the backend returns `num_logits` rows per chunk, in order."""
+    request per step beyond the backend's own chunk). A decode chunk ends in `num_logits - 1` speculative
+    drafts; a prefill chunk of a request scoring its prompt has a row per token; the backend returns
+    `num_logits` rows per chunk, in order."""
 
     requests: list[Request]
     chunks: list[SequenceChunk]
     completes: list[bool]  # the chunk reaches its request's last token, so a token is sampled from its logits
     drafting: bool  # some chunk ends in drafts (verified on the host, from the logits of every draft position)
+    scoring: bool = False  # some chunk scores its prompt: a logits row per token, read on the host
 
     def sampling_rows(self) -> list[SamplingState | None]:
         """Each chunk's sampling state if a token is sampled from it, else None (device sampling's rows)."""
@@ -37,13 +39,18 @@ def build_chunks(num_tokens: dict[Request, int]) -> StepChunks:
     copy: the KV cache manager never changes a request's list in place, it gives the request a new one."""
     chunks: list[SequenceChunk] = []
     completes: list[bool] = []
-    drafting = False
+    drafting = scoring = False
     for request, n in num_tokens.items():
         start, tokens = request.num_computed_tokens, request.all_token_ids
         uncomputed = len(tokens) - start
         if n == uncomputed == 1:  # a decode's one token: most chunks of most steps
             chunks.append(SequenceChunk(tokens[start:], start, request.block_ids, 1, request.slot))
             completes.append(True)
+            continue
+        if request.scores_prompt:  # a prefill that returns a logits row per token (never with drafts)
+            chunks.append(SequenceChunk(tokens[start : start + n], start, request.block_ids, n, request.slot))
+            completes.append(start + n == len(tokens))
+            scoring = True
             continue
         num_drafts = max(0, n - uncomputed)  # the scheduler kept that many of draft_token_ids
         ids = tokens[start : start + n - num_drafts]
@@ -52,7 +59,7 @@ def build_chunks(num_tokens: dict[Request, int]) -> StepChunks:
             drafting = True
         chunks.append(SequenceChunk(ids, start, request.block_ids, 1 + num_drafts, request.slot))
         completes.append(start + n - num_drafts == len(tokens))
-    return StepChunks(list(num_tokens), chunks, completes, drafting)
+    return StepChunks(list(num_tokens), chunks, completes, drafting, scoring)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from executors.sampling import DeviceSample, Sampler, SampleResult, TokenLogprobs
+from executors.sampling import DeviceSample, Sampler, SampleResult, TokenLogprobs, prompt_logprobs
 from runtime.engine.outputs import RequestStats, TokenOutput
 from runtime.engine.request import Request, RequestStatus
 from runtime.engine.scheduler import Scheduler
@@ -44,17 +44,22 @@ class StepUpdate:
             if request.status is finished:  # aborted while the backend ran
                 continue
             n = len(chunk.token_ids)
-            if request.num_computed_tokens < request.num_prompt_tokens:
+            prefill = request.num_computed_tokens < request.num_prompt_tokens
+            if prefill:
                 counters.prompt_tokens += n
-            if chunk.num_logits > 1:  # computed length advances by the accepted tokens only (_verify)
-                to_verify.append((request, first_row, list(chunk.token_ids[n + 1 - chunk.num_logits :])))
-                continue
+            if chunk.num_logits > 1:
+                if prefill:  # a row per token: the prompt's logprobs (build_chunks: never with drafts)
+                    assert isinstance(logits, np.ndarray), "scoring steps return host logits"
+                    score_prompt(request, chunk.past_len, logits[first_row:row])
+                else:  # computed length advances by the accepted tokens only (_verify)
+                    to_verify.append((request, first_row, list(chunk.token_ids[n + 1 - chunk.num_logits :])))
+                    continue
             request.num_computed_tokens += n
             if request.num_computed_tokens >= (request.num_cached_blocks + 1) * block_size:  # a block filled
                 self.kv.cache_computed_blocks(request)
             if completes:
                 to_sample.append(request)
-                rows.append(first_row)
+                rows.append(row - 1)
         outputs = self._sample(to_sample, rows, logits)
         if to_verify:
             assert isinstance(logits, np.ndarray), "verify steps return host logits"
@@ -94,9 +99,12 @@ class StepUpdate:
             num_output = len(tokens) - request.num_prompt_tokens
             reason = self._took(request, token, num_output, now)
             if reason is None:
-                outputs.append(TokenOutput(request.request_id, [token], lp, request.num_prompt_tokens, num_output))
+                out = TokenOutput(request.request_id, [token], lp, request.num_prompt_tokens, num_output)
             else:
-                outputs.append(self.finish(request, reason, [token], lp))
+                out = self.finish(request, reason, [token], lp)
+            if num_output == 1 and request.prompt_logprobs is not None:  # the first token's output carries them
+                out.prompt_logprobs = request.prompt_logprobs
+            outputs.append(out)
         return outputs
 
     def _append_tokens(
@@ -177,3 +185,18 @@ class StepUpdate:
 
 def _output(request: Request, token_ids: list[int], lp: list[TokenLogprobs] | None) -> TokenOutput:
     return TokenOutput(request.request_id, token_ids, lp, request.num_prompt_tokens, request.num_output_tokens)
+
+
+def score_prompt(request: Request, start: int, logits: np.ndarray) -> None:
+    """Extend `request.prompt_logprobs` from a prefill chunk's logits rows: the row of position p scores prompt
+    token p + 1 (rows of positions already scored, before a preemption, are skipped; the last prompt position's
+    row predicts the first output token, which is sampled instead)."""
+    scored = request.prompt_logprobs
+    assert scored is not None
+    first = len(scored) - 1 - start  # the first row not yet scored
+    assert first >= 0, "a scoring prefill runs from the prompt's first unscored position (no cache hits)"
+    last = min(len(logits), request.num_prompt_tokens - 1 - start)  # rows that score a prompt token
+    if first >= last:
+        return
+    tokens = request.all_token_ids[start + first + 1 : start + last + 1]
+    scored.extend(prompt_logprobs(logits[first:last], tokens, request.params.prompt_logprobs or 0))

@@ -129,6 +129,9 @@ class Call:
             async for event in exchange.events():
                 choices[event.index].add(event.delta)
             self._finished(exchange, choices)
+            if body.scores_only:
+                for choice in choices:
+                    choice.drop_completion()
             return JSONResponse(responses.completion(self._header(exchange, body), choices))
         except GatewayError as exc:
             if exc.status == 429 and exc.retry_after_s is None:  # the engine's own queue is full
@@ -143,7 +146,8 @@ class Call:
         self.gateway.metrics.cancelled.labels(self.endpoint).inc()
 
     def _header(self, exchange: Exchange, body: Generation) -> Header:
-        return Header(self.kind, exchange.model, body.logprobs_n is not None, body.tool_names)
+        return Header(self.kind, exchange.model, body.logprobs_n is not None, body.tool_names, body.echoed,
+                      body.prompt_logprobs is not None)  # fmt: skip
 
     def _finished(self, exchange: Exchange, choices: list[Choice]) -> None:
         self.gateway.account(exchange, choices)

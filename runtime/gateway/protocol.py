@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, PrivateAttr, model_validator
 
-from engine_format.requests import CHAT_ROLES, FIELD, MAX_CHOICES, Limits
+from engine_format.requests import CHAT_ROLES, FIELD, INT32_MAX, MAX_CHOICES, Limits
 from runtime.gateway.errors import GatewayError
 from runtime.gateway.strict import Strict as _Strict
 from runtime.gateway.structured import GuidedExtras, ResponseFormat, Tool, ToolChoice, chat_guided, upstream_tools
@@ -132,11 +132,14 @@ class Generation(GuidedExtras):
     itl_target_s: Annotated[float, bounds("itl_target_s")] | None = default("itl_target_s")
     # Prefix-cache isolation within the tenant: mixed with the tenant's own salt (service.Gateway.cache_salt).
     cache_salt: Annotated[str, bounds("cache_salt")] | None = default("cache_salt")
+    prompt_logprobs: Annotated[int, bounds("prompt_logprobs")] | None = default("prompt_logprobs")  # vLLM's extra
 
     @model_validator(mode="after")
     def _shared_checks(self) -> Generation:
         if self.stream_options is not None and not self.stream:
             raise GatewayError.invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise GatewayError.invalid("'prompt_logprobs' is not supported with 'stream'", "prompt_logprobs")
         if self.prompt_chars > LIMITS.max_prompt_chars:
             field = "messages" if isinstance(self, ChatCompletionRequest) else "prompt"
             raise GatewayError.invalid(f"the prompt has {self.prompt_chars} characters; the limit is "
@@ -170,6 +173,21 @@ class Generation(GuidedExtras):
         return None
 
     @property
+    def prompt_logprobs_n(self) -> int | None:
+        """Top alternatives per prompt token to ask the engine for; None: the prompt is not scored."""
+        return self.prompt_logprobs
+
+    @property
+    def echoed(self) -> tuple[str, ...] | None:
+        """The prompts the answer repeats before each choice's text (completions' `echo`), or None."""
+        return None
+
+    @property
+    def scores_only(self) -> bool:
+        """The answer leaves the generated tokens out (echo with max_tokens 0)."""
+        return False
+
+    @property
     def prompt_chars(self) -> int:
         return sum(len(p or "") + sum(len(m["content"]) for m in ms or []) for p, ms in self._inputs())
 
@@ -189,6 +207,8 @@ class Generation(GuidedExtras):
             params["max_tokens"] = self.token_limit
         if self.logprobs_n is not None:
             params["logprobs"] = self.logprobs_n
+        if self.prompt_logprobs_n is not None:
+            params["prompt_logprobs"] = self.prompt_logprobs_n
         for target in ("ttft_target_s", "itl_target_s"):
             if getattr(self, target) is not None:
                 params[target] = getattr(self, target)
@@ -251,6 +271,10 @@ class ChatCompletionRequest(Generation):
 class CompletionRequest(Generation):
     prompt: PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_N)]
     logprobs: Annotated[int, bounds("logprobs")] | None = None  # named `logprobs_n` elsewhere
+    # The prompt before the completion, its tokens scored when `logprobs` is set (lm-eval's loglikelihood);
+    # with max_tokens 0, the prompt alone.
+    echo: bool = False
+    max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = default("max_tokens")
 
     @model_validator(mode="after")
     def _checks(self) -> CompletionRequest:
@@ -258,7 +282,23 @@ class CompletionRequest(Generation):
             raise GatewayError.invalid(f"len(prompt) * n must be at most {MAX_N}", "n")
         if any(not p for p in self.prompts):
             raise GatewayError.invalid("'prompt' must not be empty", "prompt")
+        if self.max_tokens == 0 and not self.echo:
+            raise GatewayError.invalid("'max_tokens' must be at least 1 (0 only with 'echo': the prompt scored, "
+                                       "nothing generated)", "max_tokens")  # fmt: skip
+        if self.echo and self.stream:
+            raise GatewayError.invalid("'echo' is not supported with 'stream'", "echo")
+        if self.echo and self.n > 1:
+            raise GatewayError.invalid("'echo' is not supported with 'n' above 1", "echo")
         return self
+
+    @property
+    def scores_only(self) -> bool:
+        # The engine generates one token (its prompt's last logits are computed anyway), which is left out.
+        return self.max_tokens == 0
+
+    @property
+    def echoed(self) -> tuple[str, ...] | None:
+        return tuple(self.prompts) if self.echo else None
 
     @property
     def prompts(self) -> list[str]:
@@ -266,11 +306,17 @@ class CompletionRequest(Generation):
 
     @property
     def token_limit(self) -> int:
-        return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default for completions
+        return max(1, self.max_tokens) if self.max_tokens is not None else 16  # OpenAI's default for completions
 
     @property
     def logprobs_n(self) -> int | None:
         return self.logprobs
+
+    @property
+    def prompt_logprobs_n(self) -> int | None:
+        if self.prompt_logprobs is not None or not self.echo:
+            return self.prompt_logprobs
+        return self.logprobs  # echo scores the prompt as the completion's tokens are
 
     def _inputs(self) -> list[tuple[str | None, list[dict[str, Any]] | None]]:
         return [(p, None) for p in self.prompts]

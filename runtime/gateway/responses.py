@@ -29,12 +29,19 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked: each prompt token scored (first None)
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
         self.finish_reason = delta.finish_reason
         self.prompt_tokens, self.completion_tokens = delta.prompt_tokens, delta.completion_tokens
         self.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+
+    def drop_completion(self) -> None:
+        """Leave the generated text out (echo with max_tokens 0: the prompt scored, nothing generated)."""
+        self.text, self.logprobs, self.completion_tokens = "", [], 0
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,8 @@ class Header:
     model: str
     want_logprobs: bool
     tool_names: frozenset[str] | None = None  # the answer is parsed for calls of these (None: it is text)
+    echo: tuple[str, ...] | None = None  # completions' `echo`: the prompts, each before its choices' text
+    prompt_logprobs: bool = False  # vLLM's `prompt_logprobs` field in the answer
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -67,15 +76,26 @@ def completion(header: Header, choices: list[Choice]) -> dict[str, Any]:
         body["choices"] = [
             {"index": c.index, "logprobs": _logprobs(header, c.logprobs), **_message(header, c)} for c in choices
         ]
+        if header.prompt_logprobs:  # (vLLM's place for chat: one prompt)
+            body["prompt_logprobs"] = _vllm_prompt_logprobs(choices[0].prompt_logprobs if choices else None)
     else:
         body = header.base("text_completion")
-        body["choices"] = [
-            {"index": c.index, "text": c.text, "logprobs": _logprobs(header, c.logprobs),
-             "finish_reason": c.finish_reason}
-            for c in choices
-        ]  # fmt: skip
+        body["choices"] = [_text_choice(header, c) for c in choices]
     body["usage"] = usage(choices)
     return body
+
+
+def _text_choice(header: Header, choice: Choice) -> dict[str, Any]:
+    text, entries = choice.text, [_entry(lp) for lp in choice.logprobs]
+    if header.echo is not None:
+        prompt = header.echo[choice.prompt_index]
+        text = prompt + text
+        entries = _echoed(prompt, choice.prompt_logprobs) + entries
+    out = {"index": choice.index, "text": text, "logprobs": _legacy_logprobs(entries) if header.want_logprobs else None,
+           "finish_reason": choice.finish_reason}  # fmt: skip
+    if header.prompt_logprobs:
+        out["prompt_logprobs"] = _vllm_prompt_logprobs(choice.prompt_logprobs)
+    return out
 
 
 def _message(header: Header, choice: Choice) -> dict[str, Any]:
@@ -186,14 +206,55 @@ def _logprobs(header: Header, logprobs: list[TokenLogprob]) -> dict[str, Any] | 
              "top_logprobs": [{"token": t, "logprob": v, "bytes": _token_bytes(t)} for t, v in lp.top]}
             for lp in logprobs
         ]}  # fmt: skip
-    # Legacy completions: parallel lists; text offsets are known only when tokens carry their text.
+    return _legacy_logprobs([_entry(lp) for lp in logprobs])
+
+
+# A legacy completions logprobs entry: the token's text, its logprob and its top alternatives (None: a prompt's
+# first token, which nothing before it scores).
+Entry = tuple[str, float | None, dict[str, float] | None]
+
+
+def _entry(lp: TokenLogprob) -> Entry:
+    return lp.token, lp.logprob, dict(lp.top)
+
+
+def _legacy_logprobs(entries: list[Entry]) -> dict[str, Any]:
+    """Legacy completions: parallel lists; text offsets are known only when tokens carry their text."""
     offsets, position = [], 0
-    for lp in logprobs:
+    for token, _, _ in entries:
         offsets.append(position)
-        position += 0 if lp.token.startswith("token_id:") else len(lp.token)
+        position += 0 if token.startswith("token_id:") else len(token)
     return {
-        "tokens": [lp.token for lp in logprobs],
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [dict(lp.top) for lp in logprobs],
+        "tokens": [token for token, _, _ in entries],
+        "token_logprobs": [logprob for _, logprob, _ in entries],
+        "top_logprobs": [top for _, _, top in entries],
         "text_offset": offsets,
     }
+
+
+def _echoed(prompt: str, scored: list[TokenLogprob | None] | None) -> list[Entry]:
+    """The echoed prompt's entries (with `logprobs`, the prompt was scored): its first token's text is what
+    the others' texts leave of the prompt, with no logprob (vLLM's and OpenAI's null)."""
+    rest = [lp for lp in scored or [] if lp is not None]
+    tail = "".join(lp.token for lp in rest)
+    head = prompt[: len(prompt) - len(tail)] if prompt.endswith(tail) else ""
+    return [(head, None, None), *(_entry(lp) for lp in rest)]
+
+
+def _vllm_prompt_logprobs(scored: list[TokenLogprob | None] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, its id and its top alternatives' ids, each with its logprob,
+    rank (known for the alternatives: their place) and text; None for the first token."""
+    if scored is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for lp in scored:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {
+            str(token_id): {"logprob": v, "rank": rank, "decoded_token": t}
+            for rank, (token_id, (t, v)) in enumerate(zip(lp.top_ids, lp.top, strict=True), start=1)
+        }
+        entry.setdefault(str(lp.token_id), {"logprob": lp.logprob, "rank": None, "decoded_token": lp.token})
+        out.append(entry)
+    return out

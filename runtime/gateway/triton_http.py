@@ -180,6 +180,10 @@ async def _infer(gateway: Gateway, triton: TritonHTTP, request: Request, tenant:
         raise GatewayError(415, "binary tensor data is not accepted here: send the request as JSON",
                            "invalid_request_error", code="unsupported_media_type")  # fmt: skip
     body = await read_json(request)
+    if path.endswith("/generate") and isinstance(body, dict) and body.get("stream") is True:
+        # Triton's generate would answer 200 with an error in the body ("expects model to produce exactly 1
+        # response"): a client checking the status would take it for an answer.
+        raise GatewayError.invalid("'stream' true needs /generate_stream (/generate answers once)", "stream")
     salted(gateway, tenant, body, inputs=path.endswith("/infer"))
     slot = gateway.queue.slot(gateway.queue_key(request, tenant, None))
     try:

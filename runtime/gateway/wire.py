@@ -20,8 +20,9 @@ from tritonclient.grpc import service_pb2 as pb
 from engine_format.requests import FIELD, OUTPUT_NAMES
 
 LOGPROBS = "logprobs"  # read (so asked for: Triton sends only the outputs asked) when the request wants them
+PROMPT_LOGPROBS = "prompt_logprobs"  # the same, for the prompt's scores
 KV_HANDLE = "kv_handle"  # read from prefill-only requests (disaggregation)
-OUTPUTS = tuple(name for name in OUTPUT_NAMES if name not in (LOGPROBS, KV_HANDLE))  # what every generation reads
+OUTPUTS = tuple(name for name in OUTPUT_NAMES if name not in (LOGPROBS, PROMPT_LOGPROBS, KV_HANDLE))  # always read
 NUMPY_TYPES = {"INT64": np.int64, "FP32": np.float32, "BOOL": np.bool_}
 
 
@@ -46,7 +47,8 @@ class TokenLogprob:
     token_id: int
     token: str  # the model's "token" text when it sends one, else "token_id:<id>"
     logprob: float
-    top: list[tuple[str, float]]
+    top: list[tuple[str, float]]  # the alternatives' (token, logprob), most likely first
+    top_ids: tuple[int, ...] = ()  # their ids, in the same order
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class Delta:
     completion_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)
     kv_handle: str | None = None  # a prefill worker's answer to a prefill-only request (finish reason handoff)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first delta, when asked: the first is None
 
 
 def token_name(token_id: int, text: str | None = None) -> str:
@@ -66,13 +69,22 @@ def token_name(token_id: int, text: str | None = None) -> str:
 
 
 def parse_logprobs(raw: bytes) -> list[TokenLogprob]:
-    out = []
-    for entry in json.loads(raw or b"[]"):
-        # top entries: [token_id, logprob, text] (models before token text sent [token_id, logprob])
-        top = [(token_name(int(t[0]), t[2] if len(t) > 2 else None), float(t[1])) for t in entry.get("top", [])]
-        out.append(TokenLogprob(entry["token_id"], token_name(entry["token_id"], entry.get("token")),
-                                float(entry["logprob"]), top))  # fmt: skip
-    return out
+    """The model's logprobs JSON: an entry per generated token."""
+    return [_token_logprob(entry) for entry in json.loads(raw or b"[]")]
+
+
+def parse_prompt_logprobs(raw: bytes) -> list[TokenLogprob | None]:
+    """The model's prompt_logprobs JSON: an entry per prompt token, null for the first (nothing before it)."""
+    return [None if entry is None else _token_logprob(entry) for entry in json.loads(raw)]
+
+
+def _token_logprob(entry: dict[str, Any]) -> TokenLogprob:
+    # top entries: [token_id, logprob, text] (models before token text sent [token_id, logprob])
+    alternatives = entry.get("top", [])
+    top = [(token_name(int(t[0]), t[2] if len(t) > 2 else None), float(t[1])) for t in alternatives]
+    token_id = entry["token_id"]
+    return TokenLogprob(token_id, token_name(token_id, entry.get("token")), float(entry["logprob"]), top,
+                        tuple(int(t[0]) for t in alternatives))  # fmt: skip
 
 
 def _encode(name: str, values: list[Any]) -> bytes:
@@ -109,6 +121,7 @@ def build_request(model: str, request: GenerateRequest, stream: bool) -> Any:
     wanted = (
         *OUTPUTS,
         *((LOGPROBS,) if LOGPROBS in request.params else ()),
+        *((PROMPT_LOGPROBS,) if PROMPT_LOGPROBS in request.params else ()),
         *((KV_HANDLE,) if request.prefill_only else ()),
     )
     for name in wanted:
@@ -131,6 +144,7 @@ def parse_response(response: Any) -> Delta:
         completion = int.from_bytes(raw["completion_tokens"][:4], "little", signed=True)
         logprobs = _element(raw[LOGPROBS]) if LOGPROBS in raw else b""
         handle = _element(raw[KV_HANDLE]) if KV_HANDLE in raw else b""
+        scored = _element(raw[PROMPT_LOGPROBS]) if PROMPT_LOGPROBS in raw else b""
     else:  # typed contents: KServe's other encoding
         typed = {o.name: o.contents for o in response.outputs}
         text, finish = typed["text_output"].bytes_contents[0], typed["finish_reason"].bytes_contents[0]
@@ -138,6 +152,8 @@ def parse_response(response: Any) -> Delta:
         completion = int(typed["completion_tokens"].int_contents[0])
         logprobs = typed[LOGPROBS].bytes_contents[0] if LOGPROBS in typed else b""
         handle = typed[KV_HANDLE].bytes_contents[0] if KV_HANDLE in typed else b""
+        scored = typed[PROMPT_LOGPROBS].bytes_contents[0] if PROMPT_LOGPROBS in typed else b""
     return Delta(text.decode("utf-8", errors="replace"), finish.decode() or None, prompt, completion,
                  parse_logprobs(logprobs) if logprobs not in (b"", b"[]") else [],
-                 handle.decode() if handle else None)  # fmt: skip
+                 handle.decode() if handle else None,
+                 parse_prompt_logprobs(scored) if scored not in (b"", b"[]") else None)  # fmt: skip

@@ -5,7 +5,7 @@ outputs a request asked for: unrequested ones are never computed, and never hand
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
@@ -34,14 +34,17 @@ _BUILDERS: tuple[tuple[str, Build], ...] = (
     ("prompt_tokens", lambda text, delta, lp: np.array([delta.num_prompt_tokens], dtype=np.int32)),
     ("completion_tokens", lambda text, delta, lp: np.array([delta.num_output_tokens], dtype=np.int32)),
     ("logprobs", lambda text, delta, lp: _object(logprobs_json(lp if lp is not None else delta.logprobs).encode())),
+    ("prompt_logprobs", lambda text, delta, lp: _object(logprobs_json(delta.prompt_logprobs).encode())),
     ("kv_handle", lambda text, delta, lp: _object((delta.kv_handle or "").encode())),
 )
 assert tuple(name for name, _ in _BUILDERS) == OUTPUT_NAMES, "every output of the contract, in its order"
 
 
-def logprobs_json(logprobs: list[TokenLogprobs] | None) -> str:
-    """Each token's text, log-probability and alternatives (texts rendered by the engine)."""
+def logprobs_json(logprobs: Sequence[TokenLogprobs | None] | None) -> str:
+    """Each token's text, log-probability and alternatives (texts rendered by the engine); null for a token
+    without (a prompt's first)."""
     return json.dumps([
+        None if lp is None else
         {"token_id": lp.token_id, "token": lp.texts.get(lp.token_id, ""), "logprob": lp.logprob,
          "top": [[t, v, lp.texts.get(t, "")] for t, v in lp.top]}
         for lp in logprobs or []

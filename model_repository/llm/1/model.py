@@ -23,6 +23,7 @@ import json
 import sys
 import threading
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +111,7 @@ class TritonPythonModel:
                         else:
                             whole.add(delta)
                             if delta.finished:
+                                delta = replace(delta, prompt_logprobs=whole.prompt_logprobs)
                                 _send(sender, output_arrays(wanted, whole.text, delta, whole.logprobs or []), True)
             if not finished:  # cancelled by the client: close the stream without data
                 sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
