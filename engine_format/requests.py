@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -32,6 +33,7 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")  # what the engine's chat t
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 MAX_GRAMMAR_CHARS = 131_072  # a JSON schema, regex, grammar or tool list (engine_format/grammars.py)
 MAX_GUIDED_CHOICES, MAX_CHOICE_CHARS = 256, 1024
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias (OpenAI's docs show a few; vLLM sets no bound)
 MAX_KV_HANDLE_CHARS = 16 * 2**20  # a handle lists its prompt's tokens: ~10 characters a token, plus metadata
 
 
@@ -49,9 +51,12 @@ class Kind(Enum):
     BOOL = "bool"
     TEXT = "text"  # one string
     TEXTS = "texts"  # a list of strings
+    TOKEN_MAP = "token_map"  # token id -> number (JSON text on the Triton wire, as OpenAI's object)
 
 
-TRITON_TYPES = {Kind.INT: "INT64", Kind.FLOAT: "FP32", Kind.BOOL: "BOOL", Kind.TEXT: "BYTES", Kind.TEXTS: "BYTES"}
+TRITON_TYPES = {Kind.INT: "INT64", Kind.FLOAT: "FP32", Kind.BOOL: "BOOL"} | dict.fromkeys(
+    (Kind.TEXT, Kind.TEXTS, Kind.TOKEN_MAP), "BYTES"
+)
 
 
 @dataclass(frozen=True)
@@ -91,11 +96,11 @@ class RequestField:
     name: str
     kind: Kind
     doc: str
-    range: Range | None = None  # numbers; for TEXT/TEXTS: the length of each string
+    range: Range | None = None  # numbers; for TEXT/TEXTS: the length of each string; TOKEN_MAP: each value
     default: Any = None  # the engine's (SamplingParams, the Python API); None: not set
     triton_default: Any = SAME  # the Triton model's, where it differs
     openai_default: Any = SAME  # the OpenAI gateway's, where it differs
-    max_items: int | None = None  # TEXTS: how many strings
+    max_items: int | None = None  # TEXTS: how many strings; TOKEN_MAP: how many entries
     sampling: bool = True  # a SamplingParams field (else the request's: prompt, stream)
 
     @property
@@ -131,6 +136,8 @@ class RequestField:
                 return f"must be a finite number (got {value!r})"
         elif self.kind is Kind.TEXT:
             return self._text_problem(value)
+        elif self.kind is Kind.TOKEN_MAP:
+            return self._token_map_problem(value)
         else:
             return self._texts_problem(value)
         return None if self.range is None or self.range.contains(value) else f"must be in {self.range} (got {value})"
@@ -140,6 +147,20 @@ class RequestField:
             return f"must be {what} (got {type(value).__name__})"
         if self.range is not None and not self.range.contains(len(value)):
             return f"must be {what} of {_length(self.range)} characters (got {len(value)})"
+        return None
+
+    def _token_map_problem(self, value: Any) -> str | None:
+        if not isinstance(value, Mapping):
+            return f"must be an object of token ids to numbers (got {type(value).__name__})"
+        if self.max_items is not None and len(value) > self.max_items:
+            return f"has {len(value)} entries; the limit is {self.max_items}"
+        for key, number in value.items():
+            if token_id(key) is None:
+                return f"keys must be token ids, integers >= 0 (got {key!r})"
+            if not isinstance(number, int | float) or isinstance(number, bool) or not math.isfinite(number):
+                return f"values must be finite numbers (got {number!r} for token {key})"
+            if self.range is not None and not self.range.contains(number):
+                return f"values must be in {self.range} (got {number} for token {key})"
         return None
 
     def _texts_problem(self, value: Any) -> str | None:
@@ -182,6 +203,9 @@ FIELDS: tuple[RequestField, ...] = (
     RequestField("prompt_logprobs", Kind.INT, "Log-probabilities of each prompt token given those before it, and "
                  "this many alternatives (the first token's is null); such a prompt is computed whole, never read "
                  "from the prefix cache.", Range(0, 20)),
+    RequestField("logit_bias", Kind.TOKEN_MAP, "Added to the logits of these token ids before sampling (-100 bans "
+                 "a token, 100 all but forces it); their logprobs include it.", Range(-100.0, 100.0),
+                 max_items=MAX_LOGIT_BIAS),
     RequestField("ignore_eos", Kind.BOOL, "Keep generating past the end-of-sequence token.", default=False),
     RequestField("ttft_target_s", Kind.FLOAT, "Time-to-first-token target: orders prefills, refuses at once if the "
                  "queue cannot meet it.", Range(0.0, None, lo_open=True)),
@@ -265,6 +289,15 @@ class Limits:
         # Each content character is at most 6 bytes of JSON (a \\u escape and 4 hex digits), plus each
         # message's keys and role.
         return 6 * self.max_prompt_chars + 256 * self.max_messages
+
+
+def token_id(key: Any) -> int | None:
+    """A token id given as an integer or as decimal text (JSON object keys are strings), or None if not one."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key if key >= 0 else None
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10:
+        return int(key)
+    return None
 
 
 def json_depth_exceeds(text: str, limit: int) -> bool:

@@ -263,6 +263,17 @@ def test_bad_completions_are_400s_naming_the_parameter(sdk, kwargs, param, says)
     assert caught.value.status_code == 400 and caught.value.param == param and says in caught.value.message
 
 
+def test_logit_bias_bans_and_forces_as_in_the_engine(sdk, engine):
+    plain = reference(engine, "Paged attention", max_tokens=4, ignore_eos=True)
+    bias = {str(t): -100 for t in plain.token_ids}
+    want = reference(engine, "Paged attention", max_tokens=4, ignore_eos=True, logit_bias=bias)
+    reply = sdk.completions.create(model=MODEL, prompt="Paged attention", max_tokens=4, temperature=0,
+                                   logit_bias=bias, extra_body={"ignore_eos": True})  # fmt: skip
+    assert reply.choices[0].text == want.text != plain.text
+    forced = sdk.chat.completions.create(model=MODEL, messages=HI, max_tokens=3, temperature=0, logit_bias={"77": 100})
+    assert forced.choices[0].message.content == engine.tokenizer.decode([77] * 3)
+
+
 def test_trtserve_extra_body_fields(sdk, engine):
     """top_k, min_p, repetition_penalty, ignore_eos and priority pass through; with the penalties
     (exact in float32) the answer differs from plain greedy, so they really reached the engine."""
@@ -289,7 +300,9 @@ def test_trtserve_extra_body_fields(sdk, engine):
             "Invalid type: objec",
         ),  # checked before any work
         ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
-        ({"logit_bias": {"5": 1}}, "logit_bias", "not supported"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias", "outside the vocabulary"),  # (the engine's check)
+        ({"logit_bias": {"5": 101}}, "logit_bias", "must be in [-100, 100]"),
+        ({"functions": [{"name": "f"}]}, "functions", "not supported"),
         ({"extra_body": {"frobnicate": 1}}, "frobnicate", "unknown parameter"),
         ({"extra_body": {"top_k": -1}}, "top_k", "greater than or equal to 0"),
         ({"messages": []}, "messages", "at least 1 item"),

@@ -29,6 +29,8 @@ PARAMS = [
     SamplingParams(temperature=1e-6, seed=7),  # everything but the top token overflows to -inf
     SamplingParams(temperature=2.0, top_k=1, seed=8),
     SamplingParams(temperature=2.0, top_p=1e-9, seed=9, logprobs=0),
+    SamplingParams(temperature=0.8, seed=10, logit_bias={3: 5.0, 4: -100.0}, logprobs=2),
+    SamplingParams(temperature=0.0, logit_bias={7: 100.0}, repetition_penalty=1.2),
 ]
 
 

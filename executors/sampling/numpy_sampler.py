@@ -1,4 +1,4 @@
-"""Batched token sampling on the host: penalties, temperature, min-p / top-k / top-p, seeded draws,
+"""Batched token sampling on the host: logit biases, penalties, temperature, min-p / top-k / top-p, seeded draws,
 logprobs (the semantics executors/sampling/torch_sampler.py repeats on a device).
 
 numpy only. Everything that touches the vocabulary is a [B, V] array op; the only per-row Python
@@ -25,9 +25,9 @@ class Sampler:
     survivors; each draws exactly one uniform per step and samples by inverse CDF over the kept
     tokens in id order (inverse_cdf), so no row is sorted to draw from it.
 
-    Logprobs are the log-softmax of the *penalized* logits, before temperature and filtering
-    (vLLM's "raw_logprobs" is taken before penalties too, so the two differ only when a
-    penalty is active). A request with a grammar samples from its masked logits (grammar.py), logprobs too.
+    Logprobs are the log-softmax of the *penalized* (and biased) logits, before temperature and filtering
+    (vLLM's "raw_logprobs" is taken before both, so the two differ only when a penalty or bias is active).
+    A request with a grammar samples from its masked logits (grammar.py), logprobs too.
     """
 
     def sample(self, logits: np.ndarray, states: Sequence[SamplingState]) -> SampleResult:
@@ -155,14 +155,20 @@ def _last_nonzero(x: np.ndarray) -> np.ndarray:
 
 
 def apply_penalties(logits: np.ndarray, states: Sequence[SamplingState]) -> np.ndarray:
-    """float32 logits with repetition, then frequency and presence penalties (vLLM's order).
+    """float32 logits with each row's logit_bias added, then repetition, frequency and presence penalties
+    (vLLM's order).
 
     Never writes to the caller's array.
     """
     rows = [i for i, s in enumerate(states) if s.penalized]
-    if not rows:
+    biased = [i for i, s in enumerate(states) if s.bias_ids.size]
+    if not rows and not biased:
         return np.asarray(logits, dtype=np.float32)
     x = np.array(logits, dtype=np.float32)
+    for i in biased:
+        x[i, states[i].bias_ids] += states[i].bias_values
+    if not rows:
+        return x
     counts = np.stack([states[i].output_counts for i in rows]).astype(np.float32)
     seen = np.stack([states[i].seen for i in rows])
     rep, freq, pres = (

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from engine_format.grammars import GUIDED_FIELDS, GrammarSpec, guided_spec
-from engine_format.requests import FIELD, SAMPLING_FIELDS, InvalidRequest
+from engine_format.requests import FIELD, SAMPLING_FIELDS, InvalidRequest, token_id
 
 MAX_LOGPROBS = 20
 assert FIELD["logprobs"].range is not None and FIELD["logprobs"].range.hi == MAX_LOGPROBS
@@ -41,6 +42,7 @@ class SamplingParams:
     seed: int | None = _DEFAULTS["seed"]
     stop: tuple[str, ...] = _DEFAULTS["stop"]
     ignore_eos: bool = _DEFAULTS["ignore_eos"]
+    logit_bias: Mapping[int, float] | None = _DEFAULTS["logit_bias"]  # token id -> bias (ids as text accepted)
     logprobs: int | None = _DEFAULTS["logprobs"]
     prompt_logprobs: int | None = _DEFAULTS["prompt_logprobs"]
     priority: int = _DEFAULTS["priority"]
@@ -67,6 +69,9 @@ class SamplingParams:
         if isinstance(self.guided_choice, list):
             object.__setattr__(self, "guided_choice", tuple(self.guided_choice))
         self.validate()
+        if self.logit_bias is not None:  # keys as ints (JSON gives text), values as floats: checked above
+            bias = {token_id(k): float(v) for k, v in self.logit_bias.items()}
+            object.__setattr__(self, "logit_bias", bias or None)
 
     @property
     def greedy(self) -> bool:

@@ -40,6 +40,9 @@ class SamplingState:
     seen: np.ndarray = field(init=False, repr=False)  # bool [V]: prompt ∪ output
     # A penalty is active (the params are frozen: decided once, read for every token).
     penalized: bool = field(init=False, repr=False)
+    # logit_bias as arrays: ids (int64) and the biases added to their logits (float32); empty without one.
+    bias_ids: np.ndarray = field(init=False, repr=False)
+    bias_values: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         p = self.params
@@ -48,6 +51,11 @@ class SamplingState:
         size = self.vocab_size if self.penalized else 0
         self.output_counts = np.zeros(size, dtype=np.int32)
         self.seen = np.zeros(size, dtype=bool)
+        bias = p.logit_bias or {}
+        self.bias_ids = np.fromiter(bias.keys(), np.int64, len(bias))
+        self.bias_values = np.fromiter(bias.values(), np.float32, len(bias))
+        if self.bias_ids.size and self.bias_ids.max() >= self.vocab_size:
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
         if self.penalized:
             ids = np.asarray(self.prompt_token_ids, dtype=np.int64)
             if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
@@ -56,8 +64,9 @@ class SamplingState:
 
     @property
     def argmax_only(self) -> bool:
-        """Greedy, without penalties or logprobs: the token is the raw logits' argmax, nothing else is computed."""
-        return self.params.greedy and not self.penalized and self.params.logprobs is None
+        """Greedy, without penalties, a logit bias or logprobs: the token is the raw logits' argmax, nothing else
+        is computed."""
+        return self.params.greedy and not self.penalized and not self.bias_ids.size and self.params.logprobs is None
 
     @property
     def tracks_tokens(self) -> bool:
@@ -67,8 +76,15 @@ class SamplingState:
     @property
     def host_sampled(self) -> bool:
         """Its tokens must be sampled from host state holding every earlier token (penalties, a grammar) or
-        come back with logprobs (its prompt's too): never left on the device for an overlapped step."""
-        return self.tracks_tokens or self.params.logprobs is not None or self.params.prompt_logprobs is not None
+        come back with logprobs (its prompt's too), or a logit bias (which only the non-overlapped samplers add):
+        never left on the device for an overlapped step."""
+        params = self.params
+        return (
+            self.tracks_tokens
+            or params.logprobs is not None
+            or params.prompt_logprobs is not None
+            or params.logit_bias is not None
+        )
 
     def append(self, token_id: int) -> None:
         """Record a generated token (updates the penalty counts; advances the grammar's matcher)."""

@@ -1,7 +1,7 @@
 """Sampling on the device: numpy_sampler.py's semantics over torch tensors (the GPU backends'
 `step_sample`: executors/torch/, executors/tensorrt.py).
 
-The same steps in the same order and precision as the numpy sampler: penalties (repetition,
+The same steps in the same order and precision as the numpy sampler: logit biases, penalties (repetition,
 then frequency and presence, float32), temperature, min-p, top-k, top-p over the renormalized
 survivors (each a cutoff value, cumulative sums in float64), one inverse-CDF draw per random row over
 the kept tokens in id order (the same two levels of blocks); logprobs are the float32 log-softmax of
@@ -54,7 +54,7 @@ class TorchSampler:
     @torch.inference_mode()
     def sample_on_device(self, logits: torch.Tensor, rows: Sequence[SamplingState | None]) -> torch.Tensor:
         """`sample_rows`' tokens left on the device ([B] int64, -1 where rows[i] is None), for an overlapped step:
-        nothing is read back. Rows without penalties, grammars or logprobs only (their host state would lag)."""
+        nothing is read back. Rows without penalties, grammars, logprobs or a logit bias only (host_sampled)."""
         picked: list[int] = []  # the rows sampled, one pass over the batch (every overlapped step's)
         states: list[SamplingState] = []
         rand: list[int] = []  # which of `states` draw at random
@@ -62,8 +62,8 @@ class TorchSampler:
             if r is None:
                 continue
             if r.host_sampled:
-                raise ValueError("a row with penalties, a grammar or logprobs is sampled with sample_rows, not left "
-                                 "on the device")  # fmt: skip
+                raise ValueError("a row with penalties, a grammar, logprobs or a bias is sampled with sample_rows, "
+                                 "not left on the device")  # fmt: skip
             if not r.params.greedy:
                 rand.append(len(states))
             picked.append(i)
@@ -123,11 +123,19 @@ class TorchSampler:
         return torch.from_numpy(host).to(self.device, non_blocking=True)
 
     def _penalized(self, logits: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tensor:
-        """float32 logits with the penalties applied (a copy when any row has one)."""
+        """float32 logits with the logit biases, then the penalties applied (a copy when any row has one)."""
         penalized = [i for i, r in enumerate(rows) if r.penalized]
-        if not penalized:
+        biased = [i for i, r in enumerate(rows) if r.bias_ids.size]
+        if not penalized and not biased:
             return logits.float()
         x = logits.float().clone()
+        if biased:  # (row, token) pairs are distinct: a plain indexed add
+            bias_rows = np.repeat(biased, [rows[i].bias_ids.size for i in biased]).astype(np.int64)
+            ids = np.concatenate([rows[i].bias_ids for i in biased])
+            values = self._upload(np.concatenate([rows[i].bias_values for i in biased]))
+            x[self._upload(bias_rows), self._upload(ids)] += values
+        if not penalized:
+            return x
         seen = [np.flatnonzero(rows[i].seen) for i in penalized]  # prompt and output tokens
         entries = np.stack([
             np.repeat(np.arange(len(penalized)), [len(s) for s in seen]),

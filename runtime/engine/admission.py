@@ -71,6 +71,9 @@ class Admission:
         """`params` with max_tokens None resolved to the room the context leaves (the one place where "no
         max_tokens means up to the end of the context" is decided, for every door); a request that could
         never run is rejected now rather than queued forever, naming the field to change."""
+        past = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if past:
+            raise InvalidRequest("logit_bias", f"token id {past[0]} outside the vocabulary [0, {self.vocab_size})")
         context = min(self.max_seq_len, self.max_tokens_in_pool)
         if len(prompt_ids) >= context:  # the prompt alone leaves no room: it is what to change
             chat = isinstance(prompt, ChatPrompt) or (isinstance(prompt, Sequence) and prompt and _all_messages(prompt))

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse
 
 # Parameters of OpenAI's API this server does not implement: named as unsupported, not unknown.
 UNSUPPORTED = frozenset({
-    "audio", "best_of", "function_call", "functions", "logit_bias", "metadata", "modalities",
+    "audio", "best_of", "function_call", "functions", "metadata", "modalities",
     "prediction", "prompt_cache_key", "reasoning_effort", "safety_identifier", "service_tier", "store", "suffix",
     "verbosity", "web_search_options",
 })  # fmt: skip

@@ -10,6 +10,7 @@ passes here is not refused upstream for its parameters.
 
 from __future__ import annotations
 
+import json
 from abc import abstractmethod
 from typing import Annotated, Any, Literal, get_args
 
@@ -133,11 +134,16 @@ class Generation(GuidedExtras):
     # Prefix-cache isolation within the tenant: mixed with the tenant's own salt (service.Gateway.cache_salt).
     cache_salt: Annotated[str, bounds("cache_salt")] | None = default("cache_salt")
     prompt_logprobs: Annotated[int, bounds("prompt_logprobs")] | None = default("prompt_logprobs")  # vLLM's extra
+    logit_bias: dict[str, float] | None = default("logit_bias")  # token id (as text) -> bias
 
     @model_validator(mode="after")
     def _shared_checks(self) -> Generation:
         if self.stream_options is not None and not self.stream:
             raise GatewayError.invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        if self.logit_bias is not None:
+            problem = FIELD["logit_bias"].problem(self.logit_bias)
+            if problem is not None:
+                raise GatewayError.invalid(f"'logit_bias' {problem}", "logit_bias")
         if self.prompt_logprobs is not None and self.stream:
             raise GatewayError.invalid("'prompt_logprobs' is not supported with 'stream'", "prompt_logprobs")
         if self.prompt_chars > LIMITS.max_prompt_chars:
@@ -213,12 +219,15 @@ class Generation(GuidedExtras):
             if getattr(self, target) is not None:
                 params[target] = getattr(self, target)
         guided, tools = self.structured()
+        texts: dict[str, str | list[str]] = dict(guided)
+        if self.logit_bias:
+            texts["logit_bias"] = json.dumps(self.logit_bias)
         requests = []
         for prompt, messages in self._inputs():
             for j in range(self.n):
                 seed = {"seed": self.seed + j} if self.seed is not None else {}
                 requests.append(GenerateRequest(prompt, messages, {**params, **seed}, self.stop_strings,
-                                                cache_salt=cache_salt, texts=guided, tools=tools))  # fmt: skip
+                                                cache_salt=cache_salt, texts=texts, tools=tools))  # fmt: skip
         return requests
 
 

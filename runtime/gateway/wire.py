@@ -36,7 +36,7 @@ class GenerateRequest:
     stop: tuple[str, ...] = ()
     request_id: str = ""
     cache_salt: str | None = None  # the tenant's (service.Gateway.cache_salt)
-    texts: Mapping[str, str | list[str]] = field(default_factory=dict)  # string fields: guided_* (structured.py)
+    texts: Mapping[str, str | list[str]] = field(default_factory=dict)  # string fields: guided_*, logit_bias (JSON)
     tools: list[dict[str, Any]] | None = None  # rendered by the chat template (with messages)
     prefill_only: bool = False  # disaggregation: to a prefill worker, answered with the first token and a handle
     kv_handle: str | None = None  # disaggregation: to a decode worker, which reads that KV

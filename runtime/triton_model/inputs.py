@@ -108,7 +108,26 @@ def _value(array: np.ndarray, field: RequestField, limits: Limits) -> Any:
         return _texts(array, field, limits)
     if field.kind is Kind.TEXT:
         return _text({field.name: array}, field.name, 4 * _max_chars(field))
+    if field.kind is Kind.TOKEN_MAP:
+        return _token_map(array, field)
     return _scalar(array, field)
+
+
+TOKEN_MAP_ENTRY_BYTES = 64  # '"123456": -12.345678,' with room for JSON's longer number forms
+
+
+def _token_map(array: np.ndarray, field: RequestField) -> dict[str, Any]:
+    """A JSON object of token ids to numbers (logit_bias), its size bounded before it is parsed; its entries are
+    checked by SamplingParams (the contract's words)."""
+    text = _text({field.name: array}, field.name, TOKEN_MAP_ENTRY_BYTES * int(field.max_items or 1))
+    assert text is not None
+    try:
+        value = json.loads(text) if not json_depth_exceeds(text, 1) else None
+    except (json.JSONDecodeError, RecursionError):
+        value = None
+    if not isinstance(value, dict):
+        raise InvalidRequest(field.name, 'must be a JSON object of token ids to numbers, e.g. {"50256": -100}')
+    return value
 
 
 def _max_chars(field: RequestField) -> int:
