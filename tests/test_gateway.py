@@ -267,8 +267,14 @@ def test_logit_bias_bans_and_forces_as_in_the_engine(sdk, engine):
     plain = reference(engine, "Paged attention", max_tokens=4, ignore_eos=True)
     bias = {str(t): -100 for t in plain.token_ids}
     want = reference(engine, "Paged attention", max_tokens=4, ignore_eos=True, logit_bias=bias)
-    reply = sdk.completions.create(model=MODEL, prompt="Paged attention", max_tokens=4, temperature=0,
-                                   logit_bias=bias, extra_body={"ignore_eos": True})  # fmt: skip
+    reply = sdk.completions.create(
+        model=MODEL,
+        prompt="Paged attention",
+        max_tokens=4,
+        temperature=0,
+        logit_bias=bias,
+        extra_body={"ignore_eos": True},
+    )
     assert reply.choices[0].text == want.text != plain.text
     forced = sdk.chat.completions.create(model=MODEL, messages=HI, max_tokens=3, temperature=0, logit_bias={"77": 100})
     assert forced.choices[0].message.content == engine.tokenizer.decode([77] * 3)

@@ -34,8 +34,10 @@ def test_minus_100_bans_and_plus_100_forces(llm):
 
 
 def test_bias_reaches_logprobs_and_sampled_rows(llm):
-    out = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=3, max_tokens=6, logprobs=1,
-                                                logit_bias={77: 100.0}, ignore_eos=True))[0]  # fmt: skip
+    out = llm.generate(
+        [PROMPT],
+        SamplingParams(temperature=1.0, seed=3, max_tokens=6, logprobs=1, logit_bias={77: 100.0}, ignore_eos=True),
+    )[0]
     assert out.token_ids == [77] * 6
     assert all(lp.logprob > -1e-3 for lp in out.logprobs)  # +100: all the probability
 

@@ -146,8 +146,14 @@ class Call:
         self.gateway.metrics.cancelled.labels(self.endpoint).inc()
 
     def _header(self, exchange: Exchange, body: Generation) -> Header:
-        return Header(self.kind, exchange.model, body.logprobs_n is not None, body.tool_names, body.echoed,
-                      body.prompt_logprobs is not None)  # fmt: skip
+        return Header(
+            self.kind,
+            exchange.model,
+            body.logprobs_n is not None,
+            body.tool_names,
+            echo=body.echoed,
+            prompt_logprobs=body.prompt_logprobs is not None,
+        )
 
     def _finished(self, exchange: Exchange, choices: list[Choice]) -> None:
         self.gateway.account(exchange, choices)

@@ -292,8 +292,10 @@ class CompletionRequest(Generation):
         if any(not p for p in self.prompts):
             raise GatewayError.invalid("'prompt' must not be empty", "prompt")
         if self.max_tokens == 0 and not self.echo:
-            raise GatewayError.invalid("'max_tokens' must be at least 1 (0 only with 'echo': the prompt scored, "
-                                       "nothing generated)", "max_tokens")  # fmt: skip
+            raise GatewayError.invalid(
+                "'max_tokens' must be at least 1 (0 only with 'echo': the prompt scored, nothing generated)",
+                "max_tokens",
+            )
         if self.echo and self.stream:
             raise GatewayError.invalid("'echo' is not supported with 'stream'", "echo")
         if self.echo and self.n > 1:

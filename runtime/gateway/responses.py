@@ -91,8 +91,12 @@ def _text_choice(header: Header, choice: Choice) -> dict[str, Any]:
         prompt = header.echo[choice.prompt_index]
         text = prompt + text
         entries = _echoed(prompt, choice.prompt_logprobs) + entries
-    out = {"index": choice.index, "text": text, "logprobs": _legacy_logprobs(entries) if header.want_logprobs else None,
-           "finish_reason": choice.finish_reason}  # fmt: skip
+    out = {
+        "index": choice.index,
+        "text": text,
+        "logprobs": _legacy_logprobs(entries) if header.want_logprobs else None,
+        "finish_reason": choice.finish_reason,
+    }
     if header.prompt_logprobs:
         out["prompt_logprobs"] = _vllm_prompt_logprobs(choice.prompt_logprobs)
     return out

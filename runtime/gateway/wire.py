@@ -83,8 +83,13 @@ def _token_logprob(entry: dict[str, Any]) -> TokenLogprob:
     alternatives = entry.get("top", [])
     top = [(token_name(int(t[0]), t[2] if len(t) > 2 else None), float(t[1])) for t in alternatives]
     token_id = entry["token_id"]
-    return TokenLogprob(token_id, token_name(token_id, entry.get("token")), float(entry["logprob"]), top,
-                        tuple(int(t[0]) for t in alternatives))  # fmt: skip
+    return TokenLogprob(
+        token_id,
+        token_name(token_id, entry.get("token")),
+        float(entry["logprob"]),
+        top,
+        tuple(int(t[0]) for t in alternatives),
+    )
 
 
 def _encode(name: str, values: list[Any]) -> bytes:
