@@ -67,7 +67,9 @@ def main(engine_dir: Path, lengths: str, rounds: int, backend: str | None) -> No
     command = f"python -m benchmarks.prompt_logprobs --engine {engine_dir} --lengths {lengths} --rounds {rounds}"
     if backend:
         command += f" --backend {backend}"
-    write_report("prompt_logprobs", {"command": command, "backend": engine.config.backend, "rows": rows}, render)
+    write_report(
+        "prompt_logprobs", {"command": command, "backend": type(engine.backend).__name__, "rows": rows}, render
+    )
 
 
 def render(payload: dict) -> str:

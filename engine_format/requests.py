@@ -33,6 +33,7 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")  # what the engine's chat t
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 MAX_GRAMMAR_CHARS = 131_072  # a JSON schema, regex, grammar or tool list (engine_format/grammars.py)
 MAX_GUIDED_CHOICES, MAX_CHOICE_CHARS = 256, 1024
+MAX_PROMPT_TOKENS = 1_048_576  # a prompt sent as token ids (input_ids): far past any engine's context
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias (OpenAI's docs show a few; vLLM sets no bound)
 MAX_KV_HANDLE_CHARS = 16 * 2**20  # a handle lists its prompt's tokens: ~10 characters a token, plus metadata
 
@@ -52,9 +53,10 @@ class Kind(Enum):
     TEXT = "text"  # one string
     TEXTS = "texts"  # a list of strings
     TOKEN_MAP = "token_map"  # token id -> number (JSON text on the Triton wire, as OpenAI's object)
+    INTS = "ints"  # a list of integers
 
 
-TRITON_TYPES = {Kind.INT: "INT64", Kind.FLOAT: "FP32", Kind.BOOL: "BOOL"} | dict.fromkeys(
+TRITON_TYPES = {Kind.INT: "INT64", Kind.INTS: "INT64", Kind.FLOAT: "FP32", Kind.BOOL: "BOOL"} | dict.fromkeys(
     (Kind.TEXT, Kind.TEXTS, Kind.TOKEN_MAP), "BYTES"
 )
 
@@ -96,11 +98,11 @@ class RequestField:
     name: str
     kind: Kind
     doc: str
-    range: Range | None = None  # numbers; for TEXT/TEXTS: the length of each string; TOKEN_MAP: each value
+    range: Range | None = None  # numbers (INTS: each); TEXT/TEXTS: the length of each string; TOKEN_MAP: each value
     default: Any = None  # the engine's (SamplingParams, the Python API); None: not set
     triton_default: Any = SAME  # the Triton model's, where it differs
     openai_default: Any = SAME  # the OpenAI gateway's, where it differs
-    max_items: int | None = None  # TEXTS: how many strings; TOKEN_MAP: how many entries
+    max_items: int | None = None  # TEXTS: how many strings; TOKEN_MAP: how many entries; INTS: how many numbers
     sampling: bool = True  # a SamplingParams field (else the request's: prompt, stream)
 
     @property
@@ -138,6 +140,8 @@ class RequestField:
             return self._text_problem(value)
         elif self.kind is Kind.TOKEN_MAP:
             return self._token_map_problem(value)
+        elif self.kind is Kind.INTS:
+            return self._ints_problem(value)
         else:
             return self._texts_problem(value)
         return None if self.range is None or self.range.contains(value) else f"must be in {self.range} (got {value})"
@@ -147,6 +151,18 @@ class RequestField:
             return f"must be {what} (got {type(value).__name__})"
         if self.range is not None and not self.range.contains(len(value)):
             return f"must be {what} of {_length(self.range)} characters (got {len(value)})"
+        return None
+
+    def _ints_problem(self, value: Any) -> str | None:
+        if not isinstance(value, tuple | list) or not value:
+            return f"must be a non-empty list of integers (got {type(value).__name__})"
+        if self.max_items is not None and len(value) > self.max_items:
+            return f"has {len(value)} numbers; the limit is {self.max_items}"
+        for number in value:
+            if not isinstance(number, int) or isinstance(number, bool):
+                return f"must hold integers only (got {number!r})"
+            if self.range is not None and not self.range.contains(number):
+                return f"numbers must be in {self.range} (got {number})"
         return None
 
     def _token_map_problem(self, value: Any) -> str | None:
@@ -177,6 +193,11 @@ FIELDS: tuple[RequestField, ...] = (
     RequestField("text_input", Kind.TEXT, "The prompt as text (or give `messages`).", sampling=False),
     RequestField("messages", Kind.TEXT, "The prompt as JSON chat messages, rendered by the model's chat template.",
                  sampling=False),
+    RequestField("input_ids", Kind.INTS, "The prompt as token ids (or give text_input or messages).",
+                 Range(0, INT32_MAX), max_items=MAX_PROMPT_TOKENS, sampling=False),
+    RequestField("tokenize", Kind.TEXT, 'Answer from the tokenizer, generating nothing: "encode" (the prompt\'s '
+                 'token ids: text_output is {"tokens": [...], "max_model_len": N}, prompt_tokens their count) or '
+                 '"decode" (text_output is input_ids\' text).', Range(6, 6), sampling=False),
     RequestField("stream", Kind.BOOL, "Stream the answer as it is generated.", default=False, sampling=False),
     RequestField("max_tokens", Kind.INT, "Most tokens to generate; unset: up to the end of the context.",
                  Range(1, INT32_MAX), default=128, triton_default=None, openai_default=None),

@@ -105,7 +105,7 @@ class AsyncLLM:
         if request_id in self._streams:  # checked before touching the live request's queue
             raise InvalidRequest("request_id", f"{request_id!r} is already in use")
         loop = asyncio.get_running_loop()
-        prompt_ids = await loop.run_in_executor(None, self.engine.tokenize, prompt)
+        prompt_ids = await self.tokenize(prompt)
         await self.engine.grammars.prepare(params)  # structured output (hook): its grammar compiled off this loop
         if request_id in self._streams:  # taken while this one was tokenized
             raise InvalidRequest("request_id", f"{request_id!r} is already in use")
@@ -133,6 +133,15 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids as the engine counts them (chat messages through the chat template), off the
+        event loop; InvalidRequest naming the problem."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.engine.tokenize, prompt)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Token ids' text, special tokens kept; InvalidRequest naming an id outside the vocabulary."""
+        return self.engine.detokenize(token_ids)
 
     def abort(self, request_id: str) -> bool:
         """Abort a live request now (frees its KV blocks); its stream ends with 'abort'."""

@@ -394,3 +394,49 @@ def test_prompt_length_routing(sdk, prompt, answers):
     reply = sdk.chat.completions.create(model="by-length", messages=[{"role": "user", "content": prompt}],
                                         max_tokens=2)  # fmt: skip
     assert reply.model == answers
+
+
+def status_and_body(url: str, body: dict) -> tuple[int, dict]:
+    try:
+        return 200, post(url, body)
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_tokenize_and_detokenize_are_the_engines(gateway, engine):
+    tokenizer = engine.tokenizer
+    want = tokenizer.encode("Paged attention")
+    got = post(gateway.url + "/tokenize", {"model": MODEL, "prompt": "Paged attention"})
+    assert got == {"count": len(want), "max_model_len": engine.engine.context_tokens, "tokens": want}
+    chat = post(gateway.url + "/tokenize", {"model": MODEL, "messages": HI})
+    assert chat["tokens"] == engine.engine.tokenize(HI)  # the chat template with its generation prompt, as served
+    back = post(gateway.url + "/detokenize", {"model": MODEL, "tokens": want})
+    assert back == {"prompt": tokenizer.decode(want, skip_special_tokens=False)}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/tokenize", {"model": MODEL, "prompt": "hi", "messages": HI}, 400, "prompt"),
+        ("/tokenize", {"model": MODEL}, 400, "prompt"),
+        ("/tokenize", {"model": "nope", "prompt": "hi"}, 404, "model"),
+        ("/detokenize", {"model": MODEL, "tokens": [999999]}, 400, "tokens"),
+        ("/detokenize", {"model": MODEL, "tokens": []}, 400, "tokens"),
+    ],
+)
+def test_bad_tokenizer_requests_name_the_field(gateway, path, body, status, param):
+    got_status, got = status_and_body(gateway.url + path, body)
+    assert (got_status, got["error"]["param"]) == (status, param)
+
+
+def test_token_id_prompts_complete_as_the_engine(sdk, engine):
+    ids = engine.tokenizer.encode("Paged attention")
+    want = reference(engine, ids, max_tokens=4)
+    reply = sdk.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    assert reply.choices[0].text == want.text and reply.usage.prompt_tokens == len(ids)
+    two = sdk.completions.create(model=MODEL, prompt=[ids, ids[:2]], max_tokens=2, temperature=0)
+    assert [c.text for c in two.choices] == [reference(engine, p, max_tokens=2).text for p in (ids, ids[:2])]
+    echoed = sdk.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=0)
+    prompt = engine.tokenizer.decode(ids, skip_special_tokens=False)
+    assert echoed.choices[0].text == prompt + reference(engine, ids, max_tokens=1).text
+    assert len(echoed.choices[0].logprobs.token_logprobs) == len(ids) + 1

@@ -20,10 +20,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from runtime.gateway.admin import add_admin_routes
-from runtime.gateway.errors import GatewayError
-from runtime.gateway.handler import ENDPOINTS, generate, unknown_model
+from runtime.gateway.errors import GatewayError, unknown_model
+from runtime.gateway.handler import ENDPOINTS, generate
 from runtime.gateway.responses import Kind
 from runtime.gateway.service import Gateway
+from runtime.gateway.tokenize import add_tokenizer_routes
 from runtime.gateway.triton_http import TritonHTTP, add_triton_routes
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ def create_app(gateway: Gateway) -> GenerationFastPath:
         return GatewayError.invalid(str(exc.errors()[0].get("msg", exc))).response()
 
     add_admin_routes(app, gateway)
+    add_tokenizer_routes(app, gateway)
     if triton is not None:
         add_triton_routes(app, gateway, triton)
 

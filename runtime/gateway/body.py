@@ -10,13 +10,25 @@ body is read before its content type is judged: a client still sending would see
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeVar
 
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from engine_format.requests import json_depth_exceeds
-from runtime.gateway.errors import GatewayError, client_gone
+from runtime.gateway.errors import GatewayError, client_gone, from_validation
 from runtime.gateway.protocol import MAX_BODY_BYTES, MAX_JSON_DEPTH
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+async def read_model(http: Request, schema: type[Model]) -> Model:
+    """The body (bounded, JSON: read_json) validated as `schema` (a 400 naming the field)."""
+    data = await read_json(http)
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
 
 
 async def read_json(http: Request) -> dict[str, Any]:

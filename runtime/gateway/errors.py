@@ -85,6 +85,11 @@ def from_validation(exc: ValidationError) -> GatewayError:
     return GatewayError.invalid(f"'{path}': {error['msg']}", path, "invalid_value")
 
 
+def unknown_model(model: str, served: list[str]) -> GatewayError:
+    return GatewayError(404, f"The model '{model}' does not exist (served: {', '.join(served)})",
+                        "invalid_request_error", "model", "model_not_found")  # fmt: skip
+
+
 def _path(loc: tuple) -> str:
     """('messages', 0, 'content', 'str') -> 'messages[0].content' (union-member tags dropped)."""
     out = ""

@@ -174,7 +174,7 @@ class Exchange:
     async def _generate(self, backend: str, request: GenerateRequest, stream: bool) -> AsyncIterator[Delta]:
         """One generation of `backend`: on one of its replicas, or, disaggregated, on a prefill then a decode worker."""
         disagg = self._disagg.get(backend)
-        if disagg is None or "prompt_logprobs" in request.params:  # a prompt scored whole, on one worker
+        if disagg is None or "prompt_logprobs" in request.params or request.tokenize:  # on one worker
             async for delta in self._generate_on(self._pools[backend], request, stream):
                 yield delta
             return

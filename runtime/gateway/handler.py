@@ -17,14 +17,13 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from runtime.gateway import responses
-from runtime.gateway.body import read_json
-from runtime.gateway.errors import GatewayError, from_validation
+from runtime.gateway.body import read_model
+from runtime.gateway.errors import GatewayError, unknown_model
 from runtime.gateway.exchange import Event, Exchange
 from runtime.gateway.fair_queue import QueueFull
 from runtime.gateway.protocol import ChatCompletionRequest, CompletionRequest, Generation
@@ -32,6 +31,8 @@ from runtime.gateway.responses import Choice, Header, Kind
 from runtime.gateway.routing import UnknownModel
 from runtime.gateway.service import Gateway
 from runtime.gateway.tenants import Tenant
+from runtime.gateway.tokenize import tokenizer_call
+from runtime.gateway.wire import GenerateRequest
 
 ENDPOINTS: dict[Kind, str] = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
 DONE = responses.DONE.encode()
@@ -62,17 +63,12 @@ class EventStream(StreamingResponse):
         await send({"type": "http.response.body", "body": held, "more_body": False})
 
 
-def unknown_model(model: str, served: list[str]) -> GatewayError:
-    return GatewayError(404, f"The model '{model}' does not exist (served: {', '.join(served)})",
-                        "invalid_request_error", "model", "model_not_found")  # fmt: skip
-
-
 async def generate(gateway: Gateway, http: Request, kind: Kind) -> Response:
     call = Call(gateway, http, kind)
     model = "-"  # the label for requests naming no served model (client strings would grow the label set)
     try:
         tenant = gateway.authorize(http)
-        body = await _parse(http, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        body: Generation = await read_model(http, ChatCompletionRequest if kind == "chat" else CompletionRequest)
         model = body.model if body.model in gateway.model_ids else model
         response = await call.run(body, tenant)
     except GatewayError as exc:
@@ -80,15 +76,6 @@ async def generate(gateway: Gateway, http: Request, kind: Kind) -> Response:
         return exc.response()
     gateway.metrics.requests.labels(call.endpoint, model, "200").inc()
     return response
-
-
-async def _parse(http: Request, schema: type[Generation]) -> Generation:
-    """The body (runtime.gateway.body: bounded, JSON), validated as the endpoint's request (400 naming the field)."""
-    data = await read_json(http)
-    try:
-        return schema.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation(exc) from None
 
 
 @dataclass
@@ -109,6 +96,7 @@ class Call:
         except UnknownModel:
             raise unknown_model(body.model, gateway.model_ids) from None
         await gateway.check_health(decision)
+        echo = await self._echo_texts(body, tenant)  # (before the generation holds the tenant's slot)
         requests = body.upstream_requests(gateway.cache_salt(tenant, body.cache_salt))
         exchange = Exchange(decision, gateway.pools, gateway.router, requests, body.stream,
                             body.logprobs_n is not None, self._client_left, gateway.disagg)  # fmt: skip
@@ -132,7 +120,7 @@ class Call:
             if body.scores_only:
                 for choice in choices:
                     choice.drop_completion()
-            return JSONResponse(responses.completion(self._header(exchange, body), choices))
+            return JSONResponse(responses.completion(self._header(exchange, body, echo), choices))
         except GatewayError as exc:
             if exc.status == 429 and exc.retry_after_s is None:  # the engine's own queue is full
                 exc.retry_after_s = gateway.queue.retry_after_s
@@ -145,13 +133,25 @@ class Call:
     def _client_left(self) -> None:
         self.gateway.metrics.cancelled.labels(self.endpoint).inc()
 
-    def _header(self, exchange: Exchange, body: Generation) -> Header:
+    async def _echo_texts(self, body: Generation, tenant: Tenant | None) -> tuple[str, ...] | None:
+        """The prompts `echo` repeats, as text: token-id prompts decoded by the model's tokenizer."""
+        if body.echoed is None:
+            return None
+        texts = []
+        for prompt in body.echoed:
+            if isinstance(prompt, list):
+                decode = GenerateRequest(prompt, None, {}, tokenize="decode")
+                prompt = await tokenizer_call(self.gateway, self.http, tenant, body.model, decode)
+            texts.append(prompt)
+        return tuple(texts)
+
+    def _header(self, exchange: Exchange, body: Generation, echo: tuple[str, ...] | None = None) -> Header:
         return Header(
             self.kind,
             exchange.model,
             body.logprobs_n is not None,
             body.tool_names,
-            echo=body.echoed,
+            echo=echo,
             prompt_logprobs=body.prompt_logprobs is not None,
         )
 

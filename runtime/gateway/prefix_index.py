@@ -31,7 +31,10 @@ ROLE_END, MESSAGE_END = "\x1f", "\x1e"  # unit / record separators between a mes
 
 
 def prompt_text(request: GenerateRequest) -> str:
-    """The text whose prefix decides the replica: the raw prompt, or the messages in order."""
+    """The text whose prefix decides the replica: the raw prompt (token ids as decimal words), or the messages
+    in order."""
+    if isinstance(request.prompt, list):
+        return "".join(f"{t} " for t in request.prompt)
     if request.messages is None:
         return request.prompt or ""
     return "".join(f"{m['role']}{ROLE_END}{m['content']}{MESSAGE_END}" for m in request.messages)

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, PrivateAttr, model_validator
 
-from engine_format.requests import CHAT_ROLES, FIELD, INT32_MAX, MAX_CHOICES, Limits
+from engine_format.requests import CHAT_ROLES, FIELD, INT32_MAX, MAX_CHOICES, MAX_PROMPT_TOKENS, Limits
 from runtime.gateway.errors import GatewayError
 from runtime.gateway.strict import Strict as _Strict
 from runtime.gateway.structured import GuidedExtras, ResponseFormat, Tool, ToolChoice, chat_guided, upstream_tools
@@ -51,6 +51,7 @@ def default(name: str) -> Any:
 
 MaxTokens = Annotated[int, bounds("max_tokens")]
 PromptText = Annotated[str, Field(max_length=LIMITS.max_prompt_chars)]
+TokenIds = Annotated[list[Annotated[int, bounds("input_ids")]], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
 Seconds = Annotated[float, bounds("ttft_target_s")]
 StopText = Annotated[str, bounds("stop")]
 
@@ -184,7 +185,7 @@ class Generation(GuidedExtras):
         return self.prompt_logprobs
 
     @property
-    def echoed(self) -> tuple[str, ...] | None:
+    def echoed(self) -> tuple[str | list[int], ...] | None:
         """The prompts the answer repeats before each choice's text (completions' `echo`), or None."""
         return None
 
@@ -198,7 +199,7 @@ class Generation(GuidedExtras):
         return sum(len(p or "") + sum(len(m["content"]) for m in ms or []) for p, ms in self._inputs())
 
     @abstractmethod  # pydantic's model metaclass is an ABCMeta: a Generation itself cannot be built
-    def _inputs(self) -> list[tuple[str | None, list[dict[str, Any]] | None]]:
+    def _inputs(self) -> list[tuple[str | list[int] | None, list[dict[str, Any]] | None]]:
         """(prompt, messages) per prompt."""
 
     def upstream_requests(self, cache_salt: str | None = None) -> list[GenerateRequest]:
@@ -273,12 +274,18 @@ class ChatCompletionRequest(Generation):
     def logprobs_n(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def _inputs(self) -> list[tuple[str | None, list[dict[str, Any]] | None]]:
+    def _inputs(self) -> list[tuple[str | list[int] | None, list[dict[str, Any]] | None]]:
         return [(None, [m.as_upstream() for m in self.messages])]
 
 
 class CompletionRequest(Generation):
-    prompt: PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_N)]
+    # Text or token ids (OpenAI's four forms: one of either, or a list of either)
+    prompt: (
+        PromptText
+        | TokenIds
+        | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_N)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_N)]
+    )
     logprobs: Annotated[int, bounds("logprobs")] | None = None  # named `logprobs_n` elsewhere
     # The prompt before the completion, its tokens scored when `logprobs` is set (lm-eval's loglikelihood);
     # with max_tokens 0, the prompt alone.
@@ -308,12 +315,14 @@ class CompletionRequest(Generation):
         return self.max_tokens == 0
 
     @property
-    def echoed(self) -> tuple[str, ...] | None:
+    def echoed(self) -> tuple[str | list[int], ...] | None:
         return tuple(self.prompts) if self.echo else None
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]  # one prompt: text, or ids
+        return list(self.prompt)
 
     @property
     def token_limit(self) -> int:
@@ -329,5 +338,5 @@ class CompletionRequest(Generation):
             return self.prompt_logprobs
         return self.logprobs  # echo scores the prompt as the completion's tokens are
 
-    def _inputs(self) -> list[tuple[str | None, list[dict[str, Any]] | None]]:
+    def _inputs(self) -> list[tuple[str | list[int] | None, list[dict[str, Any]] | None]]:
         return [(p, None) for p in self.prompts]

@@ -37,7 +37,7 @@ from runtime.gateway.wire import Delta, GenerateRequest, build_request, parse_re
 log = logging.getLogger(__name__)
 
 # Triton input -> the OpenAI parameter a client knows it by, for errors the engine reports.
-CLIENT_PARAM = {"text_input": "prompt", "messages": "messages", "logprobs": "logprobs"}
+CLIENT_PARAM = {"text_input": "prompt", "input_ids": "prompt", "messages": "messages", "logprobs": "logprobs"}
 PROBE_TIMEOUT_S = 2.0
 MODEL_PROBE_TIMEOUT_S = 5.0  # a dead stub answers in ~1 s (Triton's own wait for it); slower proves nothing
 MAX_MESSAGE_BYTES = 2**31 - 1  # as tritonclient's channels: a prompt may be large

@@ -28,9 +28,9 @@ NUMPY_TYPES = {"INT64": np.int64, "FP32": np.float32, "BOOL": np.bool_}
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One upstream generation: exactly one of `prompt` (raw text) or `messages` (chat)."""
+    """One upstream generation: exactly one of `prompt` (raw text, or token ids) or `messages` (chat)."""
 
-    prompt: str | None
+    prompt: str | list[int] | None
     messages: list[dict[str, Any]] | None
     params: Mapping[str, int | float | bool]  # scalar fields of the request contract (engine_format/requests.py)
     stop: tuple[str, ...] = ()
@@ -40,6 +40,7 @@ class GenerateRequest:
     tools: list[dict[str, Any]] | None = None  # rendered by the chat template (with messages)
     prefill_only: bool = False  # disaggregation: to a prefill worker, answered with the first token and a handle
     kv_handle: str | None = None  # disaggregation: to a decode worker, which reads that KV
+    tokenize: str | None = None  # "encode" / "decode": the model's tokenizer answers, nothing is generated
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,12 @@ def build_request(model: str, request: GenerateRequest, stream: bool) -> Any:
     values: dict[str, list[Any]] = {**{name: [value] for name, value in request.params.items()}, "stream": [stream]}
     if request.messages is not None:
         values["messages"] = [json.dumps(request.messages).encode()]
+    elif isinstance(request.prompt, list):
+        values["input_ids"] = request.prompt
     else:
         values["text_input"] = [(request.prompt or "").encode()]
+    if request.tokenize is not None:
+        values["tokenize"] = [request.tokenize.encode()]
     if request.stop:
         values["stop"] = [s.encode() for s in request.stop]
     if request.cache_salt is not None:

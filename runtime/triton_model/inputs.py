@@ -51,6 +51,7 @@ class ParsedRequest:
     stream: bool
     prefill_only: bool = False  # disaggregation: end after the first token, answering with a KV handle
     kv_handle: str | None = None  # disaggregation: read this prefill worker's KV, continue after its first token
+    tokenize: str | None = None  # "encode" / "decode": the tokenizer answers (runtime/triton_model/tokenize.py)
 
 
 def parse_request(
@@ -68,8 +69,13 @@ def parse_request(
             raise InvalidRequest(name, "unknown input")
     text = _text(inputs, "text_input", limits.max_prompt_bytes)
     messages = _text(inputs, "messages", limits.max_messages_bytes)
+    ids = _value(inputs["input_ids"], FIELD["input_ids"], limits) if "input_ids" in inputs else None
     prompt: Prompt
-    if text is not None and messages is None:
+    if ids is not None:
+        if text is not None or messages is not None:
+            raise InvalidRequest("input_ids", "give one prompt: 'text_input', 'messages' or 'input_ids'")
+        prompt = ids
+    elif text is not None and messages is None:
         if not text:
             raise InvalidRequest("text_input", "must not be empty")
         if len(text) > limits.max_prompt_chars:
@@ -80,7 +86,9 @@ def parse_request(
         tools = _text(inputs, "tools", 4 * _max_chars(FIELD["tools"]))
         prompt = chat if tools is None else ChatPrompt(chat, _tools(tools, limits))
     else:
-        raise InvalidRequest("text_input", "give exactly one of 'text_input' (a string) or 'messages' (JSON)")
+        raise InvalidRequest(
+            "text_input", "give exactly one of 'text_input' (a string), 'messages' (JSON) or 'input_ids' (token ids)"
+        )
     if "tools" in inputs and messages is None:
         raise InvalidRequest("tools", "needs 'messages' (the chat template renders the tools)")
     values: dict[str, Any] = dict(TRITON_DEFAULTS)
@@ -94,12 +102,18 @@ def parse_request(
         raise InvalidRequest(
             "kv_handle", "give prefill_only (to a prefill worker) or kv_handle (to a decode worker), not both"
         )
-    return ParsedRequest(prompt, SamplingParams(**values), stream, prefill_only, kv_handle)
+    tokenize = _value(inputs["tokenize"], FIELD["tokenize"], limits) if "tokenize" in inputs else None
+    if tokenize not in (None, "encode", "decode"):
+        raise InvalidRequest("tokenize", f'must be "encode" or "decode" (got {tokenize!r})')
+    if tokenize == "decode" and ids is None:
+        raise InvalidRequest("tokenize", "\"decode\" takes the token ids in 'input_ids'")
+    return ParsedRequest(prompt, SamplingParams(**values), stream, prefill_only, kv_handle, tokenize)
 
 
-def door_error(error: InvalidRequest) -> InvalidRequest:
-    """An engine error named in this door's words (its prompt is `text_input`)."""
-    name = FIELD_NAMES.get(error.field)
+def door_error(error: InvalidRequest, parsed: ParsedRequest | None = None) -> InvalidRequest:
+    """An engine error named in this door's words (its prompt is `text_input`, or `input_ids` where it was ids)."""
+    ids = parsed is not None and isinstance(parsed.prompt, list) and all(isinstance(t, int) for t in parsed.prompt)
+    name = "input_ids" if ids and error.field == "prompt" else FIELD_NAMES.get(error.field)
     return error if name is None else InvalidRequest(name, str(error).partition(": ")[2])
 
 
@@ -110,7 +124,21 @@ def _value(array: np.ndarray, field: RequestField, limits: Limits) -> Any:
         return _text({field.name: array}, field.name, 4 * _max_chars(field))
     if field.kind is Kind.TOKEN_MAP:
         return _token_map(array, field)
+    if field.kind is Kind.INTS:
+        return _ints(array, field)
     return _scalar(array, field)
+
+
+def _ints(array: np.ndarray, field: RequestField) -> list[int]:
+    """A list input of integers, its size bounded before it is converted; its values checked by the contract."""
+    values = np.asarray(array).reshape(-1)
+    if field.max_items is not None and values.size > field.max_items:
+        raise InvalidRequest(field.name, f"has {values.size} numbers; the limit is {field.max_items}")
+    if not np.issubdtype(values.dtype, np.integer):
+        raise InvalidRequest(field.name, f"must hold integers (got {values.dtype})")
+    out = values.tolist()
+    field.check(out)
+    return out
 
 
 TOKEN_MAP_ENTRY_BYTES = 64  # '"123456": -12.345678,' with room for JSON's longer number forms

@@ -41,6 +41,7 @@ from runtime.triton_model.lifecycle import ModelLifecycle, is_health_probe
 from runtime.triton_model.metrics import TritonMetrics
 from runtime.triton_model.responses import output_arrays
 from runtime.triton_model.settings import model_settings
+from runtime.triton_model.tokenize import tokenizer_answer
 
 METRICS_INTERVAL_S = 0.5
 
@@ -88,6 +89,7 @@ class TritonPythonModel:
     async def _serve(self, request) -> None:
         sender = request.get_response_sender()
         wanted = frozenset(request.requested_output_names())
+        parsed = None
         try:
             inputs = {}
             for name in FIELD:
@@ -96,6 +98,10 @@ class TritonPythonModel:
                     inputs[name] = tensor.as_numpy()
             parsed = parse_request(inputs, json.loads(request.parameters() or "{}"), self.limits)
             request_id = request.request_id() or uuid.uuid4().hex
+            if parsed.tokenize is not None:  # the tokenizer answers; nothing is generated
+                answer = await tokenizer_answer(self.engine, parsed, request_id)
+                _send(sender, output_arrays(wanted, answer.text, answer), True)
+                return
             whole = CompletionOutput(request_id, [])
             finished = False
             async with disaggregated(self.engine, parsed, request_id):  # a KV read first, or a prefill-only mark
@@ -118,7 +124,7 @@ class TritonPythonModel:
         except KVTransferError as exc:  # the gateway re-prefills elsewhere on these words
             _send_error(sender, transfer_failure(exc), pb_utils.TritonError.UNAVAILABLE)
         except InvalidRequest as exc:
-            _send_error(sender, str(door_error(exc)), pb_utils.TritonError.INVALID_ARG)
+            _send_error(sender, str(door_error(exc, parsed)), pb_utils.TritonError.INVALID_ARG)
         except Overloaded as exc:
             _send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
         except asyncio.CancelledError:  # cut by the drain deadline: the client gets a final error
