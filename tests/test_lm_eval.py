@@ -62,7 +62,6 @@ def run_harness(gateway_url: str, tokenizer_dir: Path, out: Path) -> tuple[list[
         f"base_url={gateway_url}/v1/completions",
         f"tokenizer={tokenizer_dir}",
         "tokenizer_backend=huggingface",
-        "tokenized_requests=False",
         "num_concurrent=4",
         "max_retries=1",
     ])  # fmt: skip
@@ -98,7 +97,7 @@ def test_lm_eval_loglikelihoods_equal_hf(smollm2_engine, smollm2_hf, tmp_path):
     for sample in samples:
         doc = sample["doc"]
         context = PROMPT.replace("{{question}}", doc["question"])
-        got = [resp[0][0] for resp in sample["resps"]]  # the harness's log-likelihood of each choice
+        got = [float(resp[0][0]) for resp in sample["resps"]]  # the harness logs each choice's [loglik, greedy]
         want = [hf_loglikelihood(model, tokenizer, context, " " + choice) for choice in doc["choices"]]
         np.testing.assert_allclose(got, want, atol=1e-3, err_msg=doc["question"])
         right += int(np.argmax(want) == doc["answer"])
