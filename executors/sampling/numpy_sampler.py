@@ -215,16 +215,22 @@ _SCORE_ROWS = 256  # rows of prompt logits normalized at once (256 x a 150k voca
 
 def _logprobs(x: np.ndarray, token_ids: np.ndarray, ns: Sequence[int]) -> list[TokenLogprobs]:
     """Row r's log-softmax at token_ids[r] and its top-ns[r] (logprob descending, ties to the lower id)."""
+    # log-softmax = shifted - lse, taken only where it is read (the token, the candidates): no [R, V] array of it.
     shifted = x - x.max(axis=1, keepdims=True)
     lse = np.log(np.exp(shifted).sum(axis=1, keepdims=True, dtype=np.float64))
-    lp = (shifted - lse).astype(np.float32)
     n_max = min(max(ns, default=0), x.shape[1])
-    cand = np.argpartition(-lp, n_max - 1, axis=1)[:, :n_max] if n_max else np.zeros((len(lp), 0), np.int64)
-    cand_lp = np.take_along_axis(lp, cand, axis=1)
+    if n_max == 1:  # (lm-eval's scoring asks for one: an argmax, not a partition)
+        cand = shifted.argmax(axis=1)[:, None]
+    elif n_max:
+        cand = np.argpartition(-shifted, n_max - 1, axis=1)[:, :n_max]
+    else:
+        cand = np.zeros((len(x), 0), np.int64)
+    cand_lp = (np.take_along_axis(shifted, cand, axis=1) - lse).astype(np.float32)
     ranked = np.lexsort((cand, -cand_lp), axis=-1)  # logprob descending, ties to the lower id
     cand, cand_lp = np.take_along_axis(cand, ranked, axis=1), np.take_along_axis(cand_lp, ranked, axis=1)
+    token_lp = (shifted[np.arange(len(x)), token_ids] - lse[:, 0]).astype(np.float32)
     out = []
     for r, (n, tok) in enumerate(zip(ns, token_ids.tolist(), strict=True)):
         top = [(int(t), float(v)) for t, v in zip(cand[r, :n].tolist(), cand_lp[r, :n].tolist(), strict=True)]
-        out.append(TokenLogprobs(int(tok), float(lp[r, tok]), top))
+        out.append(TokenLogprobs(int(tok), float(token_lp[r]), top))
     return out
