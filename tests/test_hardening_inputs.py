@@ -155,7 +155,7 @@ def test_a_20_mb_prompt_is_refused_by_name_while_another_stream_runs(triton, eng
         ({"stop": [b"s%d" % i for i in range(100_000)]}, None, "stop: has 100000 strings; the limit is 16"),
         ({"max_tokens": 2**32 + 8}, None, "max_tokens: must be in [1, 2147483647] (got 4294967304)"),
         ({"priority": 2**31}, None, "priority: must be in [-2147483648, 2147483647]"),
-        ({}, {"max_token": 3}, "max_token: unknown field; allowed: text_input, messages, input_ids, tokenize, stream, max_tokens"),
+        ({}, {"max_token": 3}, "max_token: unknown field; allowed: text_input, messages, input_ids, tokenize, stream"),
         ({"cache_salt": b""}, None, "cache_salt: must be a string of 1 to 256 characters"),
         ({"stream_interval": 0}, None, "stream_interval: must be in [1, 2147483647] (got 0)"),
     ],
