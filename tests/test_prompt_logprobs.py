@@ -69,6 +69,26 @@ def test_prompt_logprobs_match_hf_in_chunked_prefills(llama_engine, tiny_hf_llam
     engine.check_invariants()
 
 
+def test_scores_with_speculative_decoding(llama_engine, tiny_hf_llama):
+    """n-gram drafts run beside a scored prefill (a prompt that repeats itself, so drafts are proposed): the
+    scores are HF's, and the tokens those of the engine without speculation."""
+    args = {"backend": "cpu", "max_num_batched_tokens": 16, "itl_target_ms": None}
+    prompt = random_prompts(64, [12], seed=9)[0] * 3
+    params = SamplingParams(temperature=0, max_tokens=10, prompt_logprobs=TOP, ignore_eos=True)
+    tokens = {}
+    for name, extra in (("spec", {"speculative": "ngram"}), ("plain", {})):
+        engine = LLMEngine(llama_engine, EngineArgs(**args, **extra))
+        request_id = engine.add_request(prompt, params)
+        tokens[name], scored = [], None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[name] += out.token_ids
+                scored = scored or out.prompt_logprobs
+        assert scored is not None and request_id
+        assert_scores_match(scored, tiny_hf_llama, prompt)
+    assert tokens["spec"] == tokens["plain"] and len(tokens["spec"]) == 10
+
+
 def test_the_check_catches_scores_one_position_off(llama_engine, tiny_hf_llama):
     engine = LLMEngine(llama_engine, EngineArgs(backend="cpu", itl_target_ms=None))
     prompt = random_prompts(engine.config.model.vocab_size, [20], seed=6)[0]

@@ -227,7 +227,8 @@ class LLMEngine:
             seconds = target_s = self.clock() - step_start
             if self.spec is not None:  # the drafting for the next step is the proposer's time, not the target's
                 # a pure decode step: each chunk one token plus its drafts
-                decodes = len(step.chunks) if all(len(c.token_ids) == c.num_logits for c in step.chunks) else None
+                pure = not step.scoring and all(len(c.token_ids) == c.num_logits for c in step.chunks)
+                decodes = len(step.chunks) if pure else None
                 target_s = self.spec.observe_step(seconds, sum(len(o.token_ids) for o in stepped), decodes)
             self._observe(step.chunks, batch, seconds, target_s)
             return outputs + stepped
