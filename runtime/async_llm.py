@@ -139,9 +139,10 @@ class AsyncLLM:
         event loop; InvalidRequest naming the problem."""
         return await asyncio.get_running_loop().run_in_executor(None, self.engine.tokenize, prompt)
 
-    def detokenize(self, token_ids: list[int]) -> str:
-        """Token ids' text, special tokens kept; InvalidRequest naming an id outside the vocabulary."""
-        return self.engine.detokenize(token_ids)
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """Token ids' text, special tokens kept, off the event loop; InvalidRequest naming an id outside the
+        vocabulary."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.engine.detokenize, token_ids)
 
     def abort(self, request_id: str) -> bool:
         """Abort a live request now (frees its KV blocks); its stream ends with 'abort'."""

@@ -25,7 +25,6 @@ from runtime.gateway import responses
 from runtime.gateway.body import read_model
 from runtime.gateway.errors import GatewayError, unknown_model
 from runtime.gateway.exchange import Event, Exchange
-from runtime.gateway.fair_queue import QueueFull
 from runtime.gateway.protocol import ChatCompletionRequest, CompletionRequest, Generation
 from runtime.gateway.responses import Choice, Header, Kind
 from runtime.gateway.routing import UnknownModel
@@ -103,11 +102,7 @@ class Call:
         watcher = asyncio.create_task(self._close_on_disconnect(exchange))
         committed = False
         try:
-            try:
-                key = gateway.queue_key(self.http, tenant, body.user)
-                await exchange.start(gateway.queue.slot(key), immediate=gateway.queue.can_start(key))
-            except QueueFull as exc:
-                raise GatewayError.overloaded(str(exc), exc.retry_after_s) from None
+            await gateway.admit(exchange, self.http, tenant, body.user)
             choices = [Choice(i, i // body.n) for i in range(len(exchange.requests))]  # n per prompt, in order
             if body.stream:
                 first = await _first_events(exchange, len(choices))

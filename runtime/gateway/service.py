@@ -17,7 +17,7 @@ from starlette.requests import Request
 from runtime.gateway.disagg import DisaggPools
 from runtime.gateway.errors import GatewayError
 from runtime.gateway.exchange import Exchange
-from runtime.gateway.fair_queue import FairQueue
+from runtime.gateway.fair_queue import FairQueue, QueueFull
 from runtime.gateway.health import Monitor
 from runtime.gateway.metrics import GatewayMetrics
 from runtime.gateway.replica_config import Replica, ReplicaPolicy
@@ -160,6 +160,14 @@ class Gateway:
         if user:
             return f"user:{user}"
         return f"addr:{request.client.host if request.client else 'unknown'}"
+
+    async def admit(self, exchange: Exchange, request: Request, tenant: Tenant | None, user: str | None) -> None:
+        """Start `exchange` once its fairness key has an admission slot (a 429 when the queue is full)."""
+        key = self.queue_key(request, tenant, user)
+        try:
+            await exchange.start(self.queue.slot(key), immediate=self.queue.can_start(key))
+        except QueueFull as exc:
+            raise GatewayError.overloaded(str(exc), exc.retry_after_s) from None
 
     def cache_salt(self, tenant: Tenant | None, client_salt: str | None) -> str | None:
         return tenant_cache_salt(tenant.key if tenant is not None else None, client_salt)

@@ -20,19 +20,15 @@ from pydantic import Field, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine_format.requests import FIELD
 from runtime.gateway.body import read_model
 from runtime.gateway.errors import GatewayError, unknown_model
 from runtime.gateway.exchange import Exchange
-from runtime.gateway.fair_queue import QueueFull
 from runtime.gateway.protocol import LIMITS, ChatMessage, PromptText, TokenIds
 from runtime.gateway.routing import UnknownModel
 from runtime.gateway.service import Gateway
 from runtime.gateway.strict import Strict
 from runtime.gateway.tenants import Tenant
 from runtime.gateway.wire import GenerateRequest
-
-assert FIELD["tokenize"].kind.value == "text"
 
 
 class TokenizeRequest(Strict):
@@ -69,11 +65,7 @@ async def tokenizer_call(gateway: Gateway, http: Request, tenant: Tenant | None,
     await gateway.check_health(decision)
     exchange = Exchange(decision, gateway.pools, gateway.router, [request], stream=False, want_logprobs=False)
     try:
-        key = gateway.queue_key(http, tenant, None)
-        try:
-            await exchange.start(gateway.queue.slot(key), immediate=gateway.queue.can_start(key))
-        except QueueFull as exc:
-            raise GatewayError.overloaded(str(exc), exc.retry_after_s) from None
+        await gateway.admit(exchange, http, tenant, None)
         return "".join([event.delta.text async for event in exchange.events()])
     finally:
         await exchange.close()

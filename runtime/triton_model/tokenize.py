@@ -17,7 +17,7 @@ async def tokenizer_answer(engine: AsyncLLM, parsed: ParsedRequest, request_id: 
     "decode": text_output is the ids' text (special tokens kept, so that it encodes back to them)."""
     if parsed.tokenize == "decode":
         assert isinstance(parsed.prompt, list)  # parse_request: decode takes input_ids
-        text = engine.detokenize(parsed.prompt)
+        text = await engine.detokenize(parsed.prompt)
         return RequestOutput(request_id, text, [], finished=True, finish_reason="stop")
     tokens = await engine.tokenize(parsed.prompt)
     text = json.dumps({"tokens": tokens, "max_model_len": engine.context_tokens})
