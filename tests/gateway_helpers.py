@@ -22,7 +22,7 @@ from runtime.gateway.exchange import Exchange
 from runtime.gateway.process import GatewayProcess
 from runtime.serve.launcher import ServerConfig, TritonServer, free_port
 
-SLOW_MAX_SEQ_LEN = 2048
+SLOW_MAX_SEQ_LEN = 8192
 
 
 @contextlib.contextmanager
@@ -57,8 +57,8 @@ def gateway_metrics(gateway: GatewayProcess, path: str = "/metrics", api_key: st
 
 
 def build_slow_engine(engines_dir: Path) -> Path:
-    """A random-weight Llama with 2048 positions: ~50 tokens/s on CPU here, so a 1,500-token
-    request runs for many seconds unless cancelled."""
+    """A random-weight Llama with 8192 positions: ~290 tokens/s at short context on this CPU (1,500 tokens in
+    ~5 s), slowing as its context grows (8,000 tokens take ~110 s), so a long request runs until cancelled."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -184,7 +184,7 @@ def test_without_restarts_a_dead_model_stops_serve_with_exit_3(llama_engine):
 
 
 def _long_stream_inputs() -> list[grpcclient.InferInput]:
-    """A streamed request generating 1,500 tokens (~30 s on the slow engine)."""
+    """A streamed request generating 1,500 tokens (~5 s on the slow engine: it is killed at its first token)."""
     values = [("text_input", np.array([b"Once"], dtype=np.object_), "BYTES"),
               ("max_tokens", np.array([1500], dtype=np.int64), "INT64"),
               ("stream", np.array([True]), "BOOL"), ("ignore_eos", np.array([True]), "BOOL")]  # fmt: skip
@@ -200,8 +200,8 @@ def _long_stream_inputs() -> list[grpcclient.InferInput]:
 
 
 def test_sigterm_drains_then_cuts_with_an_error(slow_engine):
-    """The deadline gives the short stream (19 tokens to go) ~15x its time on a quiet machine (in a slow phase CI
-    once took over 3 s for 39 tokens), and the long one (1,500 tokens, ~30 s) far less than it needs."""
+    """The deadline gives the short stream (19 tokens to go) ~100x its time on a quiet machine (in a slow phase CI
+    once took over 3 s for 39 tokens), and the long one (8,000 tokens, ~110 s) far less than it needs."""
     serve = Serve(slow_engine, "--drain-timeout", "8", "--health-interval", "0.5")
     outcomes: dict[str, queue.Queue] = {"long": queue.Queue(), "short": queue.Queue()}
     try:
@@ -210,7 +210,7 @@ def test_sigterm_drains_then_cuts_with_an_error(slow_engine):
         prefix = shm_prefix_of(triton_pid)
         assert list(SHM_ROOT.glob(f"{prefix}*"))
         sdk = client(f"http://127.0.0.1:{serve.ports['openai']}")
-        for name, tokens in (("long", 1500), ("short", 20)):
+        for name, tokens in (("long", 8000), ("short", 20)):
             _start_stream(sdk, slow_engine.name, tokens, outcomes[name])
         assert outcomes["long"].get(timeout=60) == "token" and outcomes["short"].get(timeout=60) == "token"
         serve.process.send_signal(signal.SIGTERM)
