@@ -15,7 +15,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from engine_format.requests import FIELD
 from runtime.gateway.handler import EventStream
-from runtime.gateway.responses import DONE, ChunkFormat, Header, _logprobs, sse
+from runtime.gateway.responses import DONE, CompletionRender, Header, _logprobs, sse
 from runtime.gateway.wire import Delta, GenerateRequest, TokenLogprob, build_request, parse_response
 from runtime.triton_model.inputs import NUMPY_TYPES
 
@@ -28,7 +28,7 @@ LOGPROBS = [TokenLogprob(5, 'tok "q"\n', -0.25, [('tok "q"\n', -0.25), ("token_i
 
 
 def reference_chunk(header: Header, index: int, delta: Delta, first: bool, include_usage: bool) -> str:
-    """The chunk as a dict, serialized whole: what ChunkFormat must reproduce byte for byte."""
+    """The chunk as a dict, serialized whole: what CompletionRender must reproduce byte for byte."""
     logprobs = _logprobs(header, delta.logprobs)
     if header.kind == "chat":
         body = header.base("chat.completion.chunk")
@@ -50,7 +50,7 @@ def reference_chunk(header: Header, index: int, delta: Delta, first: bool, inclu
 def test_a_spliced_chunk_is_the_whole_objects_json(kind, want_logprobs, include_usage):
     for model in ("llm", 'odd "model" \\ ü'):
         header = Header(kind, model, want_logprobs)
-        form = ChunkFormat(header, include_usage)
+        form = CompletionRender(header, include_usage)
         for index in (0, 3, 15):  # n > 1: each choice's own index
             for text in TRICKY:
                 for finish in (None, "stop", "length"):
@@ -65,7 +65,7 @@ def test_a_spliced_chunk_is_the_whole_objects_json(kind, want_logprobs, include_
 
 
 def test_the_role_is_announced_on_a_choices_first_chat_chunk_only():
-    form = ChunkFormat(Header("chat", "llm", False), False)
+    form = CompletionRender(Header("chat", "llm", False), False)
     first, later = (json.loads(form.chunk(0, Delta("x", None, 1, 1), f)[6:]) for f in (True, False))
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "x"}
     assert later["choices"][0]["delta"] == {"content": "x"} and "usage" not in later

@@ -19,7 +19,7 @@ from engine_format.tool_calls import OPEN, call_grammar, call_text, system_promp
 from runtime.engine.chat_tools import ChatPrompt, render
 from runtime.gateway.errors import GatewayError, from_validation
 from runtime.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from runtime.gateway.responses import Choice, ChunkFormat, Header, completion
+from runtime.gateway.responses import Choice, CompletionRender, Header, completion
 from runtime.gateway.tool_parser import ToolCallParser, parse_whole
 from runtime.gateway.wire import Delta
 from runtime.triton_model.inputs import parse_request
@@ -249,7 +249,7 @@ def test_responses_carry_tool_calls_whole_and_streamed():
     [whole] = completion(header, [choice])["choices"]
     assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] == "Let me check."
     assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["get_weather", "add"]
-    form = ChunkFormat(header, include_usage=True)
+    form = CompletionRender(header, include_usage=True)
     events, text = [], STREAMS[0]
     for i in range(0, len(text), 7):
         done = i + 7 >= len(text)

@@ -21,18 +21,18 @@ from starlette.types import Receive, Scope, Send
 
 from runtime.gateway.admin import add_admin_routes
 from runtime.gateway.errors import GatewayError, unknown_model
-from runtime.gateway.handler import ENDPOINTS, generate
-from runtime.gateway.responses import Kind
+from runtime.gateway.handler import ENDPOINTS, Endpoint, generate
+from runtime.gateway.responses_api.routes import add_responses_routes
 from runtime.gateway.service import Gateway
 from runtime.gateway.tokenize import add_tokenizer_routes
 from runtime.gateway.triton_http import TritonHTTP, add_triton_routes
 
 log = logging.getLogger(__name__)
-GENERATION_PATHS: dict[str, Kind] = {path: kind for kind, path in ENDPOINTS.items()}
+GENERATION_PATHS: dict[str, Endpoint] = {path: kind for kind, path in ENDPOINTS.items()}
 
 
 class GenerationFastPath:
-    """ASGI: POSTs to the two generation endpoints go straight to the handler; everything else (the lifespan
+    """ASGI: POSTs to the generation endpoints go straight to the handler; everything else (the lifespan
     too) to the FastAPI app. Why: FastAPI's middleware, routing and dependency solving per request, and its
     middleware's send wrappers per streamed token, cost CPU that the engine shares, and the handler uses none
     of them: it reads its own body and answers its own errors. A crash before the answer starts is a 500 in
@@ -117,6 +117,12 @@ def create_app(gateway: Gateway) -> GenerationFastPath:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(gateway, request, "text")
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await generate(gateway, request, "responses")
+
+    add_responses_routes(app, gateway)
 
     return GenerationFastPath(app, gateway)
 

@@ -15,9 +15,10 @@ from starlette.responses import JSONResponse
 
 # Parameters of OpenAI's API this server does not implement: named as unsupported, not unknown.
 UNSUPPORTED = frozenset({
-    "audio", "best_of", "function_call", "functions", "metadata", "modalities",
-    "prediction", "prompt_cache_key", "reasoning_effort", "safety_identifier", "service_tier", "store", "suffix",
-    "verbosity", "web_search_options",
+    "audio", "background", "best_of", "context_management", "conversation", "function_call", "functions",
+    "include", "max_tool_calls", "metadata", "modalities", "prompt", "prompt_cache_retention", "reasoning",
+    "prediction", "prompt_cache_key", "reasoning_effort", "safety_identifier", "service_tier", "store",
+    "stream_options", "suffix", "top_logprobs", "verbosity", "web_search_options",
 })  # fmt: skip
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 # Retry-After of a 503: a tritonserver that died is restarted by `trtserve serve`'s supervisor within seconds.

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -26,15 +27,36 @@ from runtime.gateway.body import read_model
 from runtime.gateway.errors import GatewayError, unknown_model
 from runtime.gateway.exchange import Event, Exchange
 from runtime.gateway.protocol import ChatCompletionRequest, CompletionRequest, Generation
-from runtime.gateway.responses import Choice, Header, Kind
+from runtime.gateway.responses import Choice, CompletionRender, Header, Kind
+from runtime.gateway.responses_api.protocol import ResponsesRequest, output_messages
+from runtime.gateway.responses_api.render import ResponseRender
+from runtime.gateway.responses_api.store import owner_of
 from runtime.gateway.routing import UnknownModel
 from runtime.gateway.service import Gateway
 from runtime.gateway.tenants import Tenant
 from runtime.gateway.tokenize import tokenizer_call
-from runtime.gateway.wire import GenerateRequest
+from runtime.gateway.wire import Delta, GenerateRequest
 
-ENDPOINTS: dict[Kind, str] = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
+Endpoint = Literal["chat", "text", "responses"]
+ENDPOINTS: dict[Endpoint, str] = {
+    "chat": "/v1/chat/completions",
+    "text": "/v1/completions",
+    "responses": "/v1/responses",
+}
 DONE = responses.DONE.encode()
+
+
+class Renderer(Protocol):
+    """How an endpoint answers: whole, or as server-sent events (a chunk per delta, then the end, or an
+    error once the stream's 200 went out)."""
+
+    def whole(self, choices: list[Choice]) -> dict[str, Any]: ...
+    def chunk(self, index: int, delta: Delta, first: bool) -> str: ...
+    def end(self, choices: list[Choice]) -> str: ...
+    def failed(self, exc: GatewayError) -> str: ...
+
+
+RenderFor = Callable[[str], Renderer]  # the answering model's name (known once it answered) -> the renderer
 
 
 class EventStream(StreamingResponse):
@@ -55,21 +77,28 @@ class EventStream(StreamingResponse):
                 await send({"type": "http.response.body", "body": held, "more_body": True})
                 held = b""
             data = chunk.encode() if isinstance(chunk, str) else bytes(chunk)
-            if data == DONE:
+            if data.endswith(DONE):
                 held = data
             else:
                 await send({"type": "http.response.body", "body": data, "more_body": True})
         await send({"type": "http.response.body", "body": held, "more_body": False})
 
 
-async def generate(gateway: Gateway, http: Request, kind: Kind) -> Response:
-    call = Call(gateway, http, kind)
+async def generate(gateway: Gateway, http: Request, endpoint: Endpoint) -> Response:
+    call = Call(gateway, http, endpoint)
     model = "-"  # the label for requests naming no served model (client strings would grow the label set)
     try:
         tenant = gateway.authorize(http)
-        body: Generation = await read_model(http, ChatCompletionRequest if kind == "chat" else CompletionRequest)
-        model = body.model if body.model in gateway.model_ids else model
-        response = await call.run(body, tenant)
+        render: RenderFor | None = None
+        if endpoint == "responses":
+            turn = await read_model(http, ResponsesRequest)
+            model = turn.model if turn.model in gateway.model_ids else model
+            body: Generation
+            body, render = _responses(gateway, turn, owner_of(tenant))
+        else:
+            body = await read_model(http, ChatCompletionRequest if endpoint == "chat" else CompletionRequest)
+            model = body.model if body.model in gateway.model_ids else model
+        response = await call.run(body, tenant, render)
     except GatewayError as exc:
         gateway.metrics.requests.labels(call.endpoint, model, str(exc.status)).inc()
         return exc.response()
@@ -77,18 +106,33 @@ async def generate(gateway: Gateway, http: Request, kind: Kind) -> Response:
     return response
 
 
+def _responses(gateway: Gateway, turn: ResponsesRequest, owner: str) -> tuple[ChatCompletionRequest, RenderFor]:
+    """The chat request a Responses turn means (after its previous response's conversation), and its renderer,
+    which keeps the finished response for the next turn unless the request says not to."""
+    history = []
+    if turn.previous_response_id is not None:
+        history = gateway.responses.get(owner, turn.previous_response_id, "previous_response_id").conversation
+    body = turn.chat_request(history)
+
+    def keep(response: dict[str, Any]) -> None:
+        if turn.store:
+            gateway.responses.put(owner, response, history + turn.turn + output_messages(response["output"]))
+
+    return body, lambda model: ResponseRender(model, turn.echo(), body.tool_names, keep)
+
+
 @dataclass
 class Call:
     gateway: Gateway
     http: Request
-    kind: Kind
+    kind: Endpoint
     arrived: float = field(default_factory=time.monotonic)
 
     @property
     def endpoint(self) -> str:
         return ENDPOINTS[self.kind]
 
-    async def run(self, body: Generation, tenant: Tenant | None) -> Response:
+    async def run(self, body: Generation, tenant: Tenant | None, render: RenderFor | None = None) -> Response:
         gateway = self.gateway
         try:
             decision = gateway.router.route(body.model, body.prompt_chars, body.stream)
@@ -96,6 +140,8 @@ class Call:
             raise unknown_model(body.model, gateway.model_ids) from None
         await gateway.check_health(decision)
         echo = await self._echo_texts(body, tenant)  # (before the generation holds the tenant's slot)
+        if render is None:
+            render = self._completion_render(body, echo)
         requests = body.upstream_requests(gateway.cache_salt(tenant, body.cache_salt))
         exchange = Exchange(decision, gateway.pools, gateway.router, requests, body.stream,
                             body.logprobs_n is not None, self._client_left, gateway.disagg)  # fmt: skip
@@ -106,16 +152,13 @@ class Call:
             choices = [Choice(i, i // body.n) for i in range(len(exchange.requests))]  # n per prompt, in order
             if body.stream:
                 first = await _first_events(exchange, len(choices))
-                stream = self._stream(exchange, watcher, body, choices, first)
+                stream = self._stream(exchange, watcher, render(exchange.model), choices, first)
                 committed = True
                 return EventStream(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             async for event in exchange.events():
                 choices[event.index].add(event.delta)
             self._finished(exchange, choices)
-            if body.scores_only:
-                for choice in choices:
-                    choice.drop_completion()
-            return JSONResponse(responses.completion(self._header(exchange, body, echo), choices))
+            return JSONResponse(render(exchange.model).whole(choices))
         except GatewayError as exc:
             if exc.status == 429 and exc.retry_after_s is None:  # the engine's own queue is full
                 exc.retry_after_s = gateway.queue.retry_after_s
@@ -140,24 +183,21 @@ class Call:
             texts.append(prompt)
         return tuple(texts)
 
-    def _header(self, exchange: Exchange, body: Generation, echo: tuple[str, ...] | None = None) -> Header:
-        return Header(
-            self.kind,
-            exchange.model,
-            body.logprobs_n is not None,
-            body.tool_names,
-            echo=echo,
-            prompt_logprobs=body.prompt_logprobs is not None,
+    def _completion_render(self, body: Generation, echo: tuple[str, ...] | None) -> RenderFor:
+        kind: Kind = "chat" if self.kind == "chat" else "text"
+        want_logprobs, prompt_logprobs = body.logprobs_n is not None, body.prompt_logprobs is not None
+        return lambda model: CompletionRender(
+            Header(kind, model, want_logprobs, body.tool_names, echo=echo, prompt_logprobs=prompt_logprobs),
+            body.include_usage,
+            body.scores_only,
         )
 
     def _finished(self, exchange: Exchange, choices: list[Choice]) -> None:
         self.gateway.account(exchange, choices)
         self.gateway.metrics.latency.labels(self.endpoint).observe(time.monotonic() - self.arrived)
 
-    async def _stream(self, exchange: Exchange, watcher: asyncio.Task[None], body: Generation, choices: list[Choice],
+    async def _stream(self, exchange: Exchange, watcher: asyncio.Task[None], form: Renderer, choices: list[Choice],
                       first: list[Event]) -> AsyncIterator[str]:  # fmt: skip
-        header = self._header(exchange, body)
-        form = responses.ChunkFormat(header, body.include_usage)
         self.gateway.metrics.ttft.labels(self.endpoint).observe(time.monotonic() - self.arrived)
         started: set[int] = set()  # choices whose first chunk (chat: with the role) went out
         client_left = True  # unless the stream ends on its own
@@ -168,18 +208,15 @@ class Call:
                 choices[event.index].add(event.delta)
                 chunk = form.chunk(event.index, event.delta, event.index not in started)
                 started.add(event.index)
-                if chunk:  # empty: a tool-call parser holds this delta's text back (responses.ChunkFormat)
+                if chunk:  # empty: a tool-call parser holds this delta's text back (responses.CompletionRender)
                     yield chunk
-            if body.include_usage:
-                yield responses.usage_chunk(header, choices)
             client_left = False
-            yield responses.DONE
+            yield form.end(choices)
             self._finished(exchange, choices)
         except GatewayError as exc:
             client_left = exc.status == 499  # else an upstream failure, told to the client
             if not client_left:
-                yield exc.sse()
-                yield responses.DONE
+                yield form.failed(exc)
         finally:  # also reached when Starlette cancels the stream because the client left
             watcher.cancel()
             await exchange.close(client_left)

@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from runtime.gateway.errors import GatewayError
 from runtime.gateway.tool_parser import CallDelta, ToolCallParser, parse_whole
 from runtime.gateway.wire import Delta, TokenLogprob
 
@@ -119,15 +120,16 @@ def _call_finish(called: bool, reason: str | None) -> str | None:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-class ChunkFormat:
-    """The SSE events of one streamed response, one per upstream delta (chat's first chunk of a choice
-    announces the role). What every chunk shares (id, object, created, model, and the usage null OpenAI
+class CompletionRender:
+    """A chat or text completion: whole (`whole`), or as SSE events, one per upstream delta (chat's first
+    chunk of a choice announces the role), then the usage chunk when asked for and [DONE] (`end`), or an
+    error event (`failed`). What every chunk shares (id, object, created, model, and the usage null OpenAI
     puts on every chunk but the last when usage is asked for) is serialized once; a chunk is that text
     with its index, delta text, logprobs and finish reason spliced in, each serialized as json.dumps would
     inside the whole object: the result is byte for byte `sse(body)` of the chunk's dict (tests check)."""
 
-    def __init__(self, header: Header, include_usage: bool) -> None:
-        self.header, self.include_usage = header, include_usage
+    def __init__(self, header: Header, include_usage: bool, scores_only: bool = False) -> None:
+        self.header, self.include_usage, self.scores_only = header, include_usage, scores_only
         self._parsers: dict[int, ToolCallParser] = {}  # per choice, when the answer is parsed for tool calls
         self._started: set[int] = set()  # choices whose first tool-parsed event went out
         base = _JSON.encode(header.base("chat.completion.chunk" if header.kind == "chat" else "text_completion"))
@@ -139,6 +141,18 @@ class ChunkFormat:
         else:
             self._first = self._next = ', "text": '
             self._after_text = ', "logprobs": '
+
+    def whole(self, choices: list[Choice]) -> dict[str, Any]:
+        if self.scores_only:  # echo with max_tokens 0: the prompt scored, nothing generated
+            for choice in choices:
+                choice.drop_completion()
+        return completion(self.header, choices)
+
+    def end(self, choices: list[Choice]) -> str:
+        return (usage_chunk(self.header, choices) if self.include_usage else "") + DONE
+
+    def failed(self, exc: GatewayError) -> str:
+        return exc.sse() + DONE
 
     def chunk(self, index: int, delta: Delta, first: bool) -> str:
         if self.header.tool_names is not None:

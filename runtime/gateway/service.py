@@ -23,6 +23,7 @@ from runtime.gateway.metrics import GatewayMetrics
 from runtime.gateway.replica_config import Replica, ReplicaPolicy
 from runtime.gateway.replicas import ReplicaPool, ReplicaState
 from runtime.gateway.responses import Choice
+from runtime.gateway.responses_api.store import ResponseStore
 from runtime.gateway.routing import ESCALATED, GatewayConfig, RouteDecision, Router
 from runtime.gateway.tenants import Tenant, find, shorthand, tenant_cache_salt
 
@@ -78,6 +79,7 @@ class Gateway:
             self.disagg[b.name] = DisaggPools(b.name, roles["prefill"], roles["decode"], both)
         self.monitor = Monitor(self.pools, discover, self._retire)
         self.model_ids = config.models  # backends, then virtual models
+        self.responses = ResponseStore()  # the Responses API's finished responses (previous_response_id)
         self.started = time.time()
         self._closing: dict[asyncio.Task[None], ReplicaState] = {}  # removed replicas awaiting their last request
 
