@@ -172,3 +172,20 @@ def test_a_cut_answer_is_incomplete_and_an_empty_one_a_message():
         "total_tokens": 14,
         "output_tokens_details": {"reasoning_tokens": 0},
     }
+
+
+def test_an_upstream_failure_mid_stream_ends_with_response_failed():
+    render = ResponseRender("m", {}, None, lambda body: pytest.fail("a failed response is not kept"))
+    text = render.chunk(0, Delta("Once", None, 5, 1), True)
+    text += render.failed(GatewayError(502, "the stream was cut", "upstream_error", code="stream_cut"))
+    events = [json.loads(line[len("data: ") :]) for line in text.splitlines() if line.startswith("data: ")]
+    assert [e["type"] for e in events][-3:] == [
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.failed",
+    ]
+    assert events[-1]["response"]["error"] == {"code": "stream_cut", "message": "the stream was cut"}
+    assert events[-1]["response"]["status"] == "failed"
+    assert [(i["status"], i["content"][0]["text"]) for i in events[-1]["response"]["output"]] == [
+        ("incomplete", "Once")
+    ]

@@ -66,17 +66,18 @@ class ResponseRender:
         return "".join(events)
 
     def end(self, choices: list[Choice]) -> str:
-        events = self._text("") if not self.output else []  # an empty answer is an empty message
-        events += self._close()
         status = "incomplete" if self.finish_reason == "length" else "completed"
+        events = self._text("") if not self.output else []  # an empty answer is an empty message
+        events += self._close(status)
         self.final = self.body(status, choices[0])
         self.on_done(self.final)
         return "".join(events) + self._event(f"response.{status}", response=self.final)
 
     def failed(self, exc: GatewayError) -> str:
+        events = self._close("incomplete")
         body = self.body("failed")
         body["error"] = {"code": exc.code or exc.type, "message": exc.message}
-        return "".join(self._close()) + self._event("response.failed", response=body)
+        return "".join(events) + self._event("response.failed", response=body)
 
     def whole(self, choices: list[Choice]) -> dict[str, Any]:
         choice = choices[0]
@@ -95,7 +96,7 @@ class ResponseRender:
             "created_at": self.created_at,
             "status": status,
             "model": self.model,
-            "output": [dict(item) for item in self.output] if choice is not None else [],
+            "output": [dict(item) for item in self.output],
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
             **self.settings,
@@ -159,13 +160,13 @@ class ResponseRender:
         self.open = True
         return [self._event("response.output_item.added", output_index=len(self.output) - 1, item=dict(item))]
 
-    def _close(self) -> list[str]:
+    def _close(self, status: str = "completed") -> list[str]:
         """The last item's done events (none if it is closed already)."""
         if not self.open:
             return []
         self.open = False
         item = self.output[-1]
-        item["status"] = "incomplete" if self.finish_reason == "length" else "completed"
+        item["status"] = status
         if item["type"] == "message":
             part, where = item["content"][0], {**self._where(), "content_index": 0}
             events = [
