@@ -255,6 +255,11 @@ FIELDS: tuple[RequestField, ...] = (
     RequestField("kv_handle", Kind.TEXT, "A prefill worker's KV handle (JSON, engine_format/kv_handle.py): a decode "
                  "worker reads that KV and continues after its first token.", Range(1, MAX_KV_HANDLE_CHARS),
                  sampling=False),
+    # Set by the gateway too: a stream resumed on another (or the restarted) replica after its replica failed.
+    RequestField("resume_token_ids", Kind.INTS, "The answer so far of a stream cut by a failed replica: generation "
+                 "goes on after these tokens, which count as output (completion_tokens, max_tokens, penalties, a "
+                 "seed's draws) but are not sent again.", Range(0, INT32_MAX), max_items=MAX_PROMPT_TOKENS,
+                 sampling=False),
 )
 # fmt: on
 FIELD = {f.name: f for f in FIELDS}
@@ -281,6 +286,9 @@ OUTPUTS: tuple[OutputField, ...] = (
         "JSON: the same for each prompt token (the first is null), on the request's first response.",
     ),
     OutputField("kv_handle", "BYTES", "Finish reason handoff (a prefill_only request): the KV handle's JSON."),
+    OutputField(
+        "token_ids", "INT32", "The answer's token ids (the delta's when streaming): what resume_token_ids takes."
+    ),
 )
 OUTPUT_NAMES = tuple(o.name for o in OUTPUTS)
 

@@ -25,7 +25,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,8 +95,14 @@ class AsyncLLM:
         self._output_thread.start()
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        resume_token_ids: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput]:
+        """The request's deltas; `resume_token_ids`: the answer so far of a stream cut elsewhere (the engine's
+        add_request)."""
         if self._error is not None:
             raise RuntimeError(f"engine loop died: {self._error!r}")
         if self._stopping:
@@ -113,7 +119,7 @@ class AsyncLLM:
         interval = max(self.stream_interval, (params and params.stream_interval) or 1)
         self._streams[request_id] = _Stream(loop, queue, interval)
         try:
-            self.engine.add_request(prompt, params, request_id, prompt_ids)
+            self.engine.add_request(prompt, params, request_id, prompt_ids, resume_token_ids)
             if not self._thread.is_alive():  # the loop ended (shutdown or error) meanwhile
                 self.engine.abort(request_id)
                 raise RuntimeError(f"engine is not running: {self._error!r}")

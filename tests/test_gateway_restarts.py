@@ -2,13 +2,15 @@
 
 Without servers (fake gRPC calls and upstreams): a dead stub's error is a 503 with Retry-After (never a
 400); its first sign, from a request or a probe, fails every request open on that replica at once; a request
-that has produced nothing waits (bounded) for a replica to be ready again and is retried there; a backend
-never seen serving fails at once.
+that has produced nothing waits (bounded) for a replica to be ready again and is retried there, and a stream
+cut mid-answer is resumed there from its token ids (unless it opted out); a backend never seen serving fails at
+once.
 
 Against a real tritonserver (slow random Llama, one sequence at a time): its stub is killed under a running
-stream and a queued request. The stream ends with an error event while tritonserver still runs (before,
+stream and a queued request. The gateway sees the stream cut at once, while tritonserver still runs (before,
 it hung until `trtserve serve`'s supervisor killed tritonserver, ~9 s); tritonserver is then restarted on
-its ports, as the supervisor does, and the queued request and one sent meanwhile are answered in full.
+its ports, as the supervisor does: the queued request and one sent meanwhile are answered in full, and the
+stream is resumed from the tokens it had sent, its text equal to the uninterrupted answer's.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import signal
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -220,18 +222,22 @@ class ScriptedUpstream:
     """Each generation raises or yields the next script entry; a 503 marks it unhealthy, as Upstream does."""
 
     url: str
-    script: list[GatewayError | list[Delta]]
+    script: list[GatewayError | list[Delta | GatewayError]]  # a list: deltas, perhaps cut by an error
     healthy: bool = True
-    calls: int = 0
+    requests: list[GenerateRequest] = field(default_factory=list)
+
+    @property
+    def calls(self) -> int:
+        return len(self.requests)
 
     async def generate(self, request: GenerateRequest, stream: bool) -> AsyncIterator[Delta]:
-        self.calls += 1
+        self.requests.append(request)
         step = self.script.pop(0)
-        if isinstance(step, GatewayError):
-            self.healthy = step.status != 503 and self.healthy
-            raise step
-        for delta in step:
-            yield delta
+        for item in step if isinstance(step, list) else [step]:
+            if isinstance(item, GatewayError):
+                self.healthy = item.status != 503 and self.healthy
+                raise item
+            yield item
 
 
 def single_pool(upstream: ScriptedUpstream, ready_wait_s: float) -> ReplicaPool:
@@ -250,12 +256,17 @@ class Slot:
         return None
 
 
-async def exchange_texts(p: ReplicaPool) -> list[str]:
+async def exchange_texts(p: ReplicaPool, request: GenerateRequest = REQUEST, texts: list[str] | None = None
+                         ) -> list[str]:  # fmt: skip
+    """The exchange's delta texts (also appended to `texts` as they come)."""
+    texts = [] if texts is None else texts
     exchange = Exchange(RouteDecision("m", EXPLICIT), {"m": p}, Router(GatewayConfig({"m": Backend("m", "h:1")})),
-                        [REQUEST], True, False)  # fmt: skip
+                        [request], True, False)  # fmt: skip
     await exchange.start(Slot())
     try:
-        return [event.delta.text async for event in exchange.events()]
+        async for event in exchange.events():
+            texts.append(event.delta.text)
+        return texts
     finally:
         await exchange.close()
 
@@ -277,6 +288,35 @@ def test_a_request_that_produced_nothing_waits_for_the_restarted_replica_and_is_
         assert await answer == ["Hi", "!"] and upstream.calls == 2
 
     asyncio.run(scenario())
+
+
+def test_a_stream_cut_by_its_replicas_death_is_resumed_there_once_it_is_back():
+    """The resumed request carries the token ids passed on; the client's text goes on where it stopped. A
+    stream that opted out (resume_on_failure false: not resumable) ends with the error instead."""
+
+    async def scenario(resumable: bool) -> tuple[list[str], ScriptedUpstream, GatewayError | None]:
+        cut = [Delta("Hi", None, 3, 1, token_ids=(7,)), Delta(" th", None, 3, 2, token_ids=(8,)), DOWN]
+        upstream = ScriptedUpstream(A, [cut, [Delta("ere", "stop", 3, 3, token_ids=(9,))]])
+        p = single_pool(upstream, ready_wait_s=3600)
+        texts: list[str] = []
+        answer = asyncio.create_task(exchange_texts(p, replace(REQUEST, resumable=resumable), texts))
+        while not (p._recovery and len(texts) == 2) and not answer.done():  # until it waits for the replica
+            await asyncio.sleep(0)
+        if answer.done():
+            with pytest.raises(GatewayError) as caught:
+                await answer
+            return texts, upstream, caught.value
+        assert texts == ["Hi", " th"] and upstream.calls == 1
+        upstream.healthy = True
+        p.publish_health()
+        await answer
+        return texts, upstream, None
+
+    texts, upstream, error = asyncio.run(scenario(resumable=True))
+    assert error is None and texts == ["Hi", " th", "ere"]
+    assert [r.resume_token_ids for r in upstream.requests] == [(), (7, 8)]
+    texts, upstream, error = asyncio.run(scenario(resumable=False))
+    assert texts == ["Hi", " th"] and error is DOWN and upstream.calls == 1
 
 
 def test_the_wait_is_bounded_and_ends_in_a_503_with_retry_after():
@@ -325,7 +365,7 @@ def stub_of(server: TritonServer) -> int:
 
 
 @pytest.mark.serving
-def test_a_dead_stub_ends_streams_at_once_and_waiting_requests_are_answered_after_the_restart(engines_dir, tmp_path):
+def test_a_dead_stubs_stream_is_resumed_and_waiting_requests_are_answered_after_the_restart(engines_dir, tmp_path):
     engine = build_slow_engine(engines_dir)
     server = TritonServer(ServerConfig.on_free_ports(engine, engine_params={"max_num_seqs": "1"}))
     restarted: TritonServer | None = None
@@ -337,30 +377,33 @@ def test_a_dead_stub_ends_streams_at_once_and_waiting_requests_are_answered_afte
         patient.write_text(yaml.safe_dump(config))
         with (running_gateway(None, None, "--config", str(patient)) as gw,
               running_gateway(None, None, "--config", str(patient), "--ready-wait", "0") as impatient,
-              ThreadPoolExecutor(2) as pool):  # fmt: skip
+              ThreadPoolExecutor(3) as pool):  # fmt: skip
             sdk = client(gw.url)
-            stream = sdk.chat.completions.create(model="slow", messages=[{"role": "user", "content": "Go on."}],
-                                                 stream=True, **LONG)  # fmt: skip
-            chunks = iter(stream)
-            assert next(chunks).choices[0].delta.role == "assistant"
+            chat = {"model": "slow", "messages": [{"role": "user", "content": "Go on."}], "logprobs": True,
+                    "top_logprobs": 2, **LONG}  # fmt: skip
+            chunks = iter(sdk.chat.completions.create(**chat, stream=True))
+            first = next(chunks).choices[0]
+            assert first.delta.role == "assistant"
+            rest = (lp for c in chunks if c.choices for lp in c.choices[0].logprobs.content)
+            streamed = pool.submit(lambda: [*first.logprobs.content, *rest])
 
             def ask(text: str) -> Any:
                 return sdk.completions.create(model="slow", prompt=text, max_tokens=4, temperature=0,
                                               extra_body={"ignore_eos": True})  # fmt: skip
 
             queued = pool.submit(ask, "Queued behind the stream.")
-            in_flight = f'trtserve_gateway_replica_in_flight{{backend="slow",replica="{replica_entry(server)["url"]}"}}'
+            url = replica_entry(server)["url"]
+            in_flight = f'trtserve_gateway_replica_in_flight{{backend="slow",replica="{url}"}}'
             assert wait_for(lambda: gateway_metrics(gw).get(in_flight) == 2)  # the stream, and one queued behind it
             os.kill(stub_of(server), signal.SIGKILL)
-            with pytest.raises(openai.APIError, match="failed during the request, which is lost: Stub process"):
-                for _ in chunks:
-                    pass
-            assert server.process.poll() is None  # ended by the gateway, not by tritonserver's end
+            resumed = f'trtserve_gateway_streams_resumed_total{{backend="slow",replica="{url}"}}'
+            assert wait_for(lambda: gateway_metrics(gw).get(resumed) == 1)  # the cut seen at once...
+            assert server.process.poll() is None  # ...while tritonserver still runs (not by its end)
             with pytest.raises(openai.InternalServerError) as refused:
                 client(impatient.url).completions.create(model="slow", prompt="Now?", max_tokens=2)
             assert refused.value.status_code == 503 and refused.value.response.headers["Retry-After"] == "5"
             meanwhile = pool.submit(ask, "Sent while it is down.")
-            assert not queued.done() and not meanwhile.done()
+            assert not queued.done() and not meanwhile.done() and not streamed.done()
 
             os.killpg(server.process.pid, signal.SIGKILL)  # what `trtserve serve`'s supervisor does, then restarts
             server.process.wait()
@@ -369,7 +412,23 @@ def test_a_dead_stub_ends_streams_at_once_and_waiting_requests_are_answered_afte
             for future in (queued, meanwhile):
                 answer = future.result(timeout=300)
                 assert answer.usage.completion_tokens == 4 and answer.choices[0].finish_reason == "length"
+            # The stream went on where it was cut: its tokens are the uninterrupted greedy answer's, up to a near-tie
+            # (a random model's logits are flat: prompt and answer prefilled again can flip one, docs/gateway.md).
+            tokens = streamed.result(timeout=300)
+            reference = sdk.chat.completions.create(**chat).choices[0].logprobs.content
+            assert len(tokens) == len(reference) == LONG["max_tokens"]
+            assert_equal_up_to_a_near_tie(tokens, reference)
     finally:
         for each in (server, restarted):
             if each is not None:
                 each.stop()
+
+
+def assert_equal_up_to_a_near_tie(tokens: list, reference: list, tie: float = 1e-3) -> None:
+    """Greedy tokens (with their top-2) equal the reference's until a position where both runs saw their two
+    best tokens within `tie` nats of each other; after it they may differ."""
+    for i, (ours, theirs) in enumerate(zip(tokens, reference, strict=True)):
+        if ours.token != theirs.token:
+            margins = [abs(t.top_logprobs[0].logprob - t.top_logprobs[1].logprob) for t in (ours, theirs)]
+            assert max(margins) < tie, (i, margins)
+            return

@@ -67,6 +67,18 @@ class Admission:
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         return min(cap, context_tokens * max(1, longest))
 
+    def check_resume(self, resume_ids: Sequence[int], params: SamplingParams, stop_ids: frozenset[int]) -> None:
+        """A resumed answer (resume_token_ids) must be one this request could have generated and not finished:
+        ids in the vocabulary, none that stops it, shorter than max_tokens (`params` fitted)."""
+        assert params.max_tokens is not None, "fit() first"
+        if len(resume_ids) >= params.max_tokens:
+            raise InvalidRequest("resume_token_ids", f"{len(resume_ids)} tokens: the answer would have ended at "
+                                 f"max_tokens ({params.max_tokens})")  # fmt: skip
+        for token in resume_ids:
+            if token >= self.vocab_size or token in stop_ids:
+                why = "outside the vocabulary" if token >= self.vocab_size else "a stop token (the answer ended there)"
+                raise InvalidRequest("resume_token_ids", f"token id {token} is {why}")
+
     def fit(self, prompt: Prompt, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """`params` with max_tokens None resolved to the room the context leaves (the one place where "no
         max_tokens means up to the end of the context" is decided, for every door); a request that could

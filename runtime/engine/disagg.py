@@ -116,9 +116,9 @@ class Disagg:
 
     # ---- the engine's hooks ------------------------------------------------------------------
 
-    def adopt(self, request: Request, replay: Callable[[str, int], None]) -> bool:
+    def adopt(self, request: Request, resume: Callable[[Request, list[int]], None]) -> bool:
         """add_request's hook, under the engine's lock: see kv_import.py."""
-        return self.imports.adopt(request, replay)
+        return self.imports.adopt(request, resume)
 
     def hand_off(self, outputs: list[TokenOutput], finish: Callable[..., TokenOutput]) -> list[TokenOutput]:
         """A step's outputs, with each prefill-only request that has its first token (and did not finish on

@@ -164,7 +164,7 @@ class KVImports:
             imp.num_hits = len(hits)
         return True
 
-    def adopt(self, request: Request, replay: Callable[[str, int], None]) -> bool:
+    def adopt(self, request: Request, resume: Callable[[Request, list[int]], None]) -> bool:
         """The engine's add_request hook (under its lock): True if the request had a handle (it is then running
         or queued here), False to queue it as usual. InvalidRequest (blocks freed) if its prompt differs."""
         imp = self._imports.pop(request.request_id, None)
@@ -175,11 +175,7 @@ class KVImports:
             self._free(imp)
             raise InvalidRequest("kv_handle", f"the handle's prompt ({handle.num_prompt_tokens} tokens) differs from "
                                  "this request's: another prompt, tokenizer or chat template")  # fmt: skip
-        request.append_output_token(handle.first_token)
-        request.sampling.append(handle.first_token)
-        if not request.params.greedy:
-            request.sampling.rng.random()  # the draw the prefill's sampler made: a seeded stream goes on as one
-        replay(request.request_id, handle.first_token)  # its text went out from the prefill worker
+        resume(request, [handle.first_token])  # generated (and its text sent) by the prefill worker
         now = self.clock()
         request.timing.first_scheduled = now
         request.timing.on_token(now)

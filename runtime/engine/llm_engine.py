@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -119,14 +119,17 @@ class LLMEngine:
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    prompt_ids: list[int] | None = None) -> str:  # fmt: skip
+                    prompt_ids: list[int] | None = None, resume_token_ids: Sequence[int] = ()) -> str:  # fmt: skip
         """Validate and queue a request; raises InvalidRequest or Overloaded at once. `prompt_ids`: the
-        prompt already tokenized (admission.tokenize), e.g. off an event loop by AsyncLLM."""
+        prompt already tokenized (admission.tokenize), e.g. off an event loop by AsyncLLM. `resume_token_ids`:
+        the answer so far of a stream cut elsewhere (see _resume)."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         prompt_ids = self.tokenize(prompt) if prompt_ids is None else prompt_ids
+        stop_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
         try:
             params = self.admission.fit(prompt, prompt_ids, params)
+            self.admission.check_resume(resume_token_ids, params, stop_ids)
             grammar = self.grammars.matcher(params)  # structured output (hook): the request's matcher, or None
         except InvalidRequest:
             self.counters.rejected_invalid += 1
@@ -141,12 +144,13 @@ class LLMEngine:
                 sampling=SamplingState(params, prompt_ids, self.config.model.vocab_size, grammar),
                 arrival_order=next(self._arrivals),
                 timing=RequestTiming(arrival=self.clock()),
-                stop_token_ids=frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids),
+                stop_token_ids=stop_ids,
             )
             self.outputs.add(request_id, prompt_ids, params)  # before the core can produce anything for it
+            self._resume(request, resume_token_ids)
             try:
                 # disagg hook: a request with a KV handle runs from its pulled blocks (or queues to recompute)
-                if not self.disagg.adopt(request, self.outputs.replay):
+                if not self.disagg.adopt(request, self._resume):
                     self.scheduler.add(request)  # raises Overloaded: queue full, or its TTFT target unreachable
             except (Overloaded, InvalidRequest) as exc:  # queue full, its TTFT target unreachable, a handle unusable
                 self.outputs.forget(request_id)
@@ -158,6 +162,18 @@ class LLMEngine:
                     self.counters.rejected_overloaded += 1
                 raise
         return request_id
+
+    def _resume(self, request: Request, token_ids: Sequence[int]) -> None:
+        """A stream resumed after its replica failed: the answer so far becomes this request's output, as if it
+        had generated it (penalty counts, the grammar's matcher, a seed's draws: the sampler draws once per
+        random token) and its text had gone out (the detokenizer takes it as context). The scheduler then
+        prefills prompt and answer together, as after a preemption, and generation goes on."""
+        for token in token_ids:
+            request.append_output_token(token)
+            request.sampling.append(token)
+            if not request.params.greedy:
+                request.sampling.rng.random()
+            self.outputs.replay(request.request_id, token)
 
     @property
     def requests(self) -> dict[str, Request]:

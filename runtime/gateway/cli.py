@@ -110,7 +110,7 @@ API_KEY_ENV = "TRTSERVE_API_KEY"
 )
 @click.option(
     "--max-queued",
-    default=1024,
+    default=16384,
     show_default=True,
     type=click.IntRange(min=0),
     help="Requests waiting for an upstream slot before new ones get 429.",

@@ -183,12 +183,15 @@ class Exchange:
             yield delta
 
     async def _generate_on(self, pool: ReplicaPool, request: GenerateRequest, stream: bool) -> AsyncIterator[Delta]:
-        """One generation on a replica of `pool`, retried on others while nothing has been yielded."""
+        """One generation on a replica of `pool`, retried on others while nothing has been yielded; a resumable
+        stream cut by its replica's failure goes on elsewhere, or there once it is back (see the module)."""
         backend = pool.name
         hashes = pool.prefix_key(request)
         tried: set[str] = set()
         failed: GatewayError | None = None
         deadline: float | None = None  # of the wait for a replica to come back
+        answer: list[int] = []  # the token ids passed on (a resumable stream's)
+        resumes = 0
         while True:
             try:  # no await between the pick and its lease: concurrent picks see each other's counts
                 pick = pool.pick(hashes, frozenset(tried))
@@ -210,10 +213,22 @@ class Exchange:
                 with pool.lease(pick, hashes) as upstream:
                     async for delta in upstream.generate(request, stream):
                         started = True
+                        answer.extend(delta.token_ids)
                         yield delta
                 return
             except GatewayError as exc:
-                if started or exc.status not in RETRYABLE or len(tried) >= pool.settings.max_attempts:
+                resume = started and request.resumable and resumes < pool.settings.max_attempts
+                if exc.status not in RETRYABLE or (started and not resume):
+                    raise
+                if resume:
+                    resumes += 1
+                    request = request.resumed(answer)
+                    failed, deadline = exc, None
+                    pool.metrics.streams_resumed.labels(backend, pick.replica.url).inc()
+                    log.warning("replica %s of %s failed mid-stream (%s); resuming after %d tokens",
+                                pick.replica.url, backend, exc.message, len(answer))  # fmt: skip
+                    continue
+                if len(tried) >= pool.settings.max_attempts:
                     raise
                 failed = exc
                 pool.metrics.replica_retries.labels(backend, pick.replica.url).inc()

@@ -26,6 +26,7 @@ class GatewayMetrics:
     backend_healthy: Gauge
     replica_picks: Counter
     replica_retries: Counter
+    streams_resumed: Counter
     replica_healthy: Gauge
     replica_in_flight: Gauge
     replica_waiting: Gauge
@@ -54,6 +55,9 @@ class GatewayMetrics:
                                   [*REPLICA, "reason"], registry=registry),
             replica_retries=Counter("trtserve_gateway_replica_retries",
                                     "Requests retried elsewhere after this replica failed before their first token",
+                                    REPLICA, registry=registry),
+            streams_resumed=Counter("trtserve_gateway_streams_resumed",
+                                    "Streams cut by this replica's failure, resumed elsewhere (or once it was back)",
                                     REPLICA, registry=registry),
             replica_healthy=Gauge("trtserve_gateway_replica_healthy", "1 if the replica's model is ready", REPLICA,
                                   registry=registry),

@@ -136,6 +136,8 @@ class Generation(GuidedExtras):
     cache_salt: Annotated[str, bounds("cache_salt")] | None = default("cache_salt")
     prompt_logprobs: Annotated[int, bounds("prompt_logprobs")] | None = default("prompt_logprobs")  # vLLM's extra
     logit_bias: dict[str, float] | None = default("logit_bias")  # token id (as text) -> bias
+    # A stream cut by its replica's failure goes on elsewhere, or there once it is back (runtime/gateway/exchange.py)
+    resume_on_failure: bool = True
 
     @model_validator(mode="after")
     def _shared_checks(self) -> Generation:
@@ -228,7 +230,8 @@ class Generation(GuidedExtras):
             for j in range(self.n):
                 seed = {"seed": self.seed + j} if self.seed is not None else {}
                 requests.append(GenerateRequest(prompt, messages, {**params, **seed}, self.stop_strings,
-                                                cache_salt=cache_salt, texts=texts, tools=tools))  # fmt: skip
+                                                cache_salt=cache_salt, texts=texts, tools=tools,
+                                                resumable=self.stream and self.resume_on_failure))  # fmt: skip
         return requests
 
 

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class GatewaySettings:
     api_key: str | None = None  # the one-tenant shorthand: clients must send "Authorization: Bearer <api_key>"
-    max_queued: int = 1024  # waiting for a slot; beyond it: 429
+    max_queued: int = 16384  # waiting for a slot; beyond it: 429 (the seeds' thousands of streams queue)
     max_concurrent: int = 256  # requests upstream at once, all tenants
     per_key_concurrency: int = 64  # requests upstream at once, one tenant
     routing: ReplicaPolicy | None = None  # every backend's replica policy (--routing); None: as configured

@@ -10,8 +10,8 @@ BYTES element is a 4-byte little-endian length and the bytes, numbers are little
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,9 @@ from engine_format.requests import FIELD, OUTPUT_NAMES
 LOGPROBS = "logprobs"  # read (so asked for: Triton sends only the outputs asked) when the request wants them
 PROMPT_LOGPROBS = "prompt_logprobs"  # the same, for the prompt's scores
 KV_HANDLE = "kv_handle"  # read from prefill-only requests (disaggregation)
-OUTPUTS = tuple(name for name in OUTPUT_NAMES if name not in (LOGPROBS, PROMPT_LOGPROBS, KV_HANDLE))  # always read
+TOKEN_IDS = "token_ids"  # read from resumable streams: what resume_token_ids takes after a replica failed
+OPTIONAL = (LOGPROBS, PROMPT_LOGPROBS, KV_HANDLE, TOKEN_IDS)
+OUTPUTS = tuple(name for name in OUTPUT_NAMES if name not in OPTIONAL)  # always read
 NUMPY_TYPES = {"INT64": np.int64, "FP32": np.float32, "BOOL": np.bool_}
 
 
@@ -41,6 +43,13 @@ class GenerateRequest:
     prefill_only: bool = False  # disaggregation: to a prefill worker, answered with the first token and a handle
     kv_handle: str | None = None  # disaggregation: to a decode worker, which reads that KV
     tokenize: str | None = None  # "encode" / "decode": the model's tokenizer answers, nothing is generated
+    resumable: bool = False  # a stream whose token ids come back, so a replica's failure can be resumed from
+    resume_token_ids: tuple[int, ...] = ()  # the answer so far, when resumed (runtime/gateway/exchange.py)
+
+    def resumed(self, answer: Sequence[int]) -> GenerateRequest:
+        """This stream again after its replica failed, going on after `answer` (its prompt's scores went out)."""
+        params = {name: value for name, value in self.params.items() if name != PROMPT_LOGPROBS}
+        return replace(self, params=params, resume_token_ids=tuple(answer))
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,7 @@ class Delta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     kv_handle: str | None = None  # a prefill worker's answer to a prefill-only request (finish reason handoff)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first delta, when asked: the first is None
+    token_ids: tuple[int, ...] = ()  # when asked (a resumable stream): the delta's tokens
 
 
 def token_name(token_id: int, text: str | None = None) -> str:
@@ -124,6 +134,8 @@ def build_request(model: str, request: GenerateRequest, stream: bool) -> Any:
         values["prefill_only"] = [True]
     if request.kv_handle is not None:
         values[KV_HANDLE] = [request.kv_handle.encode()]
+    if request.resume_token_ids:
+        values["resume_token_ids"] = list(request.resume_token_ids)
     message = pb.ModelInferRequest(model_name=model, id=request.request_id)
     for name, value in values.items():
         message.inputs.add(name=name, datatype=FIELD[name].triton_type, shape=[len(value)])
@@ -133,6 +145,7 @@ def build_request(model: str, request: GenerateRequest, stream: bool) -> Any:
         *((LOGPROBS,) if LOGPROBS in request.params else ()),
         *((PROMPT_LOGPROBS,) if PROMPT_LOGPROBS in request.params else ()),
         *((KV_HANDLE,) if request.prefill_only else ()),
+        *((TOKEN_IDS,) if request.resumable else ()),
     )
     for name in wanted:
         message.outputs.add(name=name)
@@ -155,6 +168,7 @@ def parse_response(response: Any) -> Delta:
         logprobs = _element(raw[LOGPROBS]) if LOGPROBS in raw else b""
         handle = _element(raw[KV_HANDLE]) if KV_HANDLE in raw else b""
         scored = _element(raw[PROMPT_LOGPROBS]) if PROMPT_LOGPROBS in raw else b""
+        ids = tuple(np.frombuffer(raw[TOKEN_IDS], dtype="<i4").tolist()) if TOKEN_IDS in raw else ()
     else:  # typed contents: KServe's other encoding
         typed = {o.name: o.contents for o in response.outputs}
         text, finish = typed["text_output"].bytes_contents[0], typed["finish_reason"].bytes_contents[0]
@@ -163,7 +177,8 @@ def parse_response(response: Any) -> Delta:
         logprobs = typed[LOGPROBS].bytes_contents[0] if LOGPROBS in typed else b""
         handle = typed[KV_HANDLE].bytes_contents[0] if KV_HANDLE in typed else b""
         scored = typed[PROMPT_LOGPROBS].bytes_contents[0] if PROMPT_LOGPROBS in typed else b""
+        ids = tuple(typed[TOKEN_IDS].int_contents) if TOKEN_IDS in typed else ()
     return Delta(text.decode("utf-8", errors="replace"), finish.decode() or None, prompt, completion,
                  parse_logprobs(logprobs) if logprobs not in (b"", b"[]") else [],
                  handle.decode() if handle else None,
-                 parse_prompt_logprobs(scored) if scored not in (b"", b"[]") else None)  # fmt: skip
+                 parse_prompt_logprobs(scored) if scored not in (b"", b"[]") else None, ids)  # fmt: skip

@@ -52,6 +52,7 @@ class ParsedRequest:
     prefill_only: bool = False  # disaggregation: end after the first token, answering with a KV handle
     kv_handle: str | None = None  # disaggregation: read this prefill worker's KV, continue after its first token
     tokenize: str | None = None  # "encode" / "decode": the tokenizer answers (runtime/triton_model/tokenize.py)
+    resume_token_ids: tuple[int, ...] = ()  # the answer so far of a stream cut on a failed replica
 
 
 def parse_request(
@@ -107,7 +108,12 @@ def parse_request(
         raise InvalidRequest("tokenize", f'must be "encode" or "decode" (got {tokenize!r})')
     if tokenize == "decode" and ids is None:
         raise InvalidRequest("tokenize", "\"decode\" takes the token ids in 'input_ids'")
-    return ParsedRequest(prompt, SamplingParams(**values), stream, prefill_only, kv_handle, tokenize)
+    resume = (
+        _value(inputs["resume_token_ids"], FIELD["resume_token_ids"], limits) if "resume_token_ids" in inputs else ()
+    )
+    if resume and (prefill_only or kv_handle is not None):
+        raise InvalidRequest("resume_token_ids", "a resumed stream is not disaggregated (no prefill_only or kv_handle)")
+    return ParsedRequest(prompt, SamplingParams(**values), stream, prefill_only, kv_handle, tokenize, tuple(resume))
 
 
 def door_error(error: InvalidRequest, parsed: ParsedRequest | None = None) -> InvalidRequest:

@@ -36,6 +36,7 @@ _BUILDERS: tuple[tuple[str, Build], ...] = (
     ("logprobs", lambda text, delta, lp: _object(logprobs_json(lp if lp is not None else delta.logprobs).encode())),
     ("prompt_logprobs", lambda text, delta, lp: _object(logprobs_json(delta.prompt_logprobs).encode())),
     ("kv_handle", lambda text, delta, lp: _object((delta.kv_handle or "").encode())),
+    ("token_ids", lambda text, delta, lp: np.array(delta.token_ids, dtype=np.int32)),
 )
 assert tuple(name for name, _ in _BUILDERS) == OUTPUT_NAMES, "every output of the contract, in its order"
 

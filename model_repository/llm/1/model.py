@@ -105,7 +105,7 @@ class TritonPythonModel:
             whole = CompletionOutput(request_id, [])
             finished = False
             async with disaggregated(self.engine, parsed, request_id):  # a KV read first, or a prefill-only mark
-                stream = self.engine.generate(parsed.prompt, parsed.params, request_id)
+                stream = self.engine.generate(parsed.prompt, parsed.params, request_id, parsed.resume_token_ids)
                 async with contextlib.aclosing(until_cancelled(stream, request, self.cancel_poll_s)) as deltas:
                     async for delta in deltas:
                         finished = delta.finished
@@ -117,7 +117,7 @@ class TritonPythonModel:
                         else:
                             whole.add(delta)
                             if delta.finished:
-                                delta = replace(delta, prompt_logprobs=whole.prompt_logprobs)
+                                delta = replace(delta, prompt_logprobs=whole.prompt_logprobs, token_ids=whole.token_ids)
                                 _send(sender, output_arrays(wanted, whole.text, delta, whole.logprobs or []), True)
             if not finished:  # cancelled by the client: close the stream without data
                 sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
