@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -137,8 +138,9 @@ def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_po
         raise click.ClickException(str(exc)) from None
     served_name = engine_dir.resolve().name
 
-    def start_gateway(grpc_address: str, http_address: str) -> GatewayProcess:
-        return start_beside_triton(grpc_address, served_name, host, openai_port, api_key, http_address, tenants_path)
+    def start_gateway(grpc_address: str, http_address: str, triton_alive: Callable[[], bool]) -> GatewayProcess:
+        return start_beside_triton(grpc_address, served_name, host, openai_port, api_key, http_address, tenants_path,
+                                   triton_alive)  # fmt: skip
 
     starter = None if no_openai else start_gateway
     budget = RestartBudget(max_per_window=max_restarts)

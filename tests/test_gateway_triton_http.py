@@ -267,7 +267,7 @@ def test_start_beside_triton_passes_the_http_door_and_tenants(monkeypatch, tmp_p
         def __init__(self, args: list[str], host: str, port: int, api_key: str | None) -> None:
             seen.append(args)
 
-        def wait_ready(self) -> None:
+        def wait_ready(self, **_: object) -> None:
             pass
 
     monkeypatch.setattr("runtime.gateway.process.GatewayProcess", Recorder)

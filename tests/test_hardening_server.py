@@ -183,6 +183,27 @@ def test_without_restarts_a_dead_model_stops_serve_with_exit_3(llama_engine):
     assert code == EXIT_UNSERVABLE and noticed and "the server cannot serve" in output, output
 
 
+def test_a_tritonserver_that_dies_before_the_gateway_is_up_is_restarted(llama_engine):
+    """Supervised from the first second: tritonserver killed once ready, while the gateway beside it is still
+    starting (its interpreter takes a second to import), is restarted under the budget, and serve comes up."""
+    serve = Serve(llama_engine, "--health-interval", "0.5")
+    try:
+        serve.output_until("starting tritonserver")
+        # The gateway process exists once serve saw tritonserver ready: kill tritonserver before the gateway is up.
+        assert wait_for(lambda: any("runtime.gateway" in c for c in children(serve.process.pid).values()),
+                        timeout_s=120, interval_s=0.02)  # fmt: skip
+        triton_pid = next(pid for pid, cmd in children(serve.process.pid).items() if "tritonserver" in cmd)
+        os.killpg(triton_pid, signal.SIGKILL)
+        output = serve.output_until("OpenAI   http")
+        assert "while the gateway started" in output and "tritonserver restarted" in output, output
+        sdk = client(f"http://127.0.0.1:{serve.ports['openai']}")
+        assert sdk.completions.create(model=llama_engine.name, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        assert serve.stop() == 0
+    finally:
+        if serve.process.poll() is None:
+            serve.stop()
+
+
 def _long_stream_inputs() -> list[grpcclient.InferInput]:
     """A streamed request generating 1,500 tokens (~5 s on the slow engine: it is killed at its first token)."""
     values = [("text_input", np.array([b"Once"], dtype=np.object_), "BYTES"),

@@ -52,12 +52,12 @@ def metric(values: dict[str, float], name: str) -> float:
     return sum(v for k, v in values.items() if k.split("{")[0] == name)
 
 
-def wait_for(predicate, timeout_s: float = 10.0) -> bool:
+def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.2) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
             return True
-        time.sleep(0.2)
+        time.sleep(interval_s)
     return False
 
 

@@ -15,6 +15,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from runtime.gateway.cli import API_KEY_ENV
@@ -51,13 +52,16 @@ class GatewayProcess:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def wait_ready(self, timeout_s: float = 60.0, healthy: bool = True) -> None:
+    def wait_ready(self, timeout_s: float = 60.0, healthy: bool = True,
+                   backend_alive: Callable[[], bool] = lambda: True) -> None:  # fmt: skip
         """Until GET /health answers 200 (a backend is ready), or answers at all with healthy=False;
-        raises GatewayProcessError with the log's tail."""
+        raises GatewayProcessError with the log's tail, at once when `backend_alive()` turns false."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise GatewayProcessError(f"the gateway exited (code {self.process.returncode}):\n{self.log_tail()}")
+            if not backend_alive():
+                raise GatewayProcessError("its backend died while the gateway started")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2):
                     return  # 200
@@ -94,10 +98,12 @@ class GatewayProcess:
 
 
 def start_beside_triton(grpc_address: str, model: str, host: str, port: int, api_key: str | None,
-                        http_address: str | None = None, tenants: Path | None = None) -> GatewayProcess:  # fmt: skip
+                        http_address: str | None = None, tenants: Path | None = None,
+                        triton_alive: Callable[[], bool] = lambda: True) -> GatewayProcess:  # fmt: skip
     """The gateway `trtserve serve` runs next to its tritonserver (at `grpc_address`), ready to serve.
     `http_address`: tritonserver's HTTP host:port, whose KServe routes the gateway then serves (the safe door:
-    Triton's own HTTP port stays on loopback); `tenants`: a file with a `tenants:` section (instead of `api_key`)."""
+    Triton's own HTTP port stays on loopback); `tenants`: a file with a `tenants:` section (instead of `api_key`);
+    `triton_alive`: false once that tritonserver died (the wait for the gateway's readiness ends at once)."""
     args = ["--triton-url", _reachable(grpc_address), "--model", model, "--nice", str(BESIDE_ENGINE_NICE)]
     if http_address is not None:
         args += ["--triton-http-url", f"http://{_reachable(http_address)}"]
@@ -105,7 +111,7 @@ def start_beside_triton(grpc_address: str, model: str, host: str, port: int, api
         args += ["--tenants", str(tenants)]
     gateway = GatewayProcess(args, host, port, api_key)
     try:
-        gateway.wait_ready()
+        gateway.wait_ready(backend_alive=triton_alive)
     except GatewayProcessError:
         gateway.stop()
         raise

@@ -52,16 +52,18 @@ class Gateway(Protocol):
     def stop(self) -> int: ...
 
 
-# Starts the gateway beside tritonserver (given its gRPC and HTTP addresses), ready to serve.
-GatewayStarter = Callable[[str, str], Gateway]
+# Starts the gateway beside tritonserver (given its gRPC and HTTP addresses and whether it still runs), ready to
+# serve.
+GatewayStarter = Callable[[str, str, Callable[[], bool]], Gateway]
 
 
 class _Children:
     """The running tritonserver and gateway, replaced when they die."""
 
-    def __init__(self, server: TritonServer, start_gateway: GatewayStarter | None) -> None:
-        self.server, self.start_gateway = server, start_gateway
+    def __init__(self, server: TritonServer, start_gateway: GatewayStarter | None, served_name: str) -> None:
+        self.server, self.start_gateway, self.served_name = server, start_gateway, served_name
         self.gateway: Gateway | None = None
+        self.announced = False  # the endpoints are printed once everything first serves
         self.crash_logs: list[Path] = []  # logs of tritonservers whose stub crashed
         self.crashed_at_exit = False
 
@@ -70,13 +72,31 @@ class _Children:
         config = self.server.config
         return f"{config.host}:{config.grpc_port}", f"{config.host}:{config.http_port}"
 
+    def _triton_alive(self) -> bool:
+        return self.server.process.poll() is None
+
     def others(self) -> dict[str, subprocess.Popen[bytes]]:
         return {GATEWAY: self.gateway.process} if self.gateway is not None else {}
 
-    def start(self) -> None:
+    def start(self, errors: tuple[type[Exception], ...]) -> Failure | None:
+        """Tritonserver, then the gateway. Once tritonserver has been ready, a child that fails is the
+        supervisor's to restart (the Failure); before that, the server could not start (`errors` propagate)."""
         self.server.wait_ready()
-        if self.start_gateway is not None:
-            self.gateway = self.start_gateway(*self.triton_addresses)
+        try:
+            if self.start_gateway is not None:
+                self.gateway = self.start_gateway(*self.triton_addresses, self._triton_alive)
+        except errors as exc:
+            if self.server.process.poll() is not None:  # tritonserver died while the gateway started
+                return Failure(TRITON, f"tritonserver exited (code {self.server.process.returncode}) while the "
+                               f"gateway started:\n{self.server.log_tail()}")  # fmt: skip
+            return Failure(GATEWAY, f"the gateway failed to start: {exc}")
+        self.announce()
+        return None
+
+    def announce(self) -> None:
+        if not self.announced:
+            _print_endpoints(self, self.served_name)
+            self.announced = True
 
     def restart(self, child: str) -> None:
         if child == TRITON:
@@ -85,10 +105,10 @@ class _Children:
             self.server.stop(timeout_s=0)
             self.server = TritonServer(self.server.config)
             self.server.wait_ready()
-        elif self.start_gateway is not None:
+        if self.start_gateway is not None and (child != TRITON or self.gateway is None):  # (None: it never started)
             if self.gateway is not None:
                 self.gateway.stop()
-            self.gateway = self.start_gateway(*self.triton_addresses)
+            self.gateway = self.start_gateway(*self.triton_addresses, self._triton_alive)
 
     def stop(self) -> None:
         if self.gateway is not None:
@@ -117,13 +137,12 @@ def run_serve(server: TritonServer, start_gateway: GatewayStarter | None, served
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    children, budget = _Children(server, start_gateway), budget or RestartBudget()
+    children, budget = _Children(server, start_gateway, served_name), budget or RestartBudget()
     errors: tuple[type[Exception], ...] = (ServerError, *startup_errors)
     try:
         click.echo(f"starting tritonserver (log: {server.log_path}) ...", err=True)
-        children.start()
-        _print_endpoints(children, served_name)
-        failure = _supervise(children, stop, budget, errors, health_interval_s, stall_s)
+        failure = children.start(errors)
+        failure = _supervise(children, stop, budget, errors, health_interval_s, stall_s, failure)
     except errors as exc:
         click.echo(f"Error: {exc}", err=True)
         children.stop()
@@ -152,13 +171,14 @@ def run_serve(server: TritonServer, start_gateway: GatewayStarter | None, served
 
 
 def _supervise(children: _Children, stop: threading.Event, budget: RestartBudget, errors: tuple[type[Exception], ...],
-               health_interval_s: float, stall_s: float) -> Failure | None:  # fmt: skip
-    """Watch the children, restarting each that fails, until `stop` (None) or the budget is spent (the
-    last failure)."""
+               health_interval_s: float, stall_s: float, failure: Failure | None = None) -> Failure | None:  # fmt: skip
+    """Watch the children, restarting each that fails (`failure`: one that failed as the server started),
+    until `stop` (None) or the budget is spent (the last failure)."""
     while True:
-        supervisor = Supervisor(children.server, probe_interval_s=health_interval_s, stall_s=stall_s,
-                                report=lambda message: click.echo(f"warning: {message}", err=True))  # fmt: skip
-        failure = supervisor.watch(stop, children.others())
+        if failure is None:
+            supervisor = Supervisor(children.server, probe_interval_s=health_interval_s, stall_s=stall_s,
+                                    report=lambda message: click.echo(f"warning: {message}", err=True))  # fmt: skip
+            failure = supervisor.watch(stop, children.others())
         while failure is not None:
             seen = time.monotonic()
             delay = budget.delay(seen)
@@ -175,6 +195,7 @@ def _supervise(children: _Children, stop: threading.Event, budget: RestartBudget
                 continue
             click.echo(f"{failure.child} restarted: serving again {time.monotonic() - seen:.1f} s after the "
                        "failure was seen", err=True)  # fmt: skip
+            children.announce()  # (once: the first time everything serves, if a child failed as the server started)
             failure = None
         if stop.is_set():
             return None
