@@ -9,13 +9,16 @@ the cleanup runs in its own task, so it completes even when the caller is being 
 
 Each upstream generation goes to a replica its backend's pool picks. When that replica fails (unreachable,
 not ready, its engine overloaded, the stream cut) before the generation produced anything, it is retried
-on another replica, up to `max_attempts` replicas; once a delta has been passed on, the failure is the
-client's (a stream gets an error event). Non-streaming generations produce their one delta at the end,
-so they are retried whenever their replica fails. When no replica is healthy at all and the backend has
-served before (a tritonserver restarting: `trtserve serve`'s supervisor brings it back on its address), a
-generation that has produced nothing waits up to the routing's `ready_wait_s` (from its first such wait)
-for one to be ready again, then is tried again there (restarted replicas included); past it, a 503. A
-replica that refused because it is shutting down (its drain) is not waited for: 503 at once.
+on another replica, up to `max_attempts` replicas. Once a delta has been passed on, a resumable stream
+(GenerateRequest.resumable: the client did not opt out) is resumed instead, up to `max_attempts` times: sent
+again with the token ids passed on so far as `resume_token_ids`, on another replica or on the same one once it
+is back, the client seeing a pause; any other failure after a delta is the client's (a stream gets an error
+event). Non-streaming generations produce their one delta at the end, so they are retried whenever their
+replica fails. When no replica is healthy at all and the backend has served before (a tritonserver
+restarting: `trtserve serve`'s supervisor brings it back on its address), a generation that has produced
+nothing (or a stream to resume) waits up to the routing's `ready_wait_s` (from its first such wait) for one to
+be ready again, then is tried again there (restarted replicas included); past it, a 503. A replica that
+refused because it is shutting down (its drain) is not waited for: 503 at once.
 """
 
 from __future__ import annotations
