@@ -139,8 +139,9 @@ def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_po
     served_name = engine_dir.resolve().name
 
     def start_gateway(grpc_address: str, http_address: str, triton_alive: Callable[[], bool]) -> GatewayProcess:
-        return start_beside_triton(grpc_address, served_name, host, openai_port, api_key, http_address, tenants_path,
-                                   triton_alive)  # fmt: skip
+        return start_beside_triton(
+            grpc_address, served_name, host, openai_port, api_key, http_address, tenants_path, triton_alive
+        )
 
     starter = None if no_openai else start_gateway
     budget = RestartBudget(max_per_window=max_restarts)

@@ -72,8 +72,10 @@ class Admission:
         ids in the vocabulary, none that stops it, shorter than max_tokens (`params` fitted)."""
         assert params.max_tokens is not None, "fit() first"
         if len(resume_ids) >= params.max_tokens:
-            raise InvalidRequest("resume_token_ids", f"{len(resume_ids)} tokens: the answer would have ended at "
-                                 f"max_tokens ({params.max_tokens})")  # fmt: skip
+            raise InvalidRequest(
+                "resume_token_ids",
+                f"{len(resume_ids)} tokens: the answer would have ended at max_tokens ({params.max_tokens})",
+            )
         for token in resume_ids:
             if token >= self.vocab_size or token in stop_ids:
                 why = "outside the vocabulary" if token >= self.vocab_size else "a stop token (the answer ended there)"

@@ -118,8 +118,14 @@ class LLMEngine:
 
     # ---- requests in and out -------------------------------------------------------------
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    prompt_ids: list[int] | None = None, resume_token_ids: Sequence[int] = ()) -> str:  # fmt: skip
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prompt_ids: list[int] | None = None,
+        resume_token_ids: Sequence[int] = (),
+    ) -> str:
         """Validate and queue a request; raises InvalidRequest or Overloaded at once. `prompt_ids`: the
         prompt already tokenized (admission.tokenize), e.g. off an event loop by AsyncLLM. `resume_token_ids`:
         the answer so far of a stream cut elsewhere (see _resume)."""

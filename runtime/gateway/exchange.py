@@ -228,8 +228,13 @@ class Exchange:
                     request = request.resumed(answer)
                     failed, deadline = exc, None
                     pool.metrics.streams_resumed.labels(backend, pick.replica.url).inc()
-                    log.warning("replica %s of %s failed mid-stream (%s); resuming after %d tokens",
-                                pick.replica.url, backend, exc.message, len(answer))  # fmt: skip
+                    log.warning(
+                        "replica %s of %s failed mid-stream (%s); resuming after %d tokens",
+                        pick.replica.url,
+                        backend,
+                        exc.message,
+                        len(answer),
+                    )
                     continue
                 if len(tried) >= pool.settings.max_attempts:
                     raise

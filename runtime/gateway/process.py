@@ -52,8 +52,9 @@ class GatewayProcess:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def wait_ready(self, timeout_s: float = 60.0, healthy: bool = True,
-                   backend_alive: Callable[[], bool] = lambda: True) -> None:  # fmt: skip
+    def wait_ready(
+        self, timeout_s: float = 60.0, healthy: bool = True, backend_alive: Callable[[], bool] = lambda: True
+    ) -> None:
         """Until GET /health answers 200 (a backend is ready), or answers at all with healthy=False;
         raises GatewayProcessError with the log's tail, at once when `backend_alive()` turns false."""
         deadline = time.monotonic() + timeout_s
@@ -97,9 +98,16 @@ class GatewayProcess:
         self.stop()
 
 
-def start_beside_triton(grpc_address: str, model: str, host: str, port: int, api_key: str | None,
-                        http_address: str | None = None, tenants: Path | None = None,
-                        triton_alive: Callable[[], bool] = lambda: True) -> GatewayProcess:  # fmt: skip
+def start_beside_triton(
+    grpc_address: str,
+    model: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    http_address: str | None = None,
+    tenants: Path | None = None,
+    triton_alive: Callable[[], bool] = lambda: True,
+) -> GatewayProcess:
     """The gateway `trtserve serve` runs next to its tritonserver (at `grpc_address`), ready to serve.
     `http_address`: tritonserver's HTTP host:port, whose KServe routes the gateway then serves (the safe door:
     Triton's own HTTP port stays on loopback); `tenants`: a file with a `tenants:` section (instead of `api_key`);

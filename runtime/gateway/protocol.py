@@ -229,9 +229,18 @@ class Generation(GuidedExtras):
         for prompt, messages in self._inputs():
             for j in range(self.n):
                 seed = {"seed": self.seed + j} if self.seed is not None else {}
-                requests.append(GenerateRequest(prompt, messages, {**params, **seed}, self.stop_strings,
-                                                cache_salt=cache_salt, texts=texts, tools=tools,
-                                                resumable=self.stream and self.resume_on_failure))  # fmt: skip
+                requests.append(
+                    GenerateRequest(
+                        prompt,
+                        messages,
+                        {**params, **seed},
+                        self.stop_strings,
+                        cache_salt=cache_salt,
+                        texts=texts,
+                        tools=tools,
+                        resumable=self.stream and self.resume_on_failure,
+                    )
+                )
         return requests
 
 

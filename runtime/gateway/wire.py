@@ -178,7 +178,13 @@ def parse_response(response: Any) -> Delta:
         handle = typed[KV_HANDLE].bytes_contents[0] if KV_HANDLE in typed else b""
         scored = typed[PROMPT_LOGPROBS].bytes_contents[0] if PROMPT_LOGPROBS in typed else b""
         ids = tuple(typed[TOKEN_IDS].int_contents) if TOKEN_IDS in typed else ()
-    return Delta(text.decode("utf-8", errors="replace"), finish.decode() or None, prompt, completion,
-                 parse_logprobs(logprobs) if logprobs not in (b"", b"[]") else [],
-                 handle.decode() if handle else None,
-                 parse_prompt_logprobs(scored) if scored not in (b"", b"[]") else None, ids)  # fmt: skip
+    return Delta(
+        text.decode("utf-8", errors="replace"),
+        finish.decode() or None,
+        prompt,
+        completion,
+        parse_logprobs(logprobs) if logprobs not in (b"", b"[]") else [],
+        handle.decode() if handle else None,
+        parse_prompt_logprobs(scored) if scored not in (b"", b"[]") else None,
+        ids,
+    )

@@ -87,8 +87,11 @@ class _Children:
                 self.gateway = self.start_gateway(*self.triton_addresses, self._triton_alive)
         except errors as exc:
             if self.server.process.poll() is not None:  # tritonserver died while the gateway started
-                return Failure(TRITON, f"tritonserver exited (code {self.server.process.returncode}) while the "
-                               f"gateway started:\n{self.server.log_tail()}")  # fmt: skip
+                return Failure(
+                    TRITON,
+                    f"tritonserver exited (code {self.server.process.returncode}) while the "
+                    f"gateway started:\n{self.server.log_tail()}",
+                )
             return Failure(GATEWAY, f"the gateway failed to start: {exc}")
         self.announce()
         return None
@@ -170,14 +173,25 @@ def run_serve(server: TritonServer, start_gateway: GatewayStarter | None, served
     return EXIT_CRASHED if children.crashed_at_exit else 0
 
 
-def _supervise(children: _Children, stop: threading.Event, budget: RestartBudget, errors: tuple[type[Exception], ...],
-               health_interval_s: float, stall_s: float, failure: Failure | None = None) -> Failure | None:  # fmt: skip
+def _supervise(
+    children: _Children,
+    stop: threading.Event,
+    budget: RestartBudget,
+    errors: tuple[type[Exception], ...],
+    health_interval_s: float,
+    stall_s: float,
+    failure: Failure | None = None,
+) -> Failure | None:
     """Watch the children, restarting each that fails (`failure`: one that failed as the server started),
     until `stop` (None) or the budget is spent (the last failure)."""
     while True:
         if failure is None:
-            supervisor = Supervisor(children.server, probe_interval_s=health_interval_s, stall_s=stall_s,
-                                    report=lambda message: click.echo(f"warning: {message}", err=True))  # fmt: skip
+            supervisor = Supervisor(
+                children.server,
+                probe_interval_s=health_interval_s,
+                stall_s=stall_s,
+                report=lambda message: click.echo(f"warning: {message}", err=True),
+            )
             failure = supervisor.watch(stop, children.others())
         while failure is not None:
             seen = time.monotonic()
