@@ -198,7 +198,7 @@ class AsyncLLM:
         self._thread.join()
         self._outputs.put(None)
         self._output_thread.join()
-        self.engine.disagg.close()  # the transfer agent deregisters the KV pool
+        self.engine.close()  # the KV tiers write to disk, the transfer agent deregisters the KV pool
 
     def _run(
         self,

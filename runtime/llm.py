@@ -17,6 +17,16 @@ class LLM:
     def __init__(self, engine_dir: str | Path, **engine_args: Any):
         self.engine = LLMEngine(engine_dir, EngineArgs(**engine_args))
 
+    def close(self) -> None:
+        """Write what the disk tier of the KV cache lacks (a later LLM finds it); nothing to do without one."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def tokenizer(self) -> Any:  # a Hugging Face tokenizer
         return self.engine.tokenizer

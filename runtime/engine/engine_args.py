@@ -43,6 +43,8 @@ ROLES = ("both", "prefill", "decode")
 # How long a prefill worker keeps a handed-off request's blocks pinned for its decode worker: a read normally
 # ends in milliseconds; the pin outlives a gateway's pick and a decode worker's wait for free blocks.
 DEFAULT_KV_PIN_TIMEOUT_S = 30.0
+# The KV cache's disk tier, when a directory is given: bounded, so a shared cache directory cannot fill a disk.
+DEFAULT_KV_DISK_CACHE_GB = 16.0
 DISABLE_BATCH_SIZE_DEFAULTS = ", ".join(f"{n} with {m}" for m, n in DEFAULT_SPECULATIVE_DISABLE_BATCH_SIZE.items())
 
 
@@ -124,6 +126,26 @@ class EngineArgs:
     kv_pin_timeout_s: float = setting(DEFAULT_KV_PIN_TIMEOUT_S, "Seconds a prefill worker keeps a handed-off "
                                       "request's KV blocks pinned unless a decode worker reads them first.",
                                       flag="--kv-pin-timeout", lo=0.001)  # fmt: skip
+    kv_host_cache_gb: float = setting(
+        0.0,
+        "Host-memory tier behind the prefix cache, in GiB (fractions allowed): "
+        "full blocks computed are kept there too and read back on a later miss "
+        "instead of recomputed. 0 (default): none; a CPU backend's pool is host "
+        "memory already, so there a larger --num-kv-blocks serves better.",
+        lo=0,
+    )
+    kv_disk_cache: str | None = setting(
+        None,
+        "Directory of a disk tier below the host tier (or below the pool "
+        "without one): blocks kept across restarts and shared by the replicas "
+        "using the same directory (default: none).",
+    )
+    kv_disk_cache_gb: float = setting(
+        DEFAULT_KV_DISK_CACHE_GB,
+        "Most GiB of blocks the disk tier keeps (oldest deleted first).",
+        lo=0.001,
+        only_with="kv_disk_cache",
+    )
     stream_interval: int = setting(1, "Tokens per streamed response, the first and last at once; fewer responses cost "
                                    "the server less (a request may ask for more).", lo=1)  # fmt: skip
     grammar_compile_timeout_s: float = setting(DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, "Longest a structured-output "
@@ -160,6 +182,12 @@ class EngineArgs:
         pin = self.kv_pin_timeout_s
         if not isinstance(pin, int | float) or isinstance(pin, bool) or not 0 < pin < math.inf:
             raise ValueError(f"EngineArgs.kv_pin_timeout_s must be a positive number of seconds (got {pin!r})")
+        for name in ("kv_host_cache_gb", "kv_disk_cache_gb"):
+            size = getattr(self, name)
+            if not isinstance(size, int | float) or isinstance(size, bool) or not 0 <= size < math.inf:
+                raise ValueError(f"EngineArgs.{name} must be a number of GiB >= 0 (got {size!r})")
+        if self.kv_disk_cache_gb == 0:
+            raise ValueError("EngineArgs.kv_disk_cache_gb must be > 0 (leave kv_disk_cache unset for no disk tier)")
         if self.speculative not in (None, *SPECULATIVE_METHODS):
             raise ValueError(f"EngineArgs.speculative must be 'ngram', 'draft' or None (got {self.speculative!r})")
         if self.speculative == "draft" and self.draft_engine is None:

@@ -15,12 +15,16 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine_format import ceil_div
 from runtime.engine.block_pool import BlockPool, KVBlock
 from runtime.engine.request import Request
+
+if TYPE_CHECKING:
+    from runtime.engine.kv_tiers import KVTiers
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found in the cache
+        self.tiers: KVTiers | None = None  # host and disk tiers behind the pool (kv_tiers/), set by the engine
+        self._newly_cached: list[tuple[KVBlock, bytes]] = []  # indexed since the last `sync_tiers`: to store
 
     @property
     def capacity_tokens(self) -> int:
@@ -77,6 +83,32 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def loading_from_tiers(self, request: Request, hits: Sequence[KVBlock]) -> bool:
+        """True while the request's next blocks after its pool `hits` are being read back from a tier: it is
+        admitted once they are in the pool (as hits). Starts that read when a tier holds them and the pool can
+        spare the blocks; False (compute them) otherwise."""
+        tiers = self.tiers
+        if tiers is None or not self.enable_prefix_caching or request.scores_prompt:
+            return False
+        load = tiers.load_state(request.request_id)
+        if load is not None:
+            return not load.done
+        wanted = self._hashes(request, (request.num_tokens - 1) // self.block_size)[len(hits) :]
+        found = tiers.find(wanted)
+        reusable = sum(b.ref_cnt == 0 for b in hits)
+        if found == 0 or found + 1 > self.pool.num_free_blocks - reusable:  # + 1: the request's own next block
+            return False
+        tiers.start_load(request.request_id, self.pool.get_new_blocks(found), list(wanted[:found]))
+        return True
+
+    def sync_tiers(self) -> None:
+        """Once a step, before scheduling: apply finished copies, and queue the blocks indexed since the last
+        call for the tiers."""
+        if self.tiers is not None:
+            self.tiers.poll()
+            cached, self._newly_cached = self._newly_cached, []
+            self.tiers.store(cached)
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's prefix lookup (not the retries of a blocked one)."""
@@ -113,7 +145,10 @@ class KVCacheManager:
             return
         hashes = self._hashes(request, num_full)
         for i in range(request.num_cached_blocks, num_full):
-            self.pool.cache_block(self.pool.blocks[request.block_ids[i]], hashes[i])
+            block = self.pool.blocks[request.block_ids[i]]
+            self.pool.cache_block(block, hashes[i])
+            if self.tiers is not None and block.block_hash is hashes[i]:  # newly indexed here
+                self._newly_cached.append((block, hashes[i]))
         request.num_cached_blocks = num_full
 
     def trim(self, request: Request) -> None:
@@ -129,12 +164,29 @@ class KVCacheManager:
         self.pool.free_blocks(self.pool.blocks[b] for b in reversed(request.block_ids))
         request.block_ids = []
         request.num_cached_blocks = 0
+        if self.tiers is not None:  # a request that leaves while blocks are read back for it from a tier
+            self.tiers.release(request.request_id)
+
+    def admitted(self, request: Request) -> None:
+        """The request holds its prefix hits now: blocks read back for it from a tier are no longer held."""
+        if self.tiers is not None:
+            self.tiers.release(request.request_id)
+
+    def close_tiers(self) -> None:
+        """Stop the tiers' copies and write what the disk tier lacks (the pool's indexed blocks included)."""
+        if self.tiers is not None:
+            self.sync_tiers()
+            cached = [(b.block_id, b.block_hash) for b in self.pool.blocks if b.block_hash is not None]
+            self.tiers.close(cached)
+            self.tiers = None
 
     def check_invariants(self, live_requests: Sequence[Request] | None = None,
                          held: Sequence[Sequence[int]] = ()) -> None:  # fmt: skip
         """Pool invariants; with every live request given, also that the block tables (and `held`: references
-        taken outside requests, runtime/engine/disagg.py's pins and staged pulls) account for every reference."""
+        taken outside requests, runtime/engine/disagg.py's pins and staged pulls, the tiers' copies) account for
+        every reference."""
         self.pool.check_invariants()
+        held = [*held, *(self.tiers.held() if self.tiers is not None else [])]
         if live_requests is not None:
             refs = np.zeros(self.pool.num_blocks, np.int64)
             for block_ids in [*(r.block_ids for r in live_requests), *held]:

@@ -30,6 +30,7 @@ from runtime.engine.engine_args import EngineArgs
 from runtime.engine.errors import InvalidRequest, Overloaded
 from runtime.engine.grammar_cache import GrammarCache
 from runtime.engine.kv_cache_manager import KVCacheManager
+from runtime.engine.kv_tiers import create_tiers
 from runtime.engine.output_processor import OutputProcessor
 from runtime.engine.outputs import RequestOutput, TokenOutput
 from runtime.engine.request import Request, RequestStatus, RequestTiming
@@ -82,6 +83,10 @@ class LLMEngine:
         self._in_flight: InFlight | None = None
         self.tokenizer = load_tokenizer(engine_dir)
         self.kv = KVCacheManager(self.backend.num_blocks, config.block_size, args.enable_prefix_caching)
+        if args.enable_prefix_caching:  # the tiers keep what the prefix cache indexes
+            self.kv.tiers = create_tiers(
+                config, self.backend, self.kv.pool, args.kv_host_cache_gb, args.kv_disk_cache, args.kv_disk_cache_gb
+            )
         max_num_seqs = min(args.max_num_seqs or config.max_batch_size, config.max_batch_size)
         if args.max_num_batched_tokens < max_num_seqs:  # else some running decodes would starve
             raise ValueError(
@@ -223,15 +228,15 @@ class LLMEngine:
             outputs = self._expire_deadlines()
             batch = self.scheduler.schedule()
             if batch.is_empty:
-                return outputs + (self._resolve() if self._in_flight is not None else [])
-            now = self.clock()
-            for request in batch.admitted:  # (running ones were scheduled before)
-                if request in batch.num_tokens:  # not preempted again by a later allocation this step
-                    request.timing.first_scheduled = request.timing.first_scheduled or now
-            step = build_chunks(batch.num_tokens)
-            # Rows that complete their request's tokens are sampled: by the backend on its device if it can
-            # (drafts are verified on the host, from logits of every draft position).
-            rows = step.sampling_rows() if self.device_sampling else []
+                outputs += self._resolve() if self._in_flight is not None else []
+                loading = self.kv.tiers is not None and self.kv.tiers.loading
+            else:
+                step, rows = self._start(batch)
+        if batch.is_empty:
+            if loading:  # nothing runs until a tier's blocks are read back: wait for them, not spin
+                assert self.kv.tiers is not None
+                self.kv.tiers.wait(0.01)
+            return outputs
         if overlap:
             return outputs + self._launch(step, rows, batch, step_start)
         try:
@@ -254,6 +259,16 @@ class LLMEngine:
                 target_s = self.spec.observe_step(seconds, sum(len(o.token_ids) for o in stepped), decodes)
             self._observe(step.chunks, batch, seconds, target_s)
             return outputs + stepped
+
+    def _start(self, batch: ScheduledBatch) -> tuple[StepChunks, list[SamplingState | None]]:
+        """The step's chunks, and its rows the backend samples on its device if it can (drafts are verified on
+        the host, from logits of every draft position)."""
+        now = self.clock()
+        for request in batch.admitted:  # (running ones were scheduled before)
+            if request in batch.num_tokens:  # not preempted again by a later allocation this step
+                request.timing.first_scheduled = request.timing.first_scheduled or now
+        step = build_chunks(batch.num_tokens)
+        return step, step.sampling_rows() if self.device_sampling else []
 
     def _launch(self, step: StepChunks, rows: list[SamplingState | None], batch: ScheduledBatch,
                 start: float) -> list[TokenOutput]:  # fmt: skip
@@ -369,6 +384,7 @@ class LLMEngine:
                 spec_decode=None if self.spec is None else self.spec.counters.snapshot(),
                 kv_max_concurrency=self.kv.capacity_tokens / self.config.max_seq_len,
                 grammar=self.grammars.stats(),  # structured output (hook)
+                kv_tiers=None if self.kv.tiers is None else self.kv.tiers.stats(),
             )
 
     def take_step_records(self) -> list[StepRecord]:
@@ -377,6 +393,13 @@ class LLMEngine:
             records = list(self.counters.recent_steps)
             self.counters.recent_steps.clear()
             return records
+
+    def close(self) -> None:
+        """After the last step: the KV tiers write what the disk tier lacks (a restart finds it), the transfer
+        agent deregisters the pool."""
+        with self._lock:
+            self.kv.close_tiers()
+        self.disagg.close()
 
     def check_invariants(self) -> None:
         with self._lock:

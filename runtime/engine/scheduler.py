@@ -6,7 +6,9 @@ Per step, under a token budget (`max_num_batched_tokens`) and a sequence cap (`m
    has free blocks: drafts never preempt), highest priority first: never held back;
 2. prefill chunks, by priority class: running requests still prefilling (one chunk each) before
    waiting ones of the same class, which come in queue order (earliest TTFT deadline, then
-   arrival) with their prefix-cache hits, while the budget, the sequence cap and the pool allow.
+   arrival) with their prefix-cache hits, while the budget, the sequence cap and the pool allow. A queue
+   head whose next blocks are in a KV tier (host memory, disk: kv_tiers/) waits, holding no step, until
+   they are read back into the pool, and is admitted with them as hits.
    The queue head blocks the ones behind it (no overtaking), so a long prompt is not starved.
 
 Stall-free batching: while any request decodes, prefill is cut to what keeps the predicted step
@@ -161,6 +163,7 @@ class Scheduler:
         self.kv.free(request)
 
     def schedule(self) -> ScheduledBatch:
+        self.kv.sync_tiers()
         batch = ScheduledBatch(budget=self.config.max_num_batched_tokens)
         # Running requests in priority order (a copy: preemption edits the list), one pass: decodes have one
         # token to compute (not one whose last token, in flight in an overlapped step, reaches max_tokens).
@@ -299,12 +302,15 @@ class Scheduler:
     def _admit(self, request: Request, batch: ScheduledBatch, step: StepBudget) -> bool:
         """Start the queue head with a first chunk; False (changing nothing) if it does not fit."""
         hits = self.kv.get_computed_blocks(request)
+        if self.kv.loading_from_tiers(request, hits):  # admitted once its blocks are back in the pool
+            return False
         num_hit = len(hits) * self.kv.block_size
         want = min(request.num_tokens - num_hit, batch.budget)
         n = step.fit(want, num_hit, want == request.num_tokens - num_hit)
         if n == 0 or not self.kv.allocate_slots(request, n, hits):
             return False
         heapq.heappop(self.waiting)
+        self.kv.admitted(request)
         self.kv.record_lookup(request.num_tokens, num_hit)
         request.num_computed_tokens = num_hit
         self._start_running(request)
