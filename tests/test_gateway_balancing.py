@@ -19,7 +19,7 @@ from runtime.gateway.fair_queue import FairQueue
 from runtime.gateway.health import Monitor, parse_engine_load, resolve
 from runtime.gateway.metrics import GatewayMetrics
 from runtime.gateway.prefix_index import PrefixIndex, chunk_hashes, prompt_text
-from runtime.gateway.replica_config import Discovery, Replica, RoutingSettings
+from runtime.gateway.replica_config import Discovery, Replica, RoutingSettings, routing_from
 from runtime.gateway.replicas import (
     IMBALANCE,
     LEAST_LOADED,
@@ -192,6 +192,18 @@ def test_the_relative_threshold_alone_keeps_the_match():
     assert p.pick(hashes).reason == PREFIX_MATCH
     p.replicas[A].in_flight = 10
     assert p.pick(hashes).reason == IMBALANCE
+
+
+def test_replicas_sharing_a_kv_tier_give_a_match_up_to_any_less_loaded_replica():
+    p = pool("prefix", urls=(A, B), shared_kv_tier=True)
+    hashes = p.prefix_key(chat(SYSTEM, "q"))
+    p.replicas[A].index.insert(hashes)
+    p.replicas[A].in_flight, p.replicas[B].in_flight = 3, 3
+    assert p.pick(hashes).reason == PREFIX_MATCH  # equal load: locality still wins
+    p.replicas[A].in_flight = 4
+    assert (p.pick(hashes).replica.url, p.pick(hashes).reason) == (B, IMBALANCE)  # B reads it from the tier
+    with pytest.raises(ValueError, match="shared_kv_tier: expected true or false"):
+        routing_from("routing", {"shared_kv_tier": "yes"})
 
 
 def test_a_full_kv_cache_is_passed_over_while_another_has_room():

@@ -99,16 +99,21 @@ class KVCacheManager:
         reusable = sum(b.ref_cnt == 0 for b in hits)
         if found == 0 or found + 1 > self.pool.num_free_blocks - reusable:  # + 1: the request's own next block
             return False
-        tiers.start_load(request.request_id, self.pool.get_new_blocks(found), list(wanted[:found]))
+        self.pool.touch(hits)  # held while blocks are taken: evicting the request's own hits would waste the load
+        blocks = self.pool.get_new_blocks(found)
+        self.pool.free_blocks(reversed(hits))
+        tiers.start_load(request.request_id, blocks, list(wanted[:found]))
         return True
 
-    def sync_tiers(self) -> None:
+    def sync_tiers(self, settle: bool = False) -> None:
         """Once a step, before scheduling: apply finished copies, and queue the blocks indexed since the last
-        call for the tiers."""
+        call for the tiers. `settle`: and wait for every copy (with no step running: tests, the shutdown)."""
         if self.tiers is not None:
             self.tiers.poll()
             cached, self._newly_cached = self._newly_cached, []
             self.tiers.store(cached)
+            if settle:
+                self.tiers.settle()
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's prefix lookup (not the retries of a blocked one)."""
@@ -175,7 +180,7 @@ class KVCacheManager:
     def close_tiers(self) -> None:
         """Stop the tiers' copies and write what the disk tier lacks (the pool's indexed blocks included)."""
         if self.tiers is not None:
-            self.sync_tiers()
+            self.sync_tiers(settle=True)
             cached = [(b.block_id, b.block_hash) for b in self.pool.blocks if b.block_hash is not None]
             self.tiers.close(cached)
             self.tiers = None

@@ -47,6 +47,10 @@ class RoutingSettings:
     balance_abs: int = 8  # fall back to least loaded once the prefix choice carries this many more requests...
     balance_rel: float = 1.5  # ...and this many times the least loaded replica's load
     kv_usage_limit: float = 0.95  # a replica at this KV usage is passed over while another is below it
+    # The replicas share a KV disk tier (trtserve serve --kv-disk-cache DIR on each): a prefix one computed is read
+    # back by another instead of recomputed, so locality is worth less and a match gives way to a less loaded
+    # replica at any gap (balance_abs and balance_rel are not used then).
+    shared_kv_tier: bool = False
     health_interval_s: float = 2.0  # readiness probes (and DNS discovery)
     metrics_interval_s: float = 1.0  # load scrapes; a scrape older than 3 intervals is ignored
     max_attempts: int = 3  # replicas tried for a request that fails before its first token
@@ -80,6 +84,8 @@ def check_routing(path: str, settings: RoutingSettings) -> None:
         if not isinstance(value, kind) or isinstance(value, bool) or not low <= value < math.inf:
             raise ValueError(f"{path}.{name}: expected {'an integer' if integer else 'a number'} >= {low}, "
                              f"got {value!r}")  # fmt: skip
+    if not isinstance(settings.shared_kv_tier, bool):
+        raise ValueError(f"{path}.shared_kv_tier: expected true or false, got {settings.shared_kv_tier!r}")
     if settings.kv_usage_limit > 1:
         raise ValueError(f"{path}.kv_usage_limit: expected a fraction in [0, 1], got {settings.kv_usage_limit!r}")
 

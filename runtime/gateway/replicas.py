@@ -10,7 +10,8 @@ Policies (RoutingSettings.policy, or a backend's `routing`):
   nothing matches (new prefixes spread out), or when the match is overloaded: its load exceeds the least
   loaded replica's by `balance_abs` requests and `balance_rel` times, or its KV cache is at
   `kv_usage_limit` while another replica's is below. The chosen replica indexes the prompt's chunks at once,
-  so concurrent requests with the same prefix follow it.
+  so concurrent requests with the same prefix follow it. Replicas that share a KV disk tier (`shared_kv_tier`)
+  read each other's prefixes back, so there the match gives way to any less loaded replica.
 
 Load = max(requests this gateway has open to the replica, the engine's running + waiting as last scraped):
 the gateway's count is exact and immediate, the scrape adds other clients' work (other gateways, direct
@@ -250,4 +251,6 @@ class ReplicaPool:
         if self.kv_usage(best) >= limit > self.kv_usage(least):
             return True
         gap = self.load(best) - self.load(least)
+        if self.settings.shared_kv_tier:  # the less loaded replica reads the prefix from the shared tier
+            return gap > 0
         return gap >= self.settings.balance_abs and self.load(best) >= self.settings.balance_rel * self.load(least)

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from runtime.engine.kv_tiers import TierStats
 from runtime.engine.outputs import FINISH_REASONS, RequestOutput
 from runtime.engine.stats import (
     PREFILL_TOKEN_BUCKETS,
@@ -110,6 +111,52 @@ SPEC_LABELLED_COUNTERS: dict[str, tuple[str, str, Callable[[EngineStats], dict[s
     "vllm:spec_decode_num_accepted_tokens_per_pos_total": ("Accepted tokens per draft position (vLLM's name).",
                                                            "position", _accepted_per_position),
 }  # fmt: skip
+
+
+def _tiers(read: Callable[[TierStats], Any], none: Any = 0) -> Callable[[EngineStats], Any]:
+    """Read the tiers' stats; `none` while the engine has no tiers (prefix caching off)."""
+    return lambda s: read(s.kv_tiers) if s.kv_tiers is not None else none
+
+
+# The KV cache's host and disk tiers (runtime/engine/kv_tiers/), exported while the engine has one.
+TIER_COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
+    "trtserve_kv_tier_loads_total": (
+        "Reads of blocks back from the tiers (one per admitted request).",
+        _tiers(lambda t: t.loads),
+    ),
+    "trtserve_kv_tier_load_seconds_total": (
+        "Copy thread time reading blocks back (latency: / loads).",
+        _tiers(lambda t: t.load_seconds),
+    ),
+    "trtserve_kv_tier_stores_total": (
+        "Copies of newly cached blocks to the tiers (one per step at most).",
+        _tiers(lambda t: t.stores),
+    ),
+    "trtserve_kv_tier_store_seconds_total": ("Copy thread time storing blocks.", _tiers(lambda t: t.store_seconds)),
+    "trtserve_kv_tier_rejected_files_total": (
+        "Disk tier files refused: corrupt, truncated or another engine's.",
+        _tiers(lambda t: t.rejected_files),
+    ),
+    "trtserve_kv_tier_write_errors_total": (
+        "Disk tier writes that failed (a full disk, no permission).",
+        _tiers(lambda t: t.write_errors),
+    ),
+}
+TIER_LABELLED_COUNTERS: dict[str, tuple[str, str, Callable[[EngineStats], dict[str, float]]]] = {
+    "trtserve_kv_tier_hits_total": (
+        "Blocks read back from a tier instead of computed.",
+        "tier",
+        _tiers(lambda t: t.hits, {}),
+    ),
+    "trtserve_kv_tier_stored_blocks_total": ("Blocks written to a tier.", "tier", _tiers(lambda t: t.stored, {})),
+    "trtserve_kv_tier_read_bytes_total": ("Bytes read back from a tier.", "tier", _tiers(lambda t: t.read_bytes, {})),
+    "trtserve_kv_tier_written_bytes_total": ("Bytes written to a tier.", "tier", _tiers(lambda t: t.written_bytes, {})),
+}
+TIER_LABELLED_GAUGES: dict[str, tuple[str, str, Callable[[EngineStats], dict[str, float]]]] = {
+    "trtserve_kv_tier_blocks": ("Blocks a tier keeps.", "tier", _tiers(lambda t: t.blocks, {})),
+    "trtserve_kv_tier_usage_bytes": ("Bytes a tier keeps.", "tier", _tiers(lambda t: t.usage_bytes, {})),
+    "trtserve_kv_tier_capacity_bytes": ("A tier's bound in bytes.", "tier", _tiers(lambda t: t.capacity_bytes, {})),
+}
 HISTOGRAMS = {
     "trtserve_time_to_first_token_seconds": ("Time to first token.", LATENCY_BUCKETS),
     "trtserve_inter_token_latency_seconds": ("Time between consecutive output tokens.", ITL_BUCKETS),
@@ -124,9 +171,12 @@ HISTOGRAMS = {
 
 
 class TritonMetrics:
-    def __init__(self, pb_utils: Any, labels: dict[str, str], speculative: bool = False) -> None:
+    def __init__(
+        self, pb_utils: Any, labels: dict[str, str], speculative: bool = False, kv_tiers: bool = False
+    ) -> None:
         """`pb_utils`: Triton's triton_python_backend_utils module (untyped; only inside the stub).
-        `speculative`: the engine speculates, so the SPEC_* families are exported too."""
+        `speculative`: the engine speculates, so the SPEC_* families are exported too; `kv_tiers`: it has KV
+        cache tiers, so the TIER_* ones too."""
         kinds = pb_utils.MetricFamily
         self._families: list[Any] = []  # must outlive their metrics
         self._labels = labels
@@ -136,16 +186,25 @@ class TritonMetrics:
             return self._families[-1]
 
         self._gauge_reads = {**GAUGES, **(SPEC_GAUGES if speculative else {})}
-        self._counter_reads = {**COUNTERS, **(SPEC_COUNTERS if speculative else {})}
+        self._counter_reads = {
+            **COUNTERS,
+            **(SPEC_COUNTERS if speculative else {}),
+            **(TIER_COUNTERS if kv_tiers else {}),
+        }
         self.gauges = {n: family(n, d, kinds.GAUGE).Metric(labels=labels) for n, (d, _) in self._gauge_reads.items()}
         self.counters = {
             n: family(n, d, kinds.COUNTER).Metric(labels=labels) for n, (d, _) in self._counter_reads.items()
         }
-        # Labelled counters: a family each, a metric per label value as values appear (draft positions).
-        self._labelled = {
-            n: (family(n, d, kinds.COUNTER), label, read)
-            for n, (d, label, read) in (SPEC_LABELLED_COUNTERS if speculative else {}).items()
+        # Labelled families: a metric per label value as values appear (draft positions, tiers).
+        labelled_counters = {
+            **(SPEC_LABELLED_COUNTERS if speculative else {}),
+            **(TIER_LABELLED_COUNTERS if kv_tiers else {}),
         }
+        self._labelled = {
+            n: (family(n, d, kinds.COUNTER), label, read, False) for n, (d, label, read) in labelled_counters.items()
+        }
+        for n, (d, label, read) in (TIER_LABELLED_GAUGES if kv_tiers else {}).items():
+            self._labelled[n] = (family(n, d, kinds.GAUGE), label, read, True)
         self.labelled: dict[str, dict[str, Any]] = {n: {} for n in self._labelled}
         self.histograms = {
             n: family(n, d, kinds.HISTOGRAM).Metric(labels=labels, buckets=b) for n, (d, b) in HISTOGRAMS.items()
@@ -191,12 +250,15 @@ class TritonMetrics:
                 self.gauges[name].set(float(read(stats)))
             for name, (_, read) in self._counter_reads.items():
                 self._advance(self.counters[name], (name, ""), float(read(stats)))
-            for name, (fam, label, read_labelled) in self._labelled.items():
+            for name, (fam, label, read_labelled, gauge) in self._labelled.items():
                 for value_label, value in read_labelled(stats).items():
                     metrics = self.labelled[name]
                     if value_label not in metrics:
                         metrics[value_label] = fam.Metric(labels={**self._labels, label: value_label})
-                    self._advance(metrics[value_label], (name, value_label), float(value))
+                    if gauge:
+                        metrics[value_label].set(float(value))
+                    else:
+                        self._advance(metrics[value_label], (name, value_label), float(value))
 
     def close(self) -> None:
         """Release every metric, then every family, now: their destructors message Triton through the stub's

@@ -57,7 +57,13 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(str(exc)) from None
         self.cancel_poll_s = settings.cancel_poll_s
         labels = {"model": args["model_name"], "version": args["model_version"]}
-        self.metrics = TritonMetrics(pb_utils, labels, speculative=settings.engine.speculative is not None)
+        engine = settings.engine
+        self.metrics = TritonMetrics(
+            pb_utils,
+            labels,
+            speculative=engine.speculative is not None,
+            kv_tiers=engine.kv_host_cache_gb > 0 or engine.kv_disk_cache is not None,
+        )
         try:
             self.engine = AsyncLLM(settings.engine_dir, settings.engine, on_finished=self.metrics.observe_finished)
         except Exception as exc:  # reported by Triton as the model's load failure

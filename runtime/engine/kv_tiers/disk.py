@@ -100,6 +100,11 @@ class DiskTier:
     def __len__(self) -> int:
         return len(self._files)
 
+    def knows(self, block_hash: bytes) -> bool:
+        """Whether a file this tier knows holds the block (no file system call: the engine thread asks)."""
+        with self._lock:
+            return block_hash in self._files
+
     def _adopt(self, block_hash: bytes) -> None:
         if block_hash not in self._files:
             self._files[block_hash] = None
@@ -138,9 +143,7 @@ class DiskTier:
         return None
 
     def write(self, block_hash: bytes, payload: np.ndarray) -> bool:
-        """Write the block unless its file is there; False if that failed (counted, logged)."""
-        if block_hash in self:
-            return True
+        """Write the block's file (callers first ask whether it is there); False if that failed (counted, logged)."""
         path = self.path(block_hash)
         body = memoryview(np.ascontiguousarray(payload, np.uint8)).cast("B")
         header = HEADER.pack(MAGIC, self.key, block_hash, len(body), zlib.crc32(body))

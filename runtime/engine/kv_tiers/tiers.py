@@ -1,15 +1,15 @@
 """The tiers behind the prefix cache: full blocks copied to host memory and disk, and read back on a later miss.
 
-Stores are write-through: each step, the blocks the prefix cache indexed are copied to the first tier (host,
-else disk) unless a tier has them already; what the host tier evicts goes to the disk tier. A block waiting
-for its copy holds a pool reference, so it cannot be evicted and rewritten before it is read. Loads: a waiting
+Stores are write-through: each step, the blocks the prefix cache indexed are copied to every tier that lacks
+them (so the disk tier holds what the host tier evicts, and a model that dies has lost nothing of it). A block
+waiting for its copy holds a pool reference, so it cannot be evicted and rewritten before it is read. Loads: a waiting
 request whose next blocks miss the pool but hit a tier gets new pool blocks (held here, in no request's
 table), one copy thread reads them back, and once every read is done the engine indexes them in the prefix
 cache; the request is admitted from then on, as with any prefix hit, and the hold ends. Copies run on the
 copy thread, never on the step path; the engine thread only queues them and collects what finished (`poll`).
 
-When the server stops, blocks still in the pool or the host tier are written to the disk tier (`close`), so a
-restart finds them.
+When the server stops, copies still queued are finished and blocks in the pool or the host tier that the disk
+tier lacks (a write that failed) are written to it (`close`), so a restart finds them.
 """
 
 from __future__ import annotations
@@ -100,8 +100,9 @@ class KVTiers:
     # ---- the engine thread (under the engine's lock) --------------------------------------------------------
 
     def store(self, cached: Sequence[tuple[KVBlock, bytes]]) -> None:
-        """Copy newly indexed blocks to the tiers, unless kept there already; each is pinned until copied."""
-        new = [(b, h) for b, h in cached if not any(h in t for t in self.tiers)]
+        """Copy newly indexed blocks to the tiers that lack them; each is pinned until copied. Asks only what
+        the tiers know in memory: the copy thread looks for another replica's file before writing one."""
+        new = [(b, h) for b, h in cached if not self._kept_everywhere(h)]
         if not new:
             return
         blocks, job = [b for b, _ in new], next(self._store_ids)
@@ -109,6 +110,10 @@ class KVTiers:
         self._storing[job] = blocks
         ids, hashes = [b.block_id for b in blocks], [h for _, h in new]
         self._jobs.put(lambda: self._store(job, ids, hashes))
+
+    def _kept_everywhere(self, block_hash: bytes) -> bool:
+        in_host = self.host is None or block_hash in self.host
+        return in_host and (self.disk is None or self.disk.knows(block_hash))
 
     def find(self, hashes: Sequence[bytes]) -> int:
         """How many of `hashes` (a prefix's next blocks, in order) a tier holds, counted from the first."""
@@ -149,6 +154,13 @@ class KVTiers:
             [b.block_id for b in load.blocks] for load in [*self._loads.values(), *self._abandoned]
         ]
 
+    def settle(self) -> None:
+        """Wait for every queued copy and apply them (tests, and the shutdown)."""
+        done = threading.Event()
+        self._jobs.put(done.set)
+        done.wait()
+        self.poll()
+
     def wait(self, timeout_s: float) -> None:
         """Block (without the engine's lock) until a copy finishes or the timeout passes."""
         self._idle.wait(timeout_s)
@@ -171,24 +183,21 @@ class KVTiers:
         finally:
             self._finished.append(lambda: self._unpin(job))
         for h, payload in zip(hashes, payloads, strict=True):
-            self._keep(h, payload.copy() if self.host is not None else payload)
+            self._keep(h, payload)
         self.counters.store_seconds += time.perf_counter() - start
         self.counters.stores += 1
 
     def _keep(self, block_hash: bytes, payload: np.ndarray) -> None:
-        """Into the first tier; what the host tier evicts goes to the disk tier."""
+        """Into every tier: the disk tier is written through too, so a model that dies loses none of it (what the
+        host tier evicts is on disk already)."""
         c = self.counters
         if self.host is not None:
-            evicted = self.host.put(block_hash, payload)
+            self.host.put(block_hash, payload.copy())  # a row of its own: not the whole gathered matrix alive
             c.add(c.stored, "host", 1)
             c.add(c.written_bytes, "host", payload.nbytes)
-        else:
-            evicted = [(block_hash, payload)]
-        if self.disk is not None:
-            for h, p in evicted:
-                if h not in self.disk and self.disk.write(h, p):
-                    c.add(c.stored, "disk", 1)
-                    c.add(c.written_bytes, "disk", p.nbytes)
+        if self.disk is not None and block_hash not in self.disk and self.disk.write(block_hash, payload):
+            c.add(c.stored, "disk", 1)
+            c.add(c.written_bytes, "disk", payload.nbytes)
 
     def _unpin(self, job: int) -> None:
         self.pool.free_blocks(reversed(self._storing.pop(job)))
@@ -216,7 +225,7 @@ class KVTiers:
             return payload, "host"
         if self.disk is not None and (payload := self.disk.read(block_hash)) is not None:
             if self.host is not None:  # promoted: a popular block is read from memory next time
-                self._keep(block_hash, payload.copy())
+                self.host.put(block_hash, payload)
             return payload, "disk"
         return None, ""
 
@@ -237,9 +246,9 @@ class KVTiers:
     def close(self, pool_cached: Sequence[tuple[int, bytes]] = ()) -> None:
         """Stop the copy thread and write what the disk tier lacks of `pool_cached` (the pool's indexed blocks)
         and of the host tier, so a restart finds them. Called with no step running."""
+        self.settle()
         self._jobs.put(None)
         self._thread.join()
-        self.poll()
         if self.disk is None:
             return
         start, written = time.perf_counter(), 0
