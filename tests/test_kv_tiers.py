@@ -218,12 +218,14 @@ def test_smollm2_answers_the_same_from_the_tiers(smollm2_engine, tmp_path):
     docs = [f"Document {i}: " + " ".join(f"fact {i}.{j} is worth remembering" for j in range(24)) for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     recomputed = LLM(smollm2_engine, num_kv_blocks=64, enable_prefix_caching=False).generate(docs, params)
-    small = {"num_kv_blocks": 24, "kv_host_cache_gb": 0.01, "kv_disk_cache": str(tmp_path)}  # one document's room
+    # ~210 tokens a document: 3 full blocks of 64 and the rest; the pool holds one document, the host tier 3 blocks.
+    assert EngineConfig.load(smollm2_engine).block_size == 64
+    small = {"num_kv_blocks": 5, "kv_host_cache_gb": 0.01, "kv_disk_cache": str(tmp_path)}
     with LLM(smollm2_engine, **small) as tiered:
         answers = [tiered.generate(d, params)[0] for d in docs + docs]
         stats = tiered.engine.stats().kv_tiers
     assert [a.token_ids for a in answers] == [r.token_ids for r in recomputed + recomputed]
-    assert stats is not None and stats.hits.get("host", 0) >= 3 * 8, stats  # each document read back
+    assert stats is not None and sum(stats.hits.values()) >= 6, stats  # two documents' 3 blocks read back at least
 
 
 def test_a_restart_and_a_second_replica_read_the_disk_tier(llama_engine, reference, tmp_path):
@@ -313,7 +315,7 @@ def test_tier_metrics_are_exported_only_with_tiers(llama_engine, tmp_path):
 @pytest.mark.serving
 def test_served_replicas_share_the_disk_tier_and_a_restart_reads_it(llama_engine, tmp_path):
     params = {"kv_disk_cache": str(tmp_path), "kv_host_cache_gb": "0.01"}
-    document = " ".join(f"section {i} of the shared document says something else" for i in range(14))
+    document = " ".join(f"section {i} of the shared document says something else" for i in range(5))  # ~155 tokens
     body = {"text_input": document, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True}
 
     def disk_hits(server) -> float:
