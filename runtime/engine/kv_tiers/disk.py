@@ -145,7 +145,7 @@ class DiskTier:
     def write(self, block_hash: bytes, payload: np.ndarray) -> bool:
         """Write the block's file (callers first ask whether it is there); False if that failed (counted, logged)."""
         path = self.path(block_hash)
-        body = memoryview(np.ascontiguousarray(payload, np.uint8)).cast("B")
+        body = np.ascontiguousarray(payload, np.uint8).data  # a flat byte view, no copy
         header = HEADER.pack(MAGIC, self.key, block_hash, len(body), zlib.crc32(body))
         temp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
