@@ -128,6 +128,16 @@ def test_disk_tier_is_bounded_and_found_again_after_a_restart(tmp_path):
     assert len(again) == 3 and np.array_equal(again.read(bytes([4]) * 16), np.full(32, 4, np.uint8))
 
 
+def test_a_failing_write_is_counted_and_the_tier_goes_on(tmp_path, caplog):
+    tier = DiskTier(tmp_path, capacity_bytes=1 << 20, identity={"e": 1}, block_bytes=8)
+    blocked = bytes([0xAB]) * 16
+    tier.path(blocked).parent.write_text("a file where the block's directory goes")  # mkdir fails: an OSError
+    with caplog.at_level(logging.WARNING):
+        assert not tier.write(blocked, np.zeros(8, np.uint8))
+    assert tier.write_errors == 1 and "writing a block" in caplog.text and blocked not in tier
+    assert tier.write(bytes([1]) * 16, np.ones(8, np.uint8)) and bytes([1]) * 16 in tier  # others still written
+
+
 def test_an_unusable_disk_directory_is_a_warning_not_a_crash(llama_engine, tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -16,6 +16,7 @@ counted and logged; the tier stays usable for reads, and the engine serves on wi
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -123,7 +124,8 @@ class DiskTier:
         if problem is not None:
             self.rejected += 1
             log.warning("KV disk tier: refused %s (%s); deleted", path, problem)
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.unlink()
             self._forget(block_hash)
             return None
         with self._lock:
@@ -155,7 +157,8 @@ class DiskTier:
                 f.write(body)
             os.replace(temp, path)
         except OSError as exc:
-            temp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                temp.unlink()
             self._write_failed(exc)
             return False
         with self._lock:
@@ -189,4 +192,5 @@ class DiskTier:
         while self._files and self.usage_bytes > limit:
             block_hash, _ = self._files.popitem(last=False)
             self.usage_bytes -= self.file_bytes
-            self.path(block_hash).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # gone already (another replica evicted it), or not ours to delete
+                self.path(block_hash).unlink()
