@@ -268,6 +268,7 @@ class TritonMetrics:
             self._closed = True
             for metrics in (self.gauges, self.counters, self.histograms, self.finished, *self.labelled.values()):
                 metrics.clear()
+            self._labelled.clear()  # holds families too
             self._families.clear()
 
     def _advance(self, counter: Any, key: tuple[str, str], value: float) -> None:
