@@ -14,6 +14,8 @@ JSON into DIR as soon as it ends, so a run cut short keeps what it measured:
   tok/s, TTFT and TPOT p50, and a single stream's TTFT / TPOT; on random-weight models of SmolLM2-135M's
   and Llama-3.2-1B's shapes (the weights do not change the speed; real ones cannot travel to a lent GPU).
   The engine loop is timed as served: its step returns token ids, text is made on another thread.
+- `kv_tiers`: `python -m benchmarks.kv_tier_copy` (whole KV blocks gathered from the device's pool into host
+  payloads and scattered back, GB/s at 1/16/128 blocks: the host tier's copy bandwidth over the bus).
 Sized for about 8 minutes on one H100/H200; `--parts` picks some. `--dry-run` runs the same code on the
 CPU at toy sizes (Triton interpreted), which is how this file is tested where there is no GPU; without
 CUDA and without `--dry-run` the command runs nothing and exits 2 at once.
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import click
 
-PARTS = ("kernels", "graphs", "engine", "bench", "tests")  # the order they run in: the most wanted first
+PARTS = ("kernels", "graphs", "engine", "kv_tiers", "bench", "tests")  # the order they run in: the most wanted first
 GPU_TESTS = (
     "tests/test_torch_backend.py",
     "tests/test_torch_sampler.py",
@@ -99,6 +101,9 @@ def _commands(part: str, out: Path, dry_run: bool) -> list[tuple[str, list[str]]
         return [("graphs", graphs + (["--dry-run"] if dry_run else []))]
     if part == "bench":  # no CPU form: its cases run interpreted at toy sizes in tests/test_kernel_bench.py
         return [] if dry_run else [("bench", [python, "-m", "plugins_cuda.bench", "--out", str(out)])]
+    if part == "kv_tiers":
+        copy = [python, "-m", "benchmarks.kv_tier_copy", "--out", str(out / "kv_tier_copy.json")]
+        return [("kv_tiers", copy + (["--device", "cpu", "--repeats", "2"] if dry_run else []))]
     if part == "tests":
         files = GPU_TESTS[:1] if dry_run else GPU_TESTS
         return [

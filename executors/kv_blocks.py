@@ -39,7 +39,7 @@ class BlockCopier:
         """[len(block_ids), block_bytes] uint8: each block's payload (a copy)."""
         out = np.empty((len(block_ids), self.block_bytes), np.uint8)
         for buffer, start, width in zip(self.buffers, self._starts, self._widths, strict=False):
-            out[:, start : start + width] = _block_rows(buffer, block_ids)
+            out[:, start : start + width] = gather_blocks(buffer, block_ids)
         return out
 
     def scatter(self, block_ids: Sequence[int], payloads: np.ndarray) -> None:
@@ -47,11 +47,12 @@ class BlockCopier:
         if payloads.shape != (len(block_ids), self.block_bytes):
             raise ValueError(f"payloads have shape {payloads.shape}, not ({len(block_ids)}, {self.block_bytes})")
         for buffer, start, width in zip(self.buffers, self._starts, self._widths, strict=False):
-            _set_block_rows(buffer, block_ids, payloads[:, start : start + width])
+            scatter_blocks(buffer, block_ids, payloads[:, start : start + width])
 
 
-def _block_rows(buffer: Any, block_ids: Sequence[int]) -> np.ndarray:
-    """[n, bytes per block] uint8 of the pool buffer's blocks ([layers, 2, blocks, ...] -> [n, layers, 2, ...])."""
+def gather_blocks(buffer: Any, block_ids: Sequence[int]) -> np.ndarray:
+    """[n, bytes per block] uint8 of a pool buffer's blocks ([layers, 2, blocks, ...] -> [n, layers, 2, ...]): a
+    numpy array, or a torch tensor on the CPU or a device."""
     n = len(block_ids)
     if hasattr(buffer, "data_ptr"):  # torch, on the CPU or a GPU
         import torch
@@ -63,7 +64,8 @@ def _block_rows(buffer: Any, block_ids: Sequence[int]) -> np.ndarray:
     return np.ascontiguousarray(picked).view(np.uint8).reshape(n, -1)
 
 
-def _set_block_rows(buffer: Any, block_ids: Sequence[int], rows: np.ndarray) -> None:
+def scatter_blocks(buffer: Any, block_ids: Sequence[int], rows: np.ndarray) -> None:
+    """Write `gather_blocks`' rows back into a pool buffer's blocks."""
     n = len(block_ids)
     shape = (n, *buffer.shape[:2], *buffer.shape[3:])  # [n, layers, 2, block_size, width]
     if hasattr(buffer, "data_ptr"):

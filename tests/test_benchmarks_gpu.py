@@ -30,6 +30,16 @@ def test_gpu_check_dry_run_writes_each_part(tmp_path):
     assert profiled["tokens"] == 4 * 8 and profiled["gpu_busy_share"] == 0.0 and profiled["wall_ms_per_step"] > 0
 
 
+def test_kv_tier_copy_part_runs_on_the_cpu_in_the_dry_run(tmp_path):
+    command = [sys.executable, "-m", "benchmarks.gpu", "--out", str(tmp_path), "--dry-run", "--parts", "kv_tiers"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    measured = json.loads((tmp_path / "kv_tier_copy.json").read_text())
+    assert measured["device"] == "cpu" and [r["blocks"] for r in measured["rows"]] == [1, 16, 128]
+    assert all(r["gather_gb_s"] > 0 and r["scatter_gb_s"] > 0 for r in measured["rows"])
+    assert measured["rows"][0]["bytes"] == 30 * 2 * 16 * 192 * 4  # one float32 block of SmolLM2's shape
+
+
 def test_gpu_check_without_cuda_refuses_in_seconds_and_names_the_dry_run(tmp_path):
     """Without CUDA (hidden here, so this holds on a GPU machine too) the command runs no part: before,
     it ran the engine part at full size on the CPU for over ten minutes."""
