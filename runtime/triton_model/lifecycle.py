@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import threading
 import time
@@ -20,7 +21,10 @@ from runtime.engine.stats import EngineProgress
 class ModelLifecycle:
     """Every POLL_S: writes the heartbeat and looks for the drain request; `requested` tells execute() to
     refuse new requests; at the deadline every task on `loop` (the requests being served) is cancelled,
-    and the model's handler answers CUT_MESSAGE and calls `count_cut()`."""
+    and the model's handler answers CUT_MESSAGE and calls `count_cut()`. Once a drain has nothing left in
+    flight, garbage is collected: tritonserver unloads a decoupled model only after every response sender is
+    deleted, and a sender left in a reference cycle (a finished coroutine's frame, a traceback) is deleted only
+    by a collection, which an idle process may not run for a long time (the unload outlasted serve's 15 s)."""
 
     def __init__(self, model_dir: Path, loop: asyncio.AbstractEventLoop, in_flight: Sized,
                  progress: Callable[[], EngineProgress]) -> None:  # fmt: skip
@@ -30,6 +34,7 @@ class ModelLifecycle:
         self.loop_tick = time.time()
         self._cancelled: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
         self._stopping = threading.Event()
+        self._collected = False  # once per drain, when nothing is left in flight
         self._thread = threading.Thread(target=self._watch, name="trtserve-lifecycle", daemon=True)
         self._thread.start()
 
@@ -55,7 +60,11 @@ class ModelLifecycle:
             if time.time() >= deadline:
                 self.loop.call_soon_threadsafe(self._cut_all)
             # After the cut is scheduled: a report of 0 in flight always comes after the cut answers.
-            report_drain(self.model_dir, len(self.in_flight), self.cut)
+            in_flight = len(self.in_flight)
+            if in_flight == 0 and not self._collected:
+                gc.collect()
+                self._collected = True
+            report_drain(self.model_dir, in_flight, self.cut)
 
     def _beat(self) -> None:
         progress = self.progress()
