@@ -75,11 +75,26 @@ WORDS = (
     "velvet wagon yellow amber basin cedar delta ember forest granite hollow ivory the of and a to in is was for on "
     "with as by at from that which under over between"
 )
-QUESTIONS = ("What is the main subject?", "Which place comes first?", "Summarise it in one line.",
-             "What colour is mentioned?", "Name one object in it.", "Who would read this?")  # fmt: skip
+QUESTIONS = (
+    "What is the main subject?",
+    "Which place comes first?",
+    "Summarise it in one line.",
+    "What colour is mentioned?",
+    "Name one object in it.",
+    "Who would read this?",
+)
 WARMUP = ("Say hello.", "Name a colour.")
-SMOKE = {"documents": 4, "doc_tokens": 256, "pool_tokens": 512, "requests": 6, "concurrency": 1, "restart_docs": 2,
-         "max_tokens": 8, "quiet_wait_s": 0.0, "name": "kv_tiers_smoke"}  # fmt: skip
+SMOKE = {
+    "documents": 4,
+    "doc_tokens": 256,
+    "pool_tokens": 512,
+    "requests": 6,
+    "concurrency": 1,
+    "restart_docs": 2,
+    "max_tokens": 8,
+    "quiet_wait_s": 0.0,
+    "name": "kv_tiers_smoke",
+}
 Log = Callable[[str], None]
 
 
@@ -169,8 +184,9 @@ class VllmServe:
         self.model = command[command.index("--served-model-name") + 1]
         self.metrics_url = f"{self.openai_url}/metrics"
         with open(log_path, "wb") as out:  # the child holds its own copy of the descriptor
-            self.process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True)  # fmt: skip
+            self.process = subprocess.Popen(
+                command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     @property
     def lines(self) -> list[tuple[float, str]]:
@@ -206,16 +222,28 @@ def vllm_plan(cfg: Config, engine: EngineConfig, checkpoint: Path, port: int) ->
     block = engine.block_size if engine.block_size % 32 == 0 else VLLM_BLOCK
     blocks = math.ceil(cfg.pool_tokens / block) + 1
     usable = (blocks - 1) * block
-    settings = servers.ServingSettings(max_num_seqs=min(cfg.concurrency, engine.max_batch_size),
-                                       kv_tokens=blocks * block, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                       prefix_caching=True, max_model_len=min(engine.max_seq_len, usable))  # fmt: skip
+    settings = servers.ServingSettings(
+        max_num_seqs=min(cfg.concurrency, engine.max_batch_size),
+        kv_tokens=blocks * block,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        prefix_caching=True,
+        max_model_len=min(engine.max_seq_len, usable),
+    )
     command, env = servers.vllm_command(checkpoint, settings, port)
     command += ["--block-size", str(block), "--num-gpu-blocks-override", str(blocks)]
     dtype = servers.vllm_dtype(settings)
     per_token = servers.kv_values_per_token(checkpoint) * (2 if dtype == "bfloat16" else 4)
-    info = {"checkpoint": str(checkpoint), "dtype": dtype, "block_size": block, "num_blocks": blocks,
-            "usable_tokens": usable, "bytes_per_token": per_token, "pool_bytes": blocks * block * per_token,
-            "kv_cache_space_gib": int(env["VLLM_CPU_KVCACHE_SPACE"]), "offloading": VLLM_OFFLOADING}  # fmt: skip
+    info = {
+        "checkpoint": str(checkpoint),
+        "dtype": dtype,
+        "block_size": block,
+        "num_blocks": blocks,
+        "usable_tokens": usable,
+        "bytes_per_token": per_token,
+        "pool_bytes": blocks * block * per_token,
+        "kv_cache_space_gib": int(env["VLLM_CPU_KVCACHE_SPACE"]),
+        "offloading": VLLM_OFFLOADING,
+    }
     return command, env, info
 
 
@@ -237,8 +265,15 @@ def vllm_checkpoint(engine: Path) -> Path | str:
     return checkpoint if (checkpoint / "config.json").is_file() else f"no config.json in {checkpoint}"
 
 
-def on_server(cfg: Config, args: list[str], work: dict, name: str, log: Log, body: Callable[[Any], dict],
-              start: Callable[[Path], VllmServe] | None = None) -> dict:  # fmt: skip
+def on_server(
+    cfg: Config,
+    args: list[str],
+    work: dict,
+    name: str,
+    log: Log,
+    body: Callable[[Any], dict],
+    start: Callable[[Path], VllmServe] | None = None,
+) -> dict:
     """`trtserve serve` with `args` on free ports (or what `start` starts, logging to the path it is given): warm-up,
     then `body`'s results; stopped with SIGTERM after. With its flags, start-up seconds, exit code and seconds to
     exit; "unavailable": why it did not run to the end."""
@@ -277,8 +312,9 @@ def vllm_blocks(samples: dict[str, float]) -> int | None:
     return next((int(m[1]) for k in keys if (m := re.search(r'\bnum_gpu_blocks="(\d+)"', k))), None)
 
 
-def run_mode(cfg: Config, args: list[str], work: dict, name: str, log: Log,
-             start: Callable[[Path], VllmServe] | None = None) -> dict:  # fmt: skip
+def run_mode(
+    cfg: Config, args: list[str], work: dict, name: str, log: Log, start: Callable[[Path], VllmServe] | None = None
+) -> dict:
     """One mode on a fresh server: warm-up, every document once, then the workload with the server's counters."""
 
     def body(serve: Serve | VllmServe) -> dict:
@@ -371,19 +407,21 @@ def describe(cfg: Config, engine: EngineConfig, work: dict, sizes: dict[str, flo
     tokens, block = sum(len(r.prompt_ids) for r in work["prime"]), engine.block_size
     peer = ""
     if vllm and not vllm.get("unavailable"):
-        peer = (f"; vLLM: the same requests as token ids to its /v1/completions, {vllm['dtype']}, "
-                f"{vllm['num_blocks'] - 1} usable blocks x {vllm['block_size']} tokens ({vllm['usable_tokens']:,} "
-                f"tokens, {vllm['bytes_per_token']:,} bytes/token), prefix caching on, hit rate "
-                "vllm:prefix_cache_hits_total / _queries_total (prompt tokens); KV offloading: "
-                + vllm["offloading"])  # fmt: skip
-    return (f"{cfg.documents} synthetic documents of {cfg.doc_tokens} tokens ({tokens:,} prompt tokens with questions),"
-            f" {cfg.requests} requests picking them Zipf(s={cfg.zipf_s:g}), closed loop at concurrency "
-            f"{cfg.concurrency}, {cfg.max_tokens}-token answers; pool {cfg.pool_tokens // block} blocks x {block} "
-            f"tokens ({tokens / cfg.pool_tokens:.1f}x smaller than the documents); KV {sizes['bytes_per_token']:,} "
-            f"bytes/token; host tier {sizes['all']:g} GiB; host+disk {sizes['quarter']:g} GiB + {sizes['all']:g} GiB "
-            f"on disk; goodput: TTFT ≤ {cfg.ttft_slo_s:g} s; prefix hit rate: trtserve_prefix_cache_hits_total / "
-            "_queries_total (prompt tokens) over the workload; tier hits: trtserve_kv_tier_hits_total"
-            + peer)  # fmt: skip
+        peer = (
+            f"; vLLM: the same requests as token ids to its /v1/completions, {vllm['dtype']}, "
+            f"{vllm['num_blocks'] - 1} usable blocks x {vllm['block_size']} tokens ({vllm['usable_tokens']:,} "
+            f"tokens, {vllm['bytes_per_token']:,} bytes/token), prefix caching on, hit rate "
+            "vllm:prefix_cache_hits_total / _queries_total (prompt tokens); KV offloading: " + vllm["offloading"]
+        )
+    return (
+        f"{cfg.documents} synthetic documents of {cfg.doc_tokens} tokens ({tokens:,} prompt tokens with questions),"
+        f" {cfg.requests} requests picking them Zipf(s={cfg.zipf_s:g}), closed loop at concurrency "
+        f"{cfg.concurrency}, {cfg.max_tokens}-token answers; pool {cfg.pool_tokens // block} blocks x {block} "
+        f"tokens ({tokens / cfg.pool_tokens:.1f}x smaller than the documents); KV {sizes['bytes_per_token']:,} "
+        f"bytes/token; host tier {sizes['all']:g} GiB; host+disk {sizes['quarter']:g} GiB + {sizes['all']:g} GiB "
+        f"on disk; goodput: TTFT ≤ {cfg.ttft_slo_s:g} s; prefix hit rate: trtserve_prefix_cache_hits_total / "
+        "_queries_total (prompt tokens) over the workload; tier hits: trtserve_kv_tier_hits_total" + peer
+    )
 
 
 def benchmark(cfg: Config, command: str, log: Log) -> tuple[Path, dict]:
@@ -396,11 +434,21 @@ def benchmark(cfg: Config, command: str, log: Log) -> tuple[Path, dict]:
     runs = run_modes(cfg, engine, work, sizes, log)
     restart = run_restart(cfg, engine, work, sizes, log) if cfg.restart_docs else None
     med = {mode: medians(r) for mode, r in runs.items()}
-    payload = {"command": command, "cpu_busy_before": busy, "wall_s": round(time.time() - started, 1),
-               "config": {**asdict(cfg), "engine": str(cfg.engine)}, "warmup_requests": len(WARMUP),
-               "workload": describe(cfg, engine, work, sizes, vllm), "tier_sizes": sizes, "vllm": vllm, "runs": runs,
-               "medians": med, "targets": targets(med, runs), "vs_vllm": vs_vllm(med, runs) if vllm else None,
-               "restart": restart}  # fmt: skip
+    payload = {
+        "command": command,
+        "cpu_busy_before": busy,
+        "wall_s": round(time.time() - started, 1),
+        "config": {**asdict(cfg), "engine": str(cfg.engine)},
+        "warmup_requests": len(WARMUP),
+        "workload": describe(cfg, engine, work, sizes, vllm),
+        "tier_sizes": sizes,
+        "vllm": vllm,
+        "runs": runs,
+        "medians": med,
+        "targets": targets(med, runs),
+        "vs_vllm": vs_vllm(med, runs) if vllm else None,
+        "restart": restart,
+    }
     md, full = report.write_report(cfg.name, payload, render)
     write_plot(full, md.with_suffix(".png"))
     return md, full

