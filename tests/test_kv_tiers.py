@@ -286,6 +286,23 @@ def test_a_salt_never_reads_another_tenants_blocks_from_a_tier(llama_engine, ref
     assert restarted.stats().kv_tiers.hits == {"disk": 4}
 
 
+def test_a_block_evicted_before_its_copy_is_queued_is_not_stored(llama_engine):
+    engine = _engine(llama_engine, num_kv_blocks=10, kv_host_cache_gb=0.01)
+    tiers = engine.kv.tiers
+    assert tiers is not None and tiers.host is not None
+    engine.add_request(_docs(engine.config.model.vocab_size, 1)[0], GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step_tokens()
+    pending = list(engine.kv._newly_cached)  # indexed by the last step: queued at the next step's sync
+    assert pending
+    pool = engine.kv.pool
+    taken = pool.get_new_blocks(pool.num_free_blocks)  # between steps (a disaggregated pull): they are evicted
+    engine.kv.sync_tiers(settle=True)
+    assert not [h for _, h in pending if h in tiers.host]  # their blocks hold other data now
+    pool.free_blocks(taken)
+    engine.check_invariants()
+
+
 def test_a_request_aborted_while_its_blocks_load_leaks_nothing(llama_engine, tmp_path):
     engine = _engine(llama_engine, num_kv_blocks=12, kv_disk_cache=str(tmp_path))
     a, b, c = _docs(engine.config.model.vocab_size, 3)

@@ -102,7 +102,8 @@ class KVTiers:
     def store(self, cached: Sequence[tuple[KVBlock, bytes]]) -> None:
         """Copy newly indexed blocks to the tiers that lack them; each is pinned until copied. Asks only what
         the tiers know in memory: the copy thread looks for another replica's file before writing one."""
-        new = [(b, h) for b, h in cached if not self._kept_everywhere(h)]
+        # (A block evicted since it was indexed, by a disaggregated pull between steps, holds other data now.)
+        new = [(b, h) for b, h in cached if b.block_hash == h and not self._kept_everywhere(h)]
         if not new:
             return
         blocks, job = [b for b, _ in new], next(self._store_ids)
