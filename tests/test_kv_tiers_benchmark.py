@@ -4,6 +4,7 @@ synthetic result (benchmarks/kv_tiers_report.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import statistics
@@ -196,15 +197,7 @@ def test_vllm_pool_sizes_at_smoke_sizes_odd_blocks_and_bf16(monkeypatch, tmp_pat
     small = vllm_plan(Config(Path("e"), pool_tokens=512, concurrency=64), ENGINE, checkpoint(tmp_path), 1)
     assert flag(small[0], "--num-gpu-blocks-override") == "9" and flag(small[0], "--max-model-len") == "512"
     assert flag(small[0], "--max-num-seqs") == "16" and small[2]["bytes_per_token"] == 23040  # max_batch_size; bf16
-    odd = EngineConfig(
-        engine_dir=Path("."),
-        target="onnxruntime-cpu",
-        dtype="float32",
-        block_size=16,
-        max_batch_size=16,
-        max_seq_len=2048,
-        model=SMOLLM2,
-    )
+    odd = dataclasses.replace(ENGINE, block_size=16)
     command, _, info = vllm_plan(Config(Path("e"), pool_tokens=1000), odd, checkpoint(tmp_path), 1)
     assert (flag(command, "--block-size"), info["num_blocks"], info["usable_tokens"]) == ("128", 9, 1024)
 

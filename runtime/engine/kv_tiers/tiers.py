@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -68,17 +68,14 @@ class Load:
 
 @dataclass
 class _Counters:
-    hits: dict[str, int] = field(default_factory=dict)
-    stored: dict[str, int] = field(default_factory=dict)
-    read_bytes: dict[str, int] = field(default_factory=dict)
-    written_bytes: dict[str, int] = field(default_factory=dict)
+    hits: Counter[str] = field(default_factory=Counter)
+    stored: Counter[str] = field(default_factory=Counter)
+    read_bytes: Counter[str] = field(default_factory=Counter)
+    written_bytes: Counter[str] = field(default_factory=Counter)
     load_seconds: float = 0.0
     loads: int = 0
     store_seconds: float = 0.0
     stores: int = 0
-
-    def add(self, counts: dict[str, int], tier: str, n: int) -> None:
-        counts[tier] = counts.get(tier, 0) + n
 
 
 class KVTiers:
@@ -194,11 +191,11 @@ class KVTiers:
         c = self.counters
         if self.host is not None:
             self.host.put(block_hash, payload.copy())  # a row of its own: not the whole gathered matrix alive
-            c.add(c.stored, "host", 1)
-            c.add(c.written_bytes, "host", payload.nbytes)
+            c.stored["host"] += 1
+            c.written_bytes["host"] += payload.nbytes
         if self.disk is not None and block_hash not in self.disk and self.disk.write(block_hash, payload):
-            c.add(c.stored, "disk", 1)
-            c.add(c.written_bytes, "disk", payload.nbytes)
+            c.stored["disk"] += 1
+            c.written_bytes["disk"] += payload.nbytes
 
     def _unpin(self, job: int) -> None:
         self.pool.free_blocks(reversed(self._storing.pop(job)))
@@ -211,8 +208,8 @@ class KVTiers:
                 if payload is None:
                     break
                 payloads.append(payload)
-                c.add(c.hits, tier, 1)
-                c.add(c.read_bytes, tier, payload.nbytes)
+                c.hits[tier] += 1
+                c.read_bytes[tier] += payload.nbytes
             if payloads:
                 self.copier.scatter([b.block_id for b in load.blocks[: len(payloads)]], np.stack(payloads))
             load.num_loaded = len(payloads)
