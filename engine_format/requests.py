@@ -234,6 +234,8 @@ FIELDS: tuple[RequestField, ...] = (
                  "decodes within it.", Range(0.0, None, lo_open=True)),
     RequestField("cache_salt", Kind.TEXT, "Only requests with the same salt share prefix-cache blocks.",
                  Range(1, 256)),
+    RequestField("lora", Kind.TEXT, "The LoRA adapter that runs the request (a name the server serves); unset: the "
+                 "base model. Its prefix-cache blocks are its own.", Range(1, 128)),
     RequestField("stream_interval", Kind.INT, "Tokens per streamed response (at least the server's).",
                  Range(1, INT32_MAX)),
     # Structured output: at most one of the four (engine_format/grammars.py says what each means and checks them).

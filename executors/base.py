@@ -29,6 +29,9 @@ class SequenceChunk:
     one running sequence at a time (0 <= slot < the engine's max_batch_size), or None. A sequence's
     `block_table` is then replaced when it changes, never edited in place, so a backend that keeps each
     slot's table copies a row only when its list is a new one.
+
+    `lora_slot`: the backend's LoRA slot (executors/lora) whose adapter updates this chunk's projections, or
+    None for the base model.
     """
 
     token_ids: Sequence[int]
@@ -36,6 +39,7 @@ class SequenceChunk:
     block_table: Sequence[int]
     num_logits: int = 1
     slot: int | None = None
+    lora_slot: int | None = None
 
 
 def logit_rows(lengths: np.ndarray, num_logits: np.ndarray, row_starts: np.ndarray) -> np.ndarray:

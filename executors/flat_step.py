@@ -9,8 +9,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine_format import EngineConfig
+from engine_format import EngineConfig, EngineLoadError
 from executors.base import SequenceChunk, logit_rows
+from executors.lora import LoraSlots, TokenGroups
+
+NO_LORA = TokenGroups(())
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,7 @@ class FlatStep:
     block_tables: np.ndarray  # [B, M] int64
     slots: np.ndarray  # [T] pool slot of each token's K/V
     logit_rows: np.ndarray  # [rows] positions in T of each chunk's last num_logits tokens
+    loras: TokenGroups = NO_LORA  # tokens that run under a LoRA adapter, by slot
 
     @classmethod
     def pack(cls, chunks: Sequence[SequenceChunk], block_size: int) -> FlatStep:
@@ -42,6 +46,9 @@ class FlatStep:
             block_tables=tables,
             slots=slots,
             logit_rows=logit_rows(lengths, np.array([c.num_logits for c in chunks]), np.cumsum(lengths) - lengths),
+            loras=TokenGroups.of([c.lora_slot for c in chunks], lengths)
+            if any(c.lora_slot is not None for c in chunks)
+            else NO_LORA,
         )
 
 
@@ -49,6 +56,16 @@ class FlatStepBackend(abc.ABC):
     """The entry points of a backend that runs each step as one flat token list: it implements `_run`."""
 
     config: EngineConfig
+    name: str  # the backend kind (executors/factory.py)
+    lora_targets: tuple[str, ...] = ()  # the projections it applies LoRA adapters to (none: no LoRA)
+    lora: LoraSlots | None = None
+
+    def enable_lora(self, num_slots: int) -> LoraSlots:
+        """Serve adapters from now on: `num_slots` of them resident at once (filled by the engine)."""
+        if not self.lora_targets:
+            raise EngineLoadError(f"the {self.name} backend does not apply LoRA adapters: use --backend cpu-bf16")
+        self.lora = LoraSlots(self.config.model, num_slots, self.name, self.lora_targets)
+        return self.lora
 
     def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
         flat = FlatStep.pack(chunks, self.config.block_size)

@@ -24,6 +24,8 @@ from executors.cpu_attention import AttentionShape, paged_attention
 from executors.cpus import usable_cpus
 from executors.flat_step import FlatStep, FlatStepBackend
 from executors.kv_pool import KVPool
+from executors.lora import ATTENTION_TARGETS, LoraSlots
+from executors.lora.segments import LoraInputs
 from executors.ort_graph import OrtGraphBackend, graph_pool_dtype
 from executors.ort_session import create_session
 
@@ -56,6 +58,10 @@ def runs_whole_graph(chunks: Sequence[SequenceChunk]) -> bool:
 
 
 class OrtCpuBackend(FlatStepBackend):
+    name = "cpu"
+    # The segments fuse the MLP: an update inside it (gate/up/down) would need the graph to take it.
+    lora_targets = ATTENTION_TARGETS
+
     def __init__(self, config: EngineConfig, num_blocks: int | None = None, threads: int | None = None) -> None:
         if config.dtype != "float32":
             raise EngineLoadError(
@@ -83,20 +89,30 @@ class OrtCpuBackend(FlatStepBackend):
         )
 
     def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
-        if self.small_steps is not None and runs_whole_graph(chunks):
+        if self.small_steps is not None and runs_whole_graph(chunks) and self.lora is None:
             return self.small_steps.step(chunks)
         return super().step(chunks)
+
+    def enable_lora(self, num_slots: int) -> LoraSlots:
+        self._lora_inputs = LoraInputs.read(self.config)
+        return super().enable_lora(num_slots)
 
     def _run(self, flat: FlatStep, logit_rows: np.ndarray) -> np.ndarray:
         spec = self.config.model
         hidden, q, k, v = self.segments[0].run(None, {"input_ids": flat.input_ids, "positions": flat.positions})
+        lora = self.lora if flat.loras else None
         for layer in range(spec.num_layers):
+            if lora is not None:
+                self._lora_inputs.update_qkv(lora, flat, layer, hidden[:, 0], (q[:, 0], k[:, 0], v[:, 0]))
             self.kv.write(layer, flat.slots, k[:, 0], v[:, 0])
             attn = paged_attention(
                 q[:, 0], self.pool[layer, 0], self.pool[layer, 1], flat.block_tables, flat.seq_of_token,
                 flat.positions[:, 0], self.shape, window=spec.sliding_windows[layer], threads=self.threads,
                 quant=self.kv.quant(layer),
             )[:, None]  # fmt: skip
+            if lora is not None:  # o_proj's update goes straight into the residual stream the segment adds to
+                for rows, delta in lora.deltas(flat.loras, layer, "o_proj", attn[:, 0]):
+                    hidden[rows, 0] += delta
             feeds = {"hidden": hidden, "attn": attn}
             if layer + 1 < spec.num_layers:
                 hidden, q, k, v = self.segments[layer + 1].run(None, {**feeds, "positions": flat.positions})

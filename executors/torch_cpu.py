@@ -31,6 +31,7 @@ from engine_format import EngineConfig, EngineLoadError, ceil_div
 from executors.cpus import spin_openmp_workers, usable_cpus
 from executors.flat_step import FlatStep, FlatStepBackend
 from executors.kv_pool import KVPool
+from executors.lora import TARGETS, LoraSlots, TokenGroups
 
 spin_openmp_workers("cpu-bf16")
 
@@ -85,6 +86,9 @@ class PackedLayer:
 
 
 class TorchCpuBackend(FlatStepBackend):
+    name = "cpu-bf16"
+    lora_targets = TARGETS
+
     def __init__(self, config: EngineConfig, num_blocks: int | None = None, threads: int | None = None) -> None:
         if config.dtype not in ("float32", "bfloat16"):
             raise EngineLoadError(
@@ -118,8 +122,12 @@ class TorchCpuBackend(FlatStepBackend):
         ids[:tokens] = torch.from_numpy(flat.input_ids[:, 0])
         hidden = F.embedding(ids, self.embed)
         attn_rows = torch.zeros(rows, spec.num_heads * spec.head_dim, dtype=DTYPE)  # padding rows stay 0
+        lora = self.lora if flat.loras else None
         for index, layer in enumerate(self.layers):
-            qkv = _linear(rms_norm(hidden, layer.input_norm, eps), *layer.qkv, "none", [], "")[:tokens]
+            normed = rms_norm(hidden, layer.input_norm, eps)
+            qkv = _linear(normed, *layer.qkv, "none", [], "")[:tokens]
+            if lora is not None:
+                _add_deltas(qkv, lora, flat.loras, index, "qkv", normed)
             q, k, v = rope_split(qkv, spec.num_heads, spec.num_kv_heads, self.cos, self.sin, positions)
             self.kv.write(index, flat.slots, k, v)
             attn = paged_attention(
@@ -129,8 +137,37 @@ class TorchCpuBackend(FlatStepBackend):
             )  # fmt: skip
             attn_rows[:tokens] = torch.from_numpy(attn)
             hidden = _linear.binary(attn_rows, hidden, *layer.o_proj, "add")
+            if lora is not None:
+                _add_deltas(hidden, lora, flat.loras, index, "o_proj", attn_rows)
             normed = rms_norm(hidden, layer.post_norm, eps)
-            gated = _linear.binary(normed, _linear(normed, *layer.gate, "swish", [], ""), *layer.up, "mul")
+            if lora is not None and lora.updates_group(flat.loras, index, "gate_up"):
+                gated = _lora_mlp_input(layer, normed, lora, flat.loras, index)
+            else:
+                gated = _linear.binary(normed, _linear(normed, *layer.gate, "swish", [], ""), *layer.up, "mul")
             hidden = _linear.binary(gated, hidden, *layer.down, "add")
+            if lora is not None:
+                _add_deltas(hidden, lora, flat.loras, index, "down", gated)
         last = rms_norm(hidden[torch.from_numpy(logit_rows)], self.final_norm, eps)
         return _linear(last, *self.lm_head, "none", [], "").float().numpy()
+
+
+def _add_deltas(
+    out: torch.Tensor, lora: LoraSlots, tokens: TokenGroups, layer: int, group: str, x: torch.Tensor
+) -> None:
+    """Add each adapter's update of a projection to its rows of `out` (bfloat16), in float32 then rounded, as
+    PEFT adds its float32 update to a bfloat16 layer's output."""
+    deltas = lora.deltas(tokens, layer, group, x.float().numpy())
+    for rows, delta in deltas:
+        index = torch.from_numpy(rows)
+        out[index] = (out[index].float() + torch.from_numpy(delta)).to(out.dtype)
+
+
+def _lora_mlp_input(
+    layer: PackedLayer, normed: torch.Tensor, lora: LoraSlots, tokens: TokenGroups, index: int
+) -> torch.Tensor:
+    """silu(gate) * up with the adapters' updates of gate and up added first: the fused post-ops cannot take
+    them, so gate and up run as plain matmuls in such a step."""
+    gate_up = torch.cat([_linear(normed, *layer.gate, "none", [], ""), _linear(normed, *layer.up, "none", [], "")], 1)
+    _add_deltas(gate_up, lora, tokens, index, "gate_up", normed)
+    gate, up = gate_up.chunk(2, dim=1)
+    return F.silu(gate) * up

@@ -21,7 +21,7 @@ def engine_options(settings: Sequence[dataclasses.Field[Any]]) -> Callable[[Call
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(command)
         def run(*args: Any, **kwargs: Any) -> Any:
-            given = {name: value for name in names if (value := kwargs.pop(name)) is not None}
+            given = {name: _joined(value) for name in names if (value := kwargs.pop(name)) not in (None, ())}
             _check_needs(settings, given)
             try:
                 engine_args = EngineArgs(**given)
@@ -75,7 +75,14 @@ def _option(setting: dataclasses.Field[Any]) -> Callable[[Callable[..., Any]], C
         kind_type = click.FloatRange(min=meta.get("lo"), max=meta.get("hi"))
     else:
         kind_type = click.STRING
+    if meta.get("repeat"):
+        return click.option(flag, setting.name, type=kind_type, multiple=True, help=help_text)
     return click.option(flag, setting.name, type=kind_type, default=None, help=help_text)
+
+
+def _joined(value: Any) -> Any:
+    """A repeated option's values as one text setting (EngineArgs takes them comma-separated)."""
+    return ",".join(value) if isinstance(value, tuple) else value
 
 
 def _in_option_words(message: str) -> str:

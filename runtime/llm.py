@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -15,6 +15,11 @@ from runtime.engine.outputs import CompletionOutput
 
 class LLM:
     def __init__(self, engine_dir: str | Path, **engine_args: Any):
+        """`engine_args`: EngineArgs' fields; `lora_modules` may also be a {name: adapter directory} mapping
+        (a prompt then picks an adapter with SamplingParams(lora=name))."""
+        loras = engine_args.get("lora_modules")
+        if isinstance(loras, Mapping):
+            engine_args["lora_modules"] = ",".join(f"{name}={path}" for name, path in loras.items()) or None
         self.engine = LLMEngine(engine_dir, EngineArgs(**engine_args))
 
     def close(self) -> None:

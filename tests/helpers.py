@@ -85,3 +85,25 @@ def run_with_arrivals(engine: LLMEngine, prompts, params, arrival_steps) -> dict
         engine.check_invariants()
         step += 1
     return out
+
+
+def make_lora_adapter(model, out: Path, targets: list[str], rank: int, alpha: float, seed: int, **options) -> Path:
+    """A PEFT LoRA adapter of `model` saved to `out`, with random non-zero A and B (PEFT's init_lora_weights=False),
+    so it changes the model's output. `options`: more LoraConfig fields (use_rslora, ...)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, **options)
+    get_peft_model(copy.deepcopy(model), config).save_pretrained(out)
+    return out
+
+
+def with_lora(model, adapter: Path | None):
+    """HF eager + PEFT: a copy of `model` running `adapter` (the model itself for None)."""
+    import copy
+
+    from peft import PeftModel
+
+    return model if adapter is None else PeftModel.from_pretrained(copy.deepcopy(model), adapter).eval()

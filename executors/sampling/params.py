@@ -49,6 +49,7 @@ class SamplingParams:
     ttft_target_s: float | None = _DEFAULTS["ttft_target_s"]
     itl_target_s: float | None = _DEFAULTS["itl_target_s"]
     cache_salt: str | None = _DEFAULTS["cache_salt"]
+    lora: str | None = _DEFAULTS["lora"]  # the adapter's name (the engine's LoRA manager resolves it)
     stream_interval: int | None = _DEFAULTS["stream_interval"]  # None: the server's (the larger applies)
     # Structured output, at most one (engine_format/grammars.py; enforced by executors/sampling/grammar.py).
     guided_json: str | None = _DEFAULTS["guided_json"]

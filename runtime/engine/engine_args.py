@@ -45,18 +45,31 @@ ROLES = ("both", "prefill", "decode")
 DEFAULT_KV_PIN_TIMEOUT_S = 30.0
 # The KV cache's disk tier, when a directory is given: bounded, so a shared cache directory cannot fill a disk.
 DEFAULT_KV_DISK_CACHE_GB = 16.0
+# LoRA: adapters one step mixes (slots), and the highest rank (vLLM's default too).
+DEFAULT_MAX_LORAS = 8
+DEFAULT_MAX_LORA_RANK = 64
 DISABLE_BATCH_SIZE_DEFAULTS = ", ".join(f"{n} with {m}" for m, n in DEFAULT_SPECULATIVE_DISABLE_BATCH_SIZE.items())
 
 
-def setting(default: Any, help: str, flag: str | None = None, choices: tuple[str, ...] = (), lo: float | None = None,
-            hi: float | None = None, served: bool = True, only_with: str | None = None) -> Any:  # fmt: skip
+def setting(
+    default: Any,
+    help: str,
+    flag: str | None = None,
+    choices: tuple[str, ...] = (),
+    lo: float | None = None,
+    hi: float | None = None,
+    served: bool = True,
+    only_with: str | None = None,
+    repeat: bool = False,
+) -> Any:
     """An EngineArgs field, declared once with what its users need: `help` (the CLI's and config.pbtxt's), the
     command-line `flag` (default: --the-field-name; a bool: --flag/--no-flag), `choices` for strings, the
     bounds `lo` and `hi` for numbers, whether `trtserve serve` passes it to its model (`served`), and `only_with`:
     the setting it means nothing without ("speculative", or "speculative=draft"), so that giving it alone
-    is a usage error rather than silently ignored."""
+    is a usage error rather than silently ignored. `repeat`: a text setting the command line takes several
+    times, joined with commas."""
     metadata = {"help": help, "flag": flag, "choices": choices, "lo": lo, "hi": hi, "served": served,
-                "only_with": only_with}  # fmt: skip
+                "only_with": only_with, "repeat": repeat}  # fmt: skip
     return field(default=default, metadata=metadata)
 
 
@@ -146,12 +159,43 @@ class EngineArgs:
         lo=0.001,
         only_with="kv_disk_cache",
     )
+    enable_lora: bool = setting(False, "Serve LoRA adapters on the base model (implied by --lora): requests pick one "
+                                "by name, and adapters may be loaded and removed at run time.",
+                                flag="--enable-lora/--no-enable-lora")  # fmt: skip
+    lora_modules: str | None = setting(None, "LoRA adapters to serve: NAME=DIR, DIR a PEFT adapter "
+                                       "(adapter_config.json, adapter_model.safetensors); repeat the flag, or separate "
+                                       "them with commas.", flag="--lora", repeat=True)  # fmt: skip
+    max_loras: int = setting(DEFAULT_MAX_LORAS, "LoRA adapters one step may mix (slots; the least recently used "
+                             "idle one is replaced).", lo=1)  # fmt: skip
+    max_lora_rank: int = setting(DEFAULT_MAX_LORA_RANK, "Highest LoRA rank served; adapters above it are refused.",
+                                 lo=1)  # fmt: skip
+    max_cpu_loras: int | None = setting(None, "LoRA adapters kept in host memory (default: as many as --max-loras or "
+                                        "--lora gives, the larger); the others are read again when asked for.",
+                                        lo=1)  # fmt: skip
     stream_interval: int = setting(1, "Tokens per streamed response, the first and last at once; fewer responses cost "
                                    "the server less (a request may ask for more).", lo=1)  # fmt: skip
     grammar_compile_timeout_s: float = setting(DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, "Longest a structured-output "
                                                "grammar (guided_json, response_format, tools, ...) may take to "
                                                "compile; slower ones are refused. Compiles run off the engine "
                                                "loop, once per distinct grammar.", lo=0)  # fmt: skip
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or self.lora_modules is not None
+
+    def lora_adapters(self) -> dict[str, str]:
+        """lora_modules as {name: directory}; ValueError for a malformed or repeated entry."""
+        adapters: dict[str, str] = {}
+        for entry in (self.lora_modules or "").split(","):
+            if not entry.strip():
+                continue
+            name, sep, path = (part.strip() for part in entry.partition("="))
+            if not sep or not name or not path:
+                raise ValueError(f"EngineArgs.lora_modules: {entry.strip()!r} must be NAME=DIR")
+            if name in adapters:
+                raise ValueError(f"EngineArgs.lora_modules: adapter {name!r} is given twice")
+            adapters[name] = path
+        return adapters
 
     @property
     def disable_batch_size(self) -> int:
@@ -165,7 +209,8 @@ class EngineArgs:
             object.__setattr__(self, "itl_target_ms", None)
         names = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "threads",
                  "min_prefill_tokens", "num_speculative_tokens", "ngram_prompt_lookup_min", "ngram_prompt_lookup_max",
-                 "speculative_disable_batch_size", "stream_interval")  # fmt: skip
+                 "speculative_disable_batch_size", "stream_interval", "max_loras", "max_lora_rank",
+                 "max_cpu_loras")  # fmt: skip
         for name in names:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -206,6 +251,7 @@ class EngineArgs:
         timeout = self.grammar_compile_timeout_s
         if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
             raise ValueError(f"EngineArgs.grammar_compile_timeout_s must be a positive number (got {timeout!r})")
+        self.lora_adapters()  # NAME=DIR pairs well formed
         if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
             raise ValueError("EngineArgs.ngram_prompt_lookup_min must be <= ngram_prompt_lookup_max")
 

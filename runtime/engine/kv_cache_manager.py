@@ -29,13 +29,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def salt_root(cache_salt: str | None) -> bytes:
-    """The parent hash of a request's first block: empty (shared) without a salt."""
-    return (
-        b""
-        if cache_salt is None
-        else hashlib.blake2b(cache_salt.encode(), digest_size=16, person=b"trtserve-salt").digest()
-    )
+def salt_root(cache_salt: str | None, lora_id: str | None = None) -> bytes:
+    """The parent hash of a request's first block: empty (shared) without a salt or a LoRA adapter; a prefix
+    computed under one adapter (its content digest) is never another's, nor the base model's."""
+    if cache_salt is None and lora_id is None:
+        return b""
+    key = (cache_salt or "").encode() + (b"" if lora_id is None else b"\0lora\0" + lora_id.encode())
+    return hashlib.blake2b(key, digest_size=16, person=b"trtserve-salt").digest()
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -63,7 +63,7 @@ class KVCacheManager:
     def _hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """The request's chained hashes of its first `num_blocks` full blocks (memoized)."""
         tokens, bs, hashes = request.all_token_ids, self.block_size, request.block_hashes
-        root = salt_root(request.params.cache_salt)
+        root = salt_root(request.params.cache_salt, request.lora_id)
         while len(hashes) < num_blocks:
             i = len(hashes)
             hashes.append(block_hash(hashes[-1] if hashes else root, tokens[i * bs : (i + 1) * bs]))

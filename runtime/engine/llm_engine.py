@@ -23,6 +23,7 @@ from engine_format import EngineConfig
 from executors import DeviceSample, DeviceSampling, create_backend
 from executors.base import EngineBackend, SequenceChunk
 from executors.device_sampling import PLACEHOLDER, OverlappedSampling
+from executors.lora import AdapterError, LoraAdapter
 from executors.sampling import SamplingParams, SamplingState
 from runtime.engine.admission import Admission, Prompt
 from runtime.engine.disagg import Disagg
@@ -31,6 +32,7 @@ from runtime.engine.errors import InvalidRequest, Overloaded
 from runtime.engine.grammar_cache import GrammarCache
 from runtime.engine.kv_cache_manager import KVCacheManager
 from runtime.engine.kv_tiers import create_tiers
+from runtime.engine.lora_manager import create_lora_manager
 from runtime.engine.output_processor import OutputProcessor
 from runtime.engine.outputs import RequestOutput, TokenOutput
 from runtime.engine.request import Request, RequestStatus, RequestTiming
@@ -100,6 +102,8 @@ class LLMEngine:
             self.kv,
             self.cost_model,
         )
+        self.loras = create_lora_manager(args, self.backend, config) if args.lora_enabled else None
+        self.scheduler.loras = self.loras
         self.spec = create_spec_decoder(args, config, max_num_seqs, clock)
         self.admission = Admission(self.tokenizer, config.model.vocab_size, config.max_seq_len, self.kv.capacity_tokens)
         self.eos_token_ids = frozenset(stop_token_ids(self.tokenizer, config))
@@ -157,6 +161,7 @@ class LLMEngine:
                 timing=RequestTiming(arrival=self.clock()),
                 stop_token_ids=stop_ids,
             )
+            self._register_lora(request)
             self.outputs.add(request_id, prompt_ids, params)  # before the core can produce anything for it
             self._resume(request, resume_token_ids)
             try:
@@ -165,6 +170,8 @@ class LLMEngine:
                     self.scheduler.add(request)  # raises Overloaded: queue full, or its TTFT target unreachable
             except (Overloaded, InvalidRequest) as exc:  # queue full, its TTFT target unreachable, a handle unusable
                 self.outputs.forget(request_id)
+                if self.loras is not None:
+                    self.loras.unregister_request(request)
                 if isinstance(exc, InvalidRequest) and exc.field == "kv_handle":
                     self.counters.rejected_invalid += 1
                 elif isinstance(exc, InvalidRequest) or exc.reason == "slo":  # unreachable TTFT target
@@ -173,6 +180,35 @@ class LLMEngine:
                     self.counters.rejected_overloaded += 1
                 raise
         return request_id
+
+    def _register_lora(self, request: Request) -> None:
+        """The request's adapter resolved (InvalidRequest naming `lora` if this engine does not serve it)."""
+        if self.loras is not None:
+            try:
+                self.loras.register_request(request)
+            except InvalidRequest:
+                self.counters.rejected_invalid += 1
+                raise
+        elif request.params.lora is not None:
+            self.counters.rejected_invalid += 1
+            raise InvalidRequest("lora", f"adapter {request.params.lora!r}: this server serves no LoRA adapters")
+
+    # ---- LoRA adapters (runtime/engine/lora_manager.py) ---------------------------------------
+
+    def add_lora(self, name: str, path: str | Path) -> LoraAdapter:
+        """Serve another adapter (AdapterError, a ValueError naming the problem, if it cannot run here)."""
+        if self.loras is None:
+            raise AdapterError(name, "enable_lora", "this engine was started without LoRA (EngineArgs.enable_lora)")
+        with self._lock:
+            return self.loras.add(name, path)
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving an adapter: True if it left now, False once its requests finish (InvalidRequest if it is
+        not served)."""
+        if self.loras is None:
+            raise InvalidRequest("lora", f"adapter {name!r} is not loaded (this engine serves no LoRA adapters)")
+        with self._lock:
+            return self.loras.remove(name)
 
     def _resume(self, request: Request, token_ids: Sequence[int]) -> None:
         """A stream resumed after its replica failed: the answer so far becomes this request's output, as if it
@@ -385,6 +421,7 @@ class LLMEngine:
                 kv_max_concurrency=self.kv.capacity_tokens / self.config.max_seq_len,
                 grammar=self.grammars.stats(),  # structured output (hook)
                 kv_tiers=None if self.kv.tiers is None else self.kv.tiers.stats(),
+                lora=None if self.loras is None else self.loras.stats(),
             )
 
     def take_step_records(self) -> list[StepRecord]:

@@ -75,6 +75,8 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()  # tokens that end it: its params' and the EOS ids unless ignored
     pending_row: int = -1  # its row in the overlapped step in flight, whose sampled token is its last (placeholder)
     slot: int | None = None  # its row in the backend's persistent batch while it runs (the scheduler's)
+    lora_id: str | None = None  # its LoRA adapter's content digest (params.lora names it): keys its prefix cache
+    lora_slot: int | None = None  # the backend's slot of its adapter while it runs (lora_manager.py)
     # params.prompt_logprobs set: entry i scores prompt token i given those before it (entry 0: None), filled as
     # its prefill chunks run (step_update.py); a preempted request keeps what it has.
     prompt_logprobs: list[TokenLogprobs | None] | None = None

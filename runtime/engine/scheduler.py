@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 from runtime.engine.errors import InvalidRequest, Overloaded
 from runtime.engine.kv_cache_manager import KVCacheManager
+from runtime.engine.lora_manager import LoraManager
 from runtime.engine.request import Request, RequestStatus
 from runtime.engine.step_cost import DEFAULT_PRIOR, CostPredictor, StepBudget, StepShape, full_speed_prefill_s
 
@@ -86,6 +87,7 @@ class Scheduler:
         # Persistent-batch rows (SequenceChunk.slot): each running request holds one; the lowest free first.
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
+        self.loras: LoraManager | None = None  # the engine's, when it serves LoRA adapters
 
     @property
     def num_waiting(self) -> int:
@@ -146,6 +148,8 @@ class Scheduler:
         if request.slot is not None:
             self._free_slots.append(request.slot)
             request.slot = None
+        if self.loras is not None:
+            self.loras.release(request)
 
     def _enqueue(self, request: Request) -> None:
         heapq.heappush(self.waiting, (request.sort_key(), request))
@@ -161,6 +165,8 @@ class Scheduler:
             self.waiting = [(k, r) for k, r in self.waiting if r is not request]
             heapq.heapify(self.waiting)
         self.kv.free(request)
+        if self.loras is not None:
+            self.loras.unregister_request(request)
 
     def schedule(self) -> ScheduledBatch:
         self.kv.sync_tiers()
@@ -304,6 +310,8 @@ class Scheduler:
         hits = self.kv.get_computed_blocks(request)
         if self.kv.loading_from_tiers(request, hits):  # admitted once its blocks are back in the pool
             return False
+        if self.loras is not None and not self.loras.can_acquire(request):  # every slot's adapter is running
+            return False
         num_hit = len(hits) * self.kv.block_size
         want = min(request.num_tokens - num_hit, batch.budget)
         n = step.fit(want, num_hit, want == request.num_tokens - num_hit)
@@ -314,6 +322,8 @@ class Scheduler:
         self.kv.record_lookup(request.num_tokens, num_hit)
         request.num_computed_tokens = num_hit
         self._start_running(request)
+        if self.loras is not None:
+            self.loras.acquire(request)
         step.add(n, num_hit, prefill=True)
         batch.num_tokens[request] = n
         batch.budget -= n

@@ -7,6 +7,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from runtime.engine.kv_tiers.tiers import TierStats
+from runtime.engine.lora_manager import LoraStats
 from runtime.engine.step_cost import StepCost
 
 STEP_TIME_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
@@ -170,3 +171,4 @@ class EngineStats:
     kv_max_concurrency: float = 0.0  # sequences of max_seq_len the pool holds (4x with an int8/fp8 cache)
     grammar: GrammarStats = field(default_factory=GrammarStats)  # structured output
     kv_tiers: TierStats | None = None  # the KV cache's host and disk tiers; None: none
+    lora: LoraStats | None = None  # LoRA adapters served; None: none

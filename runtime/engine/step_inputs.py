@@ -44,11 +44,13 @@ def build_chunks(num_tokens: dict[Request, int]) -> StepChunks:
         start, tokens = request.num_computed_tokens, request.all_token_ids
         uncomputed = len(tokens) - start
         if n == uncomputed == 1:  # a decode's one token: most chunks of most steps
-            chunks.append(SequenceChunk(tokens[start:], start, request.block_ids, 1, request.slot))
+            chunks.append(SequenceChunk(tokens[start:], start, request.block_ids, 1, request.slot, request.lora_slot))
             completes.append(True)
             continue
         if request.scores_prompt:  # a prefill that returns a logits row per token (never with drafts)
-            chunks.append(SequenceChunk(tokens[start : start + n], start, request.block_ids, n, request.slot))
+            chunks.append(
+                SequenceChunk(tokens[start : start + n], start, request.block_ids, n, request.slot, request.lora_slot)
+            )
             completes.append(start + n == len(tokens))
             scoring = True
             continue
@@ -57,7 +59,7 @@ def build_chunks(num_tokens: dict[Request, int]) -> StepChunks:
         if num_drafts:
             ids += request.draft_token_ids[:num_drafts]
             drafting = True
-        chunks.append(SequenceChunk(ids, start, request.block_ids, 1 + num_drafts, request.slot))
+        chunks.append(SequenceChunk(ids, start, request.block_ids, 1 + num_drafts, request.slot, request.lora_slot))
         completes.append(start + n - num_drafts == len(tokens))
     return StepChunks(list(num_tokens), chunks, completes, drafting, scoring)
 

@@ -1,0 +1,61 @@
+"""LoRA on the `cpu` backend's ONNX segments, which fuse RMSNorm -> QKV -> RoPE (and o_proj + the MLP) inside
+graphs that take no adapter weights: the updates are added between the segments instead, exactly.
+
+- q, k, v: a segment returns the residual stream `hidden` beside the rotated q, k and v, so the projection's
+  input is RMSNorm(hidden) (recomputed here for the adapters' rows), and RoPE is linear: RoPE(q + dq) =
+  RoPE(q) + RoPE(dq). The delta is rotated at the tokens' positions and added to the segment's outputs.
+- o_proj: the next segment adds o_proj(attn) to `hidden`, so adding the delta to `hidden` first is the same sum.
+The MLP's projections sit between nonlinearities inside a segment: the `cpu` backend does not update them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine_format import EngineConfig
+from executors.engine_weights import WeightReader
+from executors.flat_step import FlatStep
+from executors.int8_ops import rope_split
+from executors.lora.slots import LoraSlots
+
+
+@dataclass(frozen=True)
+class LoraInputs:
+    """What the q/k/v updates need beside the segments' outputs: each layer's input RMSNorm and RoPE's tables."""
+
+    input_norms: list[np.ndarray]  # float32 [hidden] per layer
+    eps: float
+    cos: np.ndarray  # float32 [max_positions, head_dim], rotate-half form (as executors/int8_ops.rope_split takes)
+    sin: np.ndarray
+    heads: int
+    kv_heads: int
+
+    @classmethod
+    def read(cls, config: EngineConfig) -> LoraInputs:
+        reader, spec = WeightReader(config), config.model
+        cos, sin = reader.array("rope_cos").astype(np.float32), reader.array("rope_sin").astype(np.float32)
+        return cls(
+            input_norms=[
+                reader.array(f"layer{i}.input_norm.weight").astype(np.float32) for i in range(spec.num_layers)
+            ],
+            eps=spec.rms_norm_eps,
+            cos=np.ascontiguousarray(np.concatenate([cos, cos], axis=1)),
+            sin=np.ascontiguousarray(np.concatenate([-sin, sin], axis=1)),
+            heads=spec.num_heads,
+            kv_heads=spec.num_kv_heads,
+        )
+
+    def update_qkv(
+        self, lora: LoraSlots, flat: FlatStep, layer: int, hidden: np.ndarray, qkv: tuple[np.ndarray, ...]
+    ) -> None:
+        """Add the adapters' rotated q/k/v updates, in place, to a segment's q, k, v [T, width] (views)."""
+        x = hidden / np.sqrt(np.mean(np.square(hidden), axis=-1, keepdims=True) + self.eps) * self.input_norms[layer]
+        positions = flat.positions[:, 0]
+        for rows, delta in lora.deltas(flat.loras, layer, "qkv", x.astype(np.float32, copy=False)):
+            rotated = rope_split(
+                np.ascontiguousarray(delta), self.heads, self.kv_heads, self.cos, self.sin, positions[rows]
+            )
+            for out, part in zip(qkv, rotated, strict=True):
+                out[rows] += part
