@@ -15,7 +15,8 @@ KL divergence from float32 again.
 A step has the `cpu` backend's layout (`FlatStep`): per layer RMSNorm -> quantize -> QKV -> RoPE, the new
 K/V rows into the pool, attention over each sequence's blocks in place, quantize -> o_proj added into the
 residual stream, RMSNorm -> quantize -> gate|up, SiLU-gating -> quantize -> down added into the stream.
-The LM head is int8 too. Embedding lookups, norms and RoPE stay float32.
+The LM head is int8 too. Embedding lookups, norms and RoPE stay float32. LoRA adapters (every projection)
+add float32 updates from the projections' real inputs to the rows of their slots (executors/lora/int8.py).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ from executors.int8_ops import (  # noqa: E402
     vnni,
 )
 from executors.kv_pool import KVPool  # noqa: E402
+from executors.lora import TARGETS, LoraSlots  # noqa: E402
+from executors.lora.int8 import NormWeights, StepLora  # noqa: E402
 # isort: on
 
 
@@ -62,6 +65,7 @@ class Int8Layer:
     post_norm: np.ndarray
     gate_up: PackedLinear  # gate | up
     down: PackedLinear
+    s_down: np.ndarray  # down's smoothing factors, which up's columns are divided by (LoRA needs the real up)
     window: int | None  # sliding window in tokens; None = full attention
 
 
@@ -106,11 +110,15 @@ def _layer(reader: WeightReader, ranges: dict[str, np.ndarray] | None, i: int) -
         post_norm=(reader.array(name + "post_norm.weight") / s_gate_up).astype(np.float32),
         gate_up=PackedLinear.pack(gate_up),
         down=PackedLinear.pack(down * s_down[:, None]),
+        s_down=s_down,
         window=spec.sliding_windows[i],
     )
 
 
 class Int8CpuBackend(FlatStepBackend):
+    name = "cpu-int8"
+    lora_targets = TARGETS
+
     def __init__(self, config: EngineConfig, num_blocks: int | None = None, threads: int | None = None) -> None:
         if config.dtype != "float32" or config.quantization is not None:
             raise EngineLoadError(
@@ -151,13 +159,20 @@ class Int8CpuBackend(FlatStepBackend):
         self.kv = KVPool.allocate(config, self.num_blocks)
         self.pool = self.kv.data
 
+    def enable_lora(self, num_slots: int) -> LoraSlots:
+        self._lora_norms = NormWeights.read(self.config)  # the layers' norms are smoothed: not the adapters' inputs
+        return super().enable_lora(num_slots)
+
     def _run(self, flat: FlatStep, logit_rows: np.ndarray) -> np.ndarray:
         spec, threads = self.config.model, self.threads
         eps, positions = spec.rms_norm_eps, flat.positions[:, 0]
         hidden = self.embed[flat.input_ids[:, 0]]  # [T, hidden] float32: the residual stream, updated in place
+        lora = StepLora(self.lora, self._lora_norms, flat.loras) if flat.loras and self.lora is not None else None
         for index, layer in enumerate(self.layers):
             x = rms_norm_quantize(hidden, layer.input_norm, eps, layer.qkv.padded_in)
             qkv = linear(x, layer.qkv, threads=threads)
+            if lora is not None:
+                lora.add_qkv(qkv, hidden, index)
             q, k, v = rope_split(qkv, spec.num_heads, spec.num_kv_heads, self.cos, self.sin, positions)
             self.kv.write(index, flat.slots, k, v)
             attn = paged_attention(
@@ -174,12 +189,18 @@ class Int8CpuBackend(FlatStepBackend):
             )
             o_in = quantize_rows(attn, layer.o_proj.padded_in, layer.o_proj_multiplier)
             linear(o_in, layer.o_proj, hidden, accumulate=True, threads=threads)
+            if lora is not None:
+                lora.add_o_proj(hidden, attn, index)
             gate_up = linear(
                 rms_norm_quantize(hidden, layer.post_norm, eps, layer.gate_up.padded_in), layer.gate_up, threads=threads
             )
+            if lora is not None:
+                lora.add_gate_up(gate_up, hidden, index, layer.s_down)
             linear(
                 silu_mul_quantize(gate_up, layer.down.padded_in), layer.down, hidden, accumulate=True, threads=threads
             )
+            if lora is not None:
+                lora.add_down(hidden, gate_up, index, layer.s_down)
         last = np.ascontiguousarray(hidden[logit_rows])
         return linear(
             rms_norm_quantize(last, self.final_norm, eps, self.lm_head.padded_in), self.lm_head, threads=threads

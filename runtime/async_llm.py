@@ -150,6 +150,14 @@ class AsyncLLM:
         vocabulary."""
         return await asyncio.get_running_loop().run_in_executor(None, self.engine.detokenize, token_ids)
 
+    async def add_lora(self, name: str, path: str) -> None:
+        """Serve another LoRA adapter (read and checked off the event loop); AdapterError naming the problem."""
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.add_lora, name, path)
+
+    async def remove_lora(self, name: str) -> bool:
+        """Stop serving an adapter: True if it left now, False once its requests finish."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.engine.remove_lora, name)
+
     def abort(self, request_id: str) -> bool:
         """Abort a live request now (frees its KV blocks); its stream ends with 'abort'."""
         out = self.engine.abort_tokens(request_id)

@@ -41,8 +41,17 @@ def declared_inputs(model: str) -> dict[str, str]:
 def test_one_input_table_matches_both_models_configs():
     table = {field.name: config_type(field) for field in FIELDS}
     assert declared_inputs("llm") == table
-    # llm_infer answers whole, and disaggregation and resumed streams go through llm; the rest is forwarded as is
-    streaming = ("stream", "stream_interval", "prefill_only", "kv_handle", "resume_token_ids")
+    # llm_infer answers whole, and disaggregation, resumed streams and LoRA administration go through llm; the rest
+    # is forwarded as is
+    streaming = (
+        "stream",
+        "stream_interval",
+        "prefill_only",
+        "kv_handle",
+        "resume_token_ids",
+        "lora_admin",
+        "lora_path",
+    )
     assert declared_inputs("llm_infer") == {k: v for k, v in table.items() if k not in streaming}
     assert all(f.triton_type == "INT64" for f in FIELDS if np.issubdtype(NUMPY_TYPES[f.triton_type], np.integer))
 

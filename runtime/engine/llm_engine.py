@@ -210,6 +210,13 @@ class LLMEngine:
         with self._lock:
             return self.loras.remove(name)
 
+    def list_loras(self) -> dict[str, str]:
+        """The adapters served: name -> directory (empty without LoRA)."""
+        if self.loras is None:
+            return {}
+        with self._lock:
+            return {name: str(path) for name, path in self.loras.paths.items() if name not in self.loras.removing}
+
     def _resume(self, request: Request, token_ids: Sequence[int]) -> None:
         """A stream resumed after its replica failed: the answer so far becomes this request's output, as if it
         had generated it (penalty counts, the grammar's matcher, a seed's draws: the sampler draws once per

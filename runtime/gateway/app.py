@@ -20,8 +20,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from runtime.gateway.admin import add_admin_routes
-from runtime.gateway.errors import GatewayError, unknown_model
+from runtime.gateway.errors import GatewayError
 from runtime.gateway.handler import ENDPOINTS, Endpoint, generate
+from runtime.gateway.loras import add_lora_routes
 from runtime.gateway.responses_api.routes import add_responses_routes
 from runtime.gateway.service import Gateway
 from runtime.gateway.tokenize import add_tokenizer_routes
@@ -84,6 +85,7 @@ def create_app(gateway: Gateway) -> GenerationFastPath:
         return GatewayError.invalid(str(exc.errors()[0].get("msg", exc))).response()
 
     add_admin_routes(app, gateway)
+    add_lora_routes(app, gateway.loras, lambda http: gateway.authorize(http, admin=True))
     add_tokenizer_routes(app, gateway)
     if triton is not None:
         add_triton_routes(app, gateway, triton)
@@ -101,14 +103,14 @@ def create_app(gateway: Gateway) -> GenerationFastPath:
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
         gateway.authorize(request)
-        return {"object": "list", "data": [_model_card(m, gateway.started) for m in gateway.model_ids]}
+        await gateway.loras.refresh()
+        return {"object": "list", "data": _model_cards(gateway)}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str, request: Request) -> dict[str, Any]:
         gateway.authorize(request)
-        if model not in gateway.model_ids:
-            raise unknown_model(model, gateway.model_ids)
-        return _model_card(model, gateway.started)
+        await gateway.resolve(model)  # 404 unless served
+        return next(card for card in _model_cards(gateway) if card["id"] == model)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -127,5 +129,10 @@ def create_app(gateway: Gateway) -> GenerationFastPath:
     return GenerationFastPath(app, gateway)
 
 
-def _model_card(model: str, created: float) -> dict[str, Any]:
-    return {"id": model, "object": "model", "created": int(created), "owned_by": "trtserve"}
+def _model_cards(gateway: Gateway) -> list[dict[str, Any]]:
+    """The models a client may name: the gateway's own (their `parent` null, as vLLM's base model), then the
+    LoRA adapters of its backends."""
+    created = int(gateway.started)
+    own = [{"id": m, "object": "model", "created": created, "owned_by": "trtserve", "root": m, "parent": None}
+           for m in gateway.model_ids]  # fmt: skip
+    return own + gateway.loras.cards(created)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from starlette.requests import Request
@@ -24,14 +24,13 @@ from starlette.types import Receive, Scope, Send
 
 from runtime.gateway import responses
 from runtime.gateway.body import read_model
-from runtime.gateway.errors import GatewayError, unknown_model
+from runtime.gateway.errors import GatewayError
 from runtime.gateway.exchange import Event, Exchange
 from runtime.gateway.protocol import ChatCompletionRequest, CompletionRequest, Generation
 from runtime.gateway.responses import Choice, CompletionRender, Header, Kind
 from runtime.gateway.responses_api.protocol import ResponsesRequest, output_messages
 from runtime.gateway.responses_api.render import ResponseRender
 from runtime.gateway.responses_api.store import owner_of
-from runtime.gateway.routing import UnknownModel
 from runtime.gateway.service import Gateway
 from runtime.gateway.tenants import Tenant
 from runtime.gateway.tokenize import tokenizer_call
@@ -92,12 +91,12 @@ async def generate(gateway: Gateway, http: Request, endpoint: Endpoint) -> Respo
         render: RenderFor | None = None
         if endpoint == "responses":
             turn = await read_model(http, ResponsesRequest)
-            model = turn.model if turn.model in gateway.model_ids else model
+            model = turn.model if gateway.serves(turn.model) else model
             body: Generation
             body, render = _responses(gateway, turn, owner_of(tenant))
         else:
             body = await read_model(http, ChatCompletionRequest if endpoint == "chat" else CompletionRequest)
-            model = body.model if body.model in gateway.model_ids else model
+            model = body.model if gateway.serves(body.model) else model
         response = await call.run(body, tenant, render)
     except GatewayError as exc:
         gateway.metrics.requests.labels(call.endpoint, model, str(exc.status)).inc()
@@ -134,15 +133,15 @@ class Call:
 
     async def run(self, body: Generation, tenant: Tenant | None, render: RenderFor | None = None) -> Response:
         gateway = self.gateway
-        try:
-            decision = gateway.router.route(body.model, body.prompt_chars, body.stream)
-        except UnknownModel:
-            raise unknown_model(body.model, gateway.model_ids) from None
+        routed, lora = await gateway.resolve(body.model)
+        decision = gateway.router.route(routed, body.prompt_chars, body.stream)
         await gateway.check_health(decision)
         echo = await self._echo_texts(body, tenant)  # (before the generation holds the tenant's slot)
         if render is None:
             render = self._completion_render(body, echo)
         requests = body.upstream_requests(gateway.cache_salt(tenant, body.cache_salt))
+        if lora is not None:
+            requests = [replace(r, lora=lora) for r in requests]
         exchange = Exchange(decision, gateway.pools, gateway.router, requests, body.stream,
                             body.logprobs_n is not None, self._client_left, gateway.disagg)  # fmt: skip
         watcher = asyncio.create_task(self._close_on_disconnect(exchange))
@@ -152,13 +151,13 @@ class Call:
             choices = [Choice(i, i // body.n) for i in range(len(exchange.requests))]  # n per prompt, in order
             if body.stream:
                 first = await _first_events(exchange, len(choices))
-                stream = self._stream(exchange, watcher, render(exchange.model), choices, first)
+                stream = self._stream(exchange, watcher, render(lora or exchange.model), choices, first)
                 committed = True
                 return EventStream(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             async for event in exchange.events():
                 choices[event.index].add(event.delta)
             self._finished(exchange, choices)
-            return JSONResponse(render(exchange.model).whole(choices))
+            return JSONResponse(render(lora or exchange.model).whole(choices))
         except GatewayError as exc:
             if exc.status == 429 and exc.retry_after_s is None:  # the engine's own queue is full
                 exc.retry_after_s = gateway.queue.retry_after_s

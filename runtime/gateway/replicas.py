@@ -154,12 +154,12 @@ class ReplicaPool:
         return True
 
     def prefix_key(self, request: GenerateRequest) -> list[bytes]:
-        """The request's chunk hashes under its cache salt: what `pick` matches and `lease` indexes (none unless
-        routing by prefix)."""
+        """The request's chunk hashes under its cache salt and LoRA adapter (as the engine keys its blocks): what
+        `pick` matches and `lease` indexes (none unless routing by prefix)."""
         if self.policy != "prefix":
             return []
-        return chunk_hashes(prompt_text(request), self.settings.chunk_chars, self.settings.max_prefix_chunks,
-                            request.cache_salt)  # fmt: skip
+        salt = request.cache_salt if request.lora is None else f"{request.cache_salt or ''}\0lora\0{request.lora}"
+        return chunk_hashes(prompt_text(request), self.settings.chunk_chars, self.settings.max_prefix_chunks, salt)
 
     def load(self, replica: ReplicaState) -> float:
         engine = self._fresh(replica)

@@ -15,10 +15,11 @@ from prometheus_client import CollectorRegistry
 from starlette.requests import Request
 
 from runtime.gateway.disagg import DisaggPools
-from runtime.gateway.errors import GatewayError
+from runtime.gateway.errors import GatewayError, unknown_model
 from runtime.gateway.exchange import Exchange
 from runtime.gateway.fair_queue import FairQueue, QueueFull
 from runtime.gateway.health import Monitor
+from runtime.gateway.loras import LoraRegistry
 from runtime.gateway.metrics import GatewayMetrics
 from runtime.gateway.replica_config import Replica, ReplicaPolicy
 from runtime.gateway.replicas import ReplicaPool, ReplicaState
@@ -79,6 +80,7 @@ class Gateway:
             self.disagg[b.name] = DisaggPools(b.name, roles["prefill"], roles["decode"], both)
         self.monitor = Monitor(self.pools, discover, self._retire)
         self.model_ids = config.models  # backends, then virtual models
+        self.loras = LoraRegistry(self.pools, self.model_ids)  # adapters, named by clients as models
         self.responses = ResponseStore()  # the Responses API's finished responses (previous_response_id)
         self.started = time.time()
         self._closing: dict[asyncio.Task[None], ReplicaState] = {}  # removed replicas awaiting their last request
@@ -93,6 +95,23 @@ class Gateway:
             task.cancel()
         for replica in [*retired, *(r for pool in self.pools.values() for r in pool.replicas.values())]:
             await replica.upstream.close()
+
+    def serves(self, model: str) -> bool:
+        """Whether a client may name `model` (a backend, virtual model or LoRA adapter), as last known."""
+        return model in self.model_ids or self.loras.get(model) is not None
+
+    async def resolve(self, model: str) -> tuple[str, str | None]:
+        """(the model to route, the LoRA adapter or None) for the model a client named; 404 if unknown, after
+        asking the backends for their adapters (once a second at most)."""
+        if model in self.model_ids:
+            return model, None
+        adapter = self.loras.get(model)
+        if adapter is None:
+            await self.loras.refresh()
+            adapter = self.loras.get(model)
+        if adapter is None:
+            raise unknown_model(model, [*self.model_ids, *self.loras.adapters])
+        return adapter.backend, adapter.name
 
     async def check_health(self, decision: RouteDecision) -> None:
         """503 unless a replica of the decision's backend answers (all probed again now if none did), or

@@ -21,10 +21,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from runtime.gateway.body import read_model
-from runtime.gateway.errors import GatewayError, unknown_model
+from runtime.gateway.errors import GatewayError
 from runtime.gateway.exchange import Exchange
 from runtime.gateway.protocol import LIMITS, ChatMessage, PromptText, TokenIds
-from runtime.gateway.routing import UnknownModel
 from runtime.gateway.service import Gateway
 from runtime.gateway.strict import Strict
 from runtime.gateway.tenants import Tenant
@@ -58,10 +57,8 @@ class DetokenizeRequest(Strict):
 async def tokenizer_call(gateway: Gateway, http: Request, tenant: Tenant | None, model: str,
                          request: GenerateRequest) -> str:  # fmt: skip
     """The model's answer (text_output) to a tokenizer request, through one replica of `model`'s backend."""
-    try:
-        decision = replace(gateway.router.route(model, 0, False), escalate_to=None)
-    except UnknownModel:
-        raise unknown_model(model, gateway.model_ids) from None
+    routed, _ = await gateway.resolve(model)  # an adapter's tokenizer is its base model's
+    decision = replace(gateway.router.route(routed, 0, False), escalate_to=None)
     await gateway.check_health(decision)
     exchange = Exchange(decision, gateway.pools, gateway.router, [request], stream=False, want_logprobs=False)
     try:

@@ -38,6 +38,7 @@ class GenerateRequest:
     stop: tuple[str, ...] = ()
     request_id: str = ""
     cache_salt: str | None = None  # the tenant's (service.Gateway.cache_salt)
+    lora: str | None = None  # the LoRA adapter the client named as its model (runtime/gateway/loras.py)
     texts: Mapping[str, str | list[str]] = field(default_factory=dict)  # string fields: guided_*, logit_bias (JSON)
     tools: list[dict[str, Any]] | None = None  # rendered by the chat template (with messages)
     prefill_only: bool = False  # disaggregation: to a prefill worker, answered with the first token and a handle
@@ -126,6 +127,8 @@ def build_request(model: str, request: GenerateRequest, stream: bool) -> Any:
         values["stop"] = [s.encode() for s in request.stop]
     if request.cache_salt is not None:
         values["cache_salt"] = [request.cache_salt.encode()]
+    if request.lora is not None:
+        values["lora"] = [request.lora.encode()]
     for name, text in request.texts.items():
         values[name] = [t.encode() for t in text] if isinstance(text, list) else [text.encode()]
     if request.tools is not None:

@@ -131,6 +131,9 @@ def prepare(config: ServerConfig, workdir: Path) -> tuple[list[str], dict[str, s
     params = {"engine_dir": str(config.engine_dir), **config.engine_params}
     for key in PATH_PARAMS & {k for k, v in params.items() if v}:  # the model runs elsewhere: absolute paths
         params[key] = str(Path(params[key]).resolve())
+    if params.get("lora_modules"):  # NAME=DIR pairs (EngineArgs checked them): the directories too
+        pairs = (entry.partition("=") for entry in params["lora_modules"].split(",") if entry.strip())
+        params["lora_modules"] = ",".join(f"{name.strip()}={Path(path.strip()).resolve()}" for name, _, path in pairs)
     restricted = f"{','.join(ADMIN_APIS)}:{ADMIN_HEADER}={config.admin_key}"
     (model_dir / "config.pbtxt").write_text(fill_parameters(
         (TEMPLATE_REPOSITORY / MODEL_NAME / "config.pbtxt").read_text(), params))  # fmt: skip

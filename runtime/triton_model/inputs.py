@@ -45,6 +45,33 @@ def config_type(field: RequestField) -> str:
 
 
 @dataclass(frozen=True)
+class LoraAdmin:
+    action: str  # "load", "unload" or "list"
+    name: str | None = None
+    path: str | None = None
+
+
+LORA_ACTIONS = ("load", "unload", "list")
+
+
+def _lora_admin(inputs: Mapping[str, np.ndarray], limits: Limits) -> LoraAdmin:
+    """A lora_admin request: its action, the adapter's name (`lora`) and directory (`lora_path`, for "load")."""
+    action, name, path = (
+        _value(inputs[n], FIELD[n], limits) if n in inputs else None for n in ("lora_admin", "lora", "lora_path")
+    )
+    if action not in LORA_ACTIONS:
+        raise InvalidRequest("lora_admin", f"must be one of {', '.join(LORA_ACTIONS)} (got {action!r})")
+    if action != "list" and name is None:
+        raise InvalidRequest("lora", f'lora_admin "{action}" names the adapter in `lora`')
+    if (action == "load") != (path is not None):
+        raise InvalidRequest("lora_path", 'is given with lora_admin "load" only (the adapter directory)')
+    extra = sorted(set(inputs) - {"lora_admin", "lora", "lora_path", "text_input", "stream"})
+    if extra:
+        raise InvalidRequest(extra[0], "a lora_admin request takes only `lora` and `lora_path`")
+    return LoraAdmin(action, name, path)
+
+
+@dataclass(frozen=True)
 class ParsedRequest:
     prompt: Prompt
     params: SamplingParams
@@ -53,6 +80,7 @@ class ParsedRequest:
     kv_handle: str | None = None  # disaggregation: read this prefill worker's KV, continue after its first token
     tokenize: str | None = None  # "encode" / "decode": the tokenizer answers (runtime/triton_model/tokenize.py)
     resume_token_ids: tuple[int, ...] = ()  # the answer so far of a stream cut on a failed replica
+    lora_admin: LoraAdmin | None = None  # load / unload / list adapters (runtime/triton_model/lora_admin.py)
 
 
 def parse_request(
@@ -68,6 +96,10 @@ def parse_request(
     for name in inputs:
         if name not in FIELD:
             raise InvalidRequest(name, "unknown input")
+    if "lora_admin" in inputs:  # administration: no prompt (the gateway's text_input is empty)
+        return ParsedRequest("", SamplingParams(), False, lora_admin=_lora_admin(inputs, limits))
+    if "lora_path" in inputs:
+        raise InvalidRequest("lora_path", 'is given with lora_admin "load" only (the adapter directory)')
     text = _text(inputs, "text_input", limits.max_prompt_bytes)
     messages = _text(inputs, "messages", limits.max_messages_bytes)
     ids = _value(inputs["input_ids"], FIELD["input_ids"], limits) if "input_ids" in inputs else None

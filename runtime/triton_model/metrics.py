@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from runtime.engine.kv_tiers import TierStats
+from runtime.engine.lora_manager import LoraStats
 from runtime.engine.outputs import FINISH_REASONS, RequestOutput
 from runtime.engine.stats import (
     PREFILL_TOKEN_BUCKETS,
@@ -157,6 +158,36 @@ TIER_LABELLED_GAUGES: dict[str, tuple[str, str, Callable[[EngineStats], dict[str
     "trtserve_kv_tier_usage_bytes": ("Bytes a tier keeps.", "tier", _tiers(lambda t: t.usage_bytes, {})),
     "trtserve_kv_tier_capacity_bytes": ("A tier's bound in bytes.", "tier", _tiers(lambda t: t.capacity_bytes, {})),
 }
+
+
+def _lora(read: Callable[[LoraStats], Any], none: Any = 0) -> Callable[[EngineStats], Any]:
+    """Read the LoRA manager's stats; `none` without one."""
+    return lambda s: read(s.lora) if s.lora is not None else none
+
+
+# LoRA adapters (runtime/engine/lora_manager.py), exported while the engine serves them.
+LORA_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
+    "trtserve_lora_adapters_registered": ("LoRA adapters served.", _lora(lambda s: len(s.registered))),
+    "trtserve_lora_adapters_loaded": ("LoRA adapters in host memory.", _lora(lambda s: len(s.loaded))),
+    "trtserve_lora_adapters_resident": ("LoRA adapters in a slot of the step.", _lora(lambda s: len(s.resident))),
+}
+LORA_COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
+    "trtserve_lora_disk_loads_total": ("LoRA adapters read from disk and checked.", _lora(lambda s: s.disk_loads)),
+    "trtserve_lora_slot_loads_total": ("LoRA adapters paged into a slot.", _lora(lambda s: s.slot_loads)),
+    "trtserve_lora_slot_evictions_total": (
+        "LoRA adapters paged out of a slot for another.",
+        _lora(lambda s: s.slot_evictions),
+    ),
+    "trtserve_lora_load_seconds_total": ("Time reading adapters and filling slots.", _lora(lambda s: s.load_seconds)),
+}
+LORA_LABELLED_COUNTERS: dict[str, tuple[str, str, Callable[[EngineStats], dict[str, float]]]] = {
+    "trtserve_lora_requests_total": ("Requests admitted per LoRA adapter.", "adapter", _lora(lambda s: s.requests, {})),
+    "trtserve_lora_generation_tokens_total": (
+        "Tokens generated per LoRA adapter (counted as requests end).",
+        "adapter",
+        _lora(lambda s: s.tokens, {}),
+    ),
+}
 HISTOGRAMS = {
     "trtserve_time_to_first_token_seconds": ("Time to first token.", LATENCY_BUCKETS),
     "trtserve_inter_token_latency_seconds": ("Time between consecutive output tokens.", ITL_BUCKETS),
@@ -172,11 +203,16 @@ HISTOGRAMS = {
 
 class TritonMetrics:
     def __init__(
-        self, pb_utils: Any, labels: dict[str, str], speculative: bool = False, kv_tiers: bool = False
+        self,
+        pb_utils: Any,
+        labels: dict[str, str],
+        speculative: bool = False,
+        kv_tiers: bool = False,
+        lora: bool = False,
     ) -> None:
         """`pb_utils`: Triton's triton_python_backend_utils module (untyped; only inside the stub).
         `speculative`: the engine speculates, so the SPEC_* families are exported too; `kv_tiers`: it has KV
-        cache tiers, so the TIER_* ones too."""
+        cache tiers, so the TIER_* ones too; `lora`: it serves LoRA adapters, so the LORA_* ones too."""
         kinds = pb_utils.MetricFamily
         self._families: list[Any] = []  # must outlive their metrics
         self._labels = labels
@@ -185,20 +221,22 @@ class TritonMetrics:
             self._families.append(kinds(name=name, description=description, kind=kind))
             return self._families[-1]
 
-        self._gauge_reads = {**GAUGES, **(SPEC_GAUGES if speculative else {})}
+        self._gauge_reads = {**GAUGES, **(SPEC_GAUGES if speculative else {}), **(LORA_GAUGES if lora else {})}
         self._counter_reads = {
             **COUNTERS,
             **(SPEC_COUNTERS if speculative else {}),
             **(TIER_COUNTERS if kv_tiers else {}),
+            **(LORA_COUNTERS if lora else {}),
         }
         self.gauges = {n: family(n, d, kinds.GAUGE).Metric(labels=labels) for n, (d, _) in self._gauge_reads.items()}
         self.counters = {
             n: family(n, d, kinds.COUNTER).Metric(labels=labels) for n, (d, _) in self._counter_reads.items()
         }
-        # Labelled families: a metric per label value as values appear (draft positions, tiers).
+        # Labelled families: a metric per label value as values appear (draft positions, tiers, adapters).
         labelled_counters = {
             **(SPEC_LABELLED_COUNTERS if speculative else {}),
             **(TIER_LABELLED_COUNTERS if kv_tiers else {}),
+            **(LORA_LABELLED_COUNTERS if lora else {}),
         }
         self._labelled = {
             n: (family(n, d, kinds.COUNTER), label, read, False) for n, (d, label, read) in labelled_counters.items()

@@ -38,6 +38,8 @@ from runtime.triton_model.heap import freeze_startup_heap
 from runtime.triton_model.inputs import door_error, parse_request
 from runtime.triton_model.kv_door import KVTransferError, disaggregated, transfer_failure
 from runtime.triton_model.lifecycle import ModelLifecycle, is_health_probe
+from runtime.triton_model.lora_admin import STATE_FILE as LORA_STATE_FILE
+from runtime.triton_model.lora_admin import LoraDoor
 from runtime.triton_model.metrics import TritonMetrics
 from runtime.triton_model.responses import output_arrays
 from runtime.triton_model.settings import model_settings
@@ -63,12 +65,15 @@ class TritonPythonModel:
             labels,
             speculative=engine.speculative is not None,
             kv_tiers=engine.kv_host_cache_gb > 0 or engine.kv_disk_cache is not None,
+            lora=engine.lora_enabled,
         )
         try:
             self.engine = AsyncLLM(settings.engine_dir, settings.engine, on_finished=self.metrics.observe_finished)
         except Exception as exc:  # reported by Triton as the model's load failure
             raise pb_utils.TritonModelException(f"trtserve engine failed to start: {exc}") from None
         self.disagg_metrics = DisaggMetrics(pb_utils, labels)
+        self.loras = LoraDoor(self.engine, Path(args["model_repository"]) / LORA_STATE_FILE)
+        self.loras.restore()  # adapters loaded at run time before a restart
         # The longest prompt that could fit the context, unless a parameter bounds it.
         self.limits = Limits(**{"max_prompt_chars": self.engine.max_prompt_chars(), **settings.limits})
         self.in_flight: set[concurrent.futures.Future] = set()
@@ -104,8 +109,11 @@ class TritonPythonModel:
                     inputs[name] = tensor.as_numpy()
             parsed = parse_request(inputs, json.loads(request.parameters() or "{}"), self.limits)
             request_id = request.request_id() or uuid.uuid4().hex
-            if parsed.tokenize is not None:  # the tokenizer answers; nothing is generated
-                answer = await tokenizer_answer(self.engine, parsed, request_id)
+            if parsed.tokenize is not None or parsed.lora_admin is not None:  # nothing is generated
+                if parsed.lora_admin is not None:
+                    answer = await self.loras.answer(parsed.lora_admin, request_id)
+                else:
+                    answer = await tokenizer_answer(self.engine, parsed, request_id)
                 _send(sender, output_arrays(wanted, answer.text, answer), True)
                 return
             whole = CompletionOutput(request_id, [])

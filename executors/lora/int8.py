@@ -1,0 +1,88 @@
+"""LoRA on the cpu-int8 backend (executors/cpu_int8.py), whose dense layers run in int8 with SmoothQuant's factors
+folded into their weights and norms: each adapter's update is computed in float32 from the projection's real
+float32 input, for the adapters' rows only, and added to the backend's float32 output of that projection.
+
+- qkv, gate_up: the real input is RMSNorm(hidden) x the model's own norm weight (the backend's norms have the
+  smoothing factors divided in), recomputed here from the unsmoothed weights.
+- gate_up: the backend's up columns are divided by down's smoothing factors s_down (so that silu(gate) * up is
+  down's smoothed input): up's update is divided by them too, and the sum stays in the backend's space.
+- down: its real input is silu(gate) * up x s_down, from gate_up with the updates above in it.
+- o_proj, down: the backend adds their outputs into the residual stream; their updates go there as well.
+The updates are exact in float32; only the base projections are quantized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine_format import EngineConfig
+from executors.engine_weights import WeightReader
+from executors.lora.slots import LoraSlots, TokenGroups
+
+
+@dataclass(frozen=True)
+class NormWeights:
+    """Each layer's RMSNorm weights as the model has them (float32 [hidden]): the adapters' inputs."""
+
+    input_norms: list[np.ndarray]
+    post_norms: list[np.ndarray]
+    eps: float
+
+    @classmethod
+    def read(cls, config: EngineConfig) -> NormWeights:
+        reader, layers = WeightReader(config), range(config.model.num_layers)
+
+        def norms(name: str) -> list[np.ndarray]:
+            return [reader.array(f"layer{i}.{name}.weight").astype(np.float32) for i in layers]
+
+        return cls(norms("input_norm"), norms("post_norm"), config.model.rms_norm_eps)
+
+
+class StepLora:
+    """One step's adapter updates. `rows`: the step's rows under an adapter, sorted; the groups are re-indexed
+    into them, so inputs are computed for those rows alone."""
+
+    def __init__(self, slots: LoraSlots, norms: NormWeights, tokens: TokenGroups) -> None:
+        self.slots, self.norms = slots, norms
+        self.rows = np.sort(np.concatenate([rows for _, rows in tokens.groups]))
+        self.tokens = TokenGroups(tuple((slot, np.searchsorted(self.rows, rows)) for slot, rows in tokens.groups))
+
+    def _updates(self, layer: int, group: str) -> bool:
+        return self.slots.updates_group(self.tokens, layer, group)
+
+    def _normed(self, hidden: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        x = hidden[self.rows]
+        return x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + self.norms.eps) * weight
+
+    def _add(
+        self, out: np.ndarray, layer: int, group: str, x: np.ndarray, up_divisor: np.ndarray | None = None
+    ) -> None:
+        """Add each slot's update of `group` (input `x`, one row per self.rows) to its rows of `out` [T, width]."""
+        for rows, delta in self.slots.deltas(self.tokens, layer, group, x):
+            if up_divisor is not None:
+                delta[:, delta.shape[1] // 2 :] /= up_divisor
+            out[self.rows[rows]] += delta
+
+    def add_qkv(self, qkv: np.ndarray, hidden: np.ndarray, layer: int) -> None:
+        """Into the fused q|k|v output [T, width], before RoPE; `hidden`: the layer's input residual stream."""
+        if self._updates(layer, "qkv"):
+            self._add(qkv, layer, "qkv", self._normed(hidden, self.norms.input_norms[layer]))
+
+    def add_o_proj(self, hidden: np.ndarray, attn: np.ndarray, layer: int) -> None:
+        """Into the residual stream, from the attention output [T, heads x head_dim]."""
+        if self._updates(layer, "o_proj"):
+            self._add(hidden, layer, "o_proj", attn[self.rows])
+
+    def add_gate_up(self, gate_up: np.ndarray, hidden: np.ndarray, layer: int, s_down: np.ndarray) -> None:
+        """Into gate|up [T, 2 x intermediate], whose up half the backend divides by `s_down`."""
+        if self._updates(layer, "gate_up"):
+            self._add(gate_up, layer, "gate_up", self._normed(hidden, self.norms.post_norms[layer]), s_down)
+
+    def add_down(self, hidden: np.ndarray, gate_up: np.ndarray, layer: int, s_down: np.ndarray) -> None:
+        """Into the residual stream, from gate|up as add_gate_up left it."""
+        if self._updates(layer, "down"):
+            gate, up = np.split(gate_up[self.rows], 2, axis=1)
+            sigmoid = 0.5 + 0.5 * np.tanh(0.5 * gate)  # no overflow for large |gate|, unlike 1 / (1 + exp(-gate))
+            self._add(hidden, layer, "down", gate * sigmoid * (up * s_down))
