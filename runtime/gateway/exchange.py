@@ -197,7 +197,7 @@ class Exchange:
         resumes = 0
         while True:
             try:  # no await between the pick and its lease: concurrent picks see each other's counts
-                pick = pool.pick(hashes, frozenset(tried))
+                pick = pool.pick(hashes, frozenset(tried), request.lora)
             except GatewayError as none_left:
                 draining = failed is not None and failed.code == DRAINING_CODE  # shutting down: not coming back
                 if pool.healthy or not pool.ever_healthy or draining:  # the others were tried, or it never served

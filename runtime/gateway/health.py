@@ -5,8 +5,8 @@
   gRPC. A replica failing its probe (or a call: Upstream marks it) is taken out of routing; it comes back
   as soon as a probe finds its model ready again.
 - Every `metrics_interval_s`: each replica with a `metrics_url` is scraped for its engine's waiting /
-  running requests and KV usage (vLLM's metric names first, trtserve's otherwise), series of other models
-  on the same server ignored. A failed scrape leaves the previous one to age out.
+  running requests and KV usage (vLLM's metric names first, trtserve's otherwise), and the LoRA adapters in its
+  slots, series of other models on the same server ignored. A failed scrape leaves the previous one to age out.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import urllib.request
 from collections.abc import Awaitable, Callable
 
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from runtime.gateway.replica_config import Discovery
 from runtime.gateway.replicas import EngineLoad, ReplicaPool, ReplicaState
@@ -33,23 +34,28 @@ LOAD_METRICS: dict[str, tuple[str, ...]] = {
     "running": ("vllm:num_requests_running", "trtserve_num_requests_running"),
     "kv_usage": ("vllm:kv_cache_usage_perc", "trtserve_kv_cache_usage_ratio"),
 }
+LORA_RESIDENT_METRIC = "trtserve_lora_resident"  # per adapter: 1 while in a slot (runtime/triton_model/metrics.py)
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 
 def parse_engine_load(text: str, model: str, at: float) -> EngineLoad | None:
     """The engine gauges in a Prometheus text page (summed over `model`'s series; series labelled with
     another model are skipped); None when the page has no request gauges (not a trtserve/vLLM server)."""
-    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples: dict[str, list[Sample]] = {}  # by family: a page without TYPE lines has a family per line
+    for family in text_string_to_metric_families(text):
+        samples.setdefault(family.name, []).extend(s for s in family.samples if s.labels.get("model", model) == model)
     values: dict[str, float] = {}
     for field_name, names in LOAD_METRICS.items():
-        family = next((families[n] for n in names if n in families), None)
-        if family is None:
+        found = next((samples[n] for n in names if n in samples), None)
+        if found is None:
             if field_name != "kv_usage":
                 return None
             values[field_name] = 0.0
             continue
-        values[field_name] = sum(s.value for s in family.samples if s.labels.get("model", model) == model)
-    return EngineLoad(values["waiting"], values["running"], values["kv_usage"], at)
+        values[field_name] = sum(s.value for s in found)
+    resident = samples.get(LORA_RESIDENT_METRIC, [])
+    loras = frozenset(s.labels["adapter"] for s in resident if s.value > 0 and "adapter" in s.labels)
+    return EngineLoad(values["waiting"], values["running"], values["kv_usage"], at, loras)
 
 
 async def resolve(host: str, port: int) -> list[str]:

@@ -42,6 +42,7 @@ PREFIX_MATCH = "prefix_match"
 NO_PREFIX_MATCH = "no_prefix_match"  # prefix policy, nothing matched: least loaded
 IMBALANCE = "imbalance"  # prefix policy, the match was overloaded: least loaded
 LEAST_LOADED = "least_loaded"
+LORA_RESIDENT = "lora_resident"  # no prefix match: the least loaded replica with the request's adapter in a slot
 ROUND_ROBIN = "round_robin"
 STALE_AFTER_INTERVALS = 3
 
@@ -54,6 +55,7 @@ class EngineLoad:
     running: float
     kv_usage: float
     at: float  # the pool clock's time of the scrape
+    loras: frozenset[str] = frozenset()  # LoRA adapters resident in its engine's slots
 
 
 class ReplicaState:
@@ -169,8 +171,9 @@ class ReplicaPool:
         engine = self._fresh(replica)
         return engine.kv_usage if engine else 0.0
 
-    def pick(self, hashes: Sequence[bytes], exclude: frozenset[str] = frozenset()) -> Pick:
-        """A healthy replica not in `exclude` for a prompt with these chunk hashes; 503 if there is none."""
+    def pick(self, hashes: Sequence[bytes], exclude: frozenset[str] = frozenset(), lora: str | None = None) -> Pick:
+        """A healthy replica not in `exclude` for a prompt with these chunk hashes (and LoRA adapter: without a
+        prefix match, a replica that has it in a slot, unless overloaded); 503 if there is none."""
         candidates = [r for r in self.healthy if r.url not in exclude]
         if not candidates:
             tried = f" (tried: {', '.join(sorted(exclude))})" if exclude else ""
@@ -179,12 +182,13 @@ class ReplicaPool:
         if self.policy == "round_robin":
             return Pick(candidates[turn % len(candidates)], ROUND_ROBIN, 0)
         least = self._least_loaded(candidates, turn)
+        holder = self._lora_holder(candidates, least, lora, turn)
         if self.policy == "least_loaded":
-            return Pick(least, LEAST_LOADED, 0)
+            return Pick(least, LEAST_LOADED, 0) if holder is None else Pick(holder, LORA_RESIDENT, 0)
         matched = {r.url: r.index.match(hashes) for r in candidates}
         best = max(candidates, key=lambda r: (matched[r.url], -self.load(r)))  # first listed on ties
         if matched[best.url] == 0:
-            return Pick(least, NO_PREFIX_MATCH, 0)
+            return Pick(least, NO_PREFIX_MATCH, 0) if holder is None else Pick(holder, LORA_RESIDENT, 0)
         if self._overloaded(best, least):
             return Pick(least, IMBALANCE, matched[least.url])
         return Pick(best, PREFIX_MATCH, matched[best.url])
@@ -245,6 +249,19 @@ class ReplicaPool:
         start = turn % len(roomy)
         rotated = roomy[start:] + roomy[:start]
         return min(rotated, key=lambda r: (self.load(r), self.kv_usage(r)))
+
+    def _lora_holder(
+        self, candidates: list[ReplicaState], least: ReplicaState, lora: str | None, turn: int
+    ) -> ReplicaState | None:
+        """The least loaded candidate with `lora` in a slot (no slot load on its first token), unless the least
+        loaded replica has it too or it carries too much more load; None otherwise."""
+        if lora is None:
+            return None
+        holders = [r for r in candidates if (engine := self._fresh(r)) is not None and lora in engine.loras]
+        if not holders or least in holders:
+            return None
+        holder = self._least_loaded(holders, turn)
+        return None if self._overloaded(holder, least) else holder
 
     def _overloaded(self, best: ReplicaState, least: ReplicaState) -> bool:
         limit = self.settings.kv_usage_limit

@@ -188,6 +188,14 @@ LORA_LABELLED_COUNTERS: dict[str, tuple[str, str, Callable[[EngineStats], dict[s
         _lora(lambda s: s.tokens, {}),
     ),
 }
+LORA_LABELLED_GAUGES: dict[str, tuple[str, str, Callable[[EngineStats], dict[str, float]]]] = {
+    # The gateway reads it: a request for a resident adapter prefers this replica (runtime/gateway/replicas.py).
+    "trtserve_lora_resident": (
+        "1 while a LoRA adapter is in a slot of the step, else 0.",
+        "adapter",
+        _lora(lambda s: {name: float(name in s.resident) for name in s.registered}, {}),
+    ),
+}
 HISTOGRAMS = {
     "trtserve_time_to_first_token_seconds": ("Time to first token.", LATENCY_BUCKETS),
     "trtserve_inter_token_latency_seconds": ("Time between consecutive output tokens.", ITL_BUCKETS),
@@ -241,7 +249,8 @@ class TritonMetrics:
         self._labelled = {
             n: (family(n, d, kinds.COUNTER), label, read, False) for n, (d, label, read) in labelled_counters.items()
         }
-        for n, (d, label, read) in (TIER_LABELLED_GAUGES if kv_tiers else {}).items():
+        labelled_gauges = {**(TIER_LABELLED_GAUGES if kv_tiers else {}), **(LORA_LABELLED_GAUGES if lora else {})}
+        for n, (d, label, read) in labelled_gauges.items():
             self._labelled[n] = (family(n, d, kinds.GAUGE), label, read, True)
         self.labelled: dict[str, dict[str, Any]] = {n: {} for n in self._labelled}
         self.histograms = {
@@ -289,8 +298,10 @@ class TritonMetrics:
             for name, (_, read) in self._counter_reads.items():
                 self._advance(self.counters[name], (name, ""), float(read(stats)))
             for name, (fam, label, read_labelled, gauge) in self._labelled.items():
-                for value_label, value in read_labelled(stats).items():
-                    metrics = self.labelled[name]
+                values, metrics = read_labelled(stats), self.labelled[name]
+                for gone in metrics.keys() - values.keys() if gauge else ():  # an adapter unloaded: 0, not stale
+                    metrics[gone].set(0.0)
+                for value_label, value in values.items():
                     if value_label not in metrics:
                         metrics[value_label] = fam.Metric(labels={**self._labels, label: value_label})
                     if gauge:
