@@ -16,6 +16,10 @@ JSON into DIR as soon as it ends, so a run cut short keeps what it measured:
   The engine loop is timed as served: its step returns token ids, text is made on another thread.
 - `kv_tiers`: `python -m benchmarks.kv_tier_copy` (whole KV blocks gathered from the device's pool into host
   payloads and scattered back, GB/s at 1/16/128 blocks: the host tier's copy bandwidth over the bus).
+- `lora`: `python -m benchmarks.lora_kernel` (the multi-LoRA SGMV kernels, shrink + expand over 8 adapter
+  slots, against the bf16 qkv projection they ride on, SmolLM2-135M's and Llama-3.2-1B's shapes, ranks 16 and 64,
+  decode 64/256 rows and a 4 x 512 prefill: median µs of each and their ratio, plain launches and graph replays;
+  under a minute).
 Sized for about 8 minutes on one H100/H200; `--parts` picks some. `--dry-run` runs the same code on the
 CPU at toy sizes (Triton interpreted), which is how this file is tested where there is no GPU; without
 CUDA and without `--dry-run` the command runs nothing and exits 2 at once.
@@ -31,7 +35,8 @@ from pathlib import Path
 
 import click
 
-PARTS = ("kernels", "graphs", "engine", "kv_tiers", "bench", "tests")  # the order they run in: the most wanted first
+# The order the parts run in: the most wanted first.
+PARTS = ("kernels", "graphs", "engine", "kv_tiers", "lora", "bench", "tests")
 GPU_TESTS = (
     "tests/test_torch_backend.py",
     "tests/test_torch_sampler.py",
@@ -104,6 +109,9 @@ def _commands(part: str, out: Path, dry_run: bool) -> list[tuple[str, list[str]]
     if part == "kv_tiers":
         copy = [python, "-m", "benchmarks.kv_tier_copy", "--out", str(out / "kv_tier_copy.json")]
         return [("kv_tiers", copy + (["--device", "cpu", "--repeats", "2"] if dry_run else []))]
+    if part == "lora":
+        lora = [python, "-m", "benchmarks.lora_kernel", "--out", str(out / "lora_kernel.json")]
+        return [("lora", lora + (["--device", "cpu", "--repeats", "2"] if dry_run else []))]
     if part == "tests":
         files = GPU_TESTS[:1] if dry_run else GPU_TESTS
         return [

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from benchmarks import host_overhead, overlap
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +40,27 @@ def test_kv_tier_copy_part_runs_on_the_cpu_in_the_dry_run(tmp_path):
     assert measured["device"] == "cpu" and [r["blocks"] for r in measured["rows"]] == [1, 16, 128]
     assert all(r["gather_gb_s"] > 0 and r["scatter_gb_s"] > 0 for r in measured["rows"])
     assert measured["rows"][0]["bytes"] == 30 * 2 * 16 * 192 * 4  # one float32 block of SmolLM2's shape
+
+
+def test_lora_kernel_part_runs_interpreted_in_the_dry_run(tmp_path):
+    from plugins_cuda.interpreter import interpreter_problem
+
+    if problem := interpreter_problem():
+        pytest.skip(problem)
+    command = [sys.executable, "-m", "benchmarks.gpu", "--out", str(tmp_path), "--dry-run", "--parts", "lora"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    run = json.loads((tmp_path / "lora.run.json").read_text())
+    assert run["returncode"] == 0, run["tail"]
+    measured = json.loads((tmp_path / "lora_kernel.json").read_text())
+    assert measured["device"] == "cpu" and measured["timings_meaningful"] is False and measured["slots"] == 8
+    rows = measured["rows"]
+    assert [(r["rank"], r["batch"]) for r in rows] == [
+        (rank, batch) for rank in (16, 64) for batch in ("decode-8", "decode-16", "prefill-2x24")
+    ]
+    assert [r["segments"] for r in rows[:3]] == [8, 16, 2]  # decode rows one segment each, prefill chunks one each
+    assert all(r["error"] < 1e-5 for r in rows)  # float32 against the torch reference: the update really lands
+    assert all(r["plain"]["lora_us"] > 0 and r["plain"]["base_us"] > 0 and "graph" not in r for r in rows)
 
 
 def test_gpu_check_without_cuda_refuses_in_seconds_and_names_the_dry_run(tmp_path):
