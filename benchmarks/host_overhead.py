@@ -64,7 +64,7 @@ def torch_without_kernels(config: EngineConfig, num_blocks: int, batch: int):
 
     backend = TorchBackend(config, num_blocks, device="cpu", cuda_graphs=True, graph_buckets=(batch,))
 
-    def forward(step) -> torch.Tensor:  # one logit a row: the sampler's argmax (device work) costs nothing here
+    def forward(step, lora=None) -> torch.Tensor:  # one logit a row: the sampler's argmax costs nothing here
         return torch.zeros(step.logit_rows.shape[0], 1)
 
     backend.decoder.forward = forward  # type: ignore[method-assign]

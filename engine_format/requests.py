@@ -198,11 +198,6 @@ FIELDS: tuple[RequestField, ...] = (
     RequestField("tokenize", Kind.TEXT, 'Answer from the tokenizer, generating nothing: "encode" (the prompt\'s '
                  'token ids: text_output is {"tokens": [...], "max_model_len": N}, prompt_tokens their count) or '
                  '"decode" (text_output is input_ids\' text).', Range(6, 6), sampling=False),
-    RequestField("lora_admin", Kind.TEXT, 'LoRA adapters, generating nothing: "load" (the adapter in lora_path, '
-                 'under the name in `lora`), "unload" (the adapter in `lora`) or "list"; text_output is the adapters '
-                 'served after it (JSON). Set by the gateway\'s admin routes.', Range(4, 6), sampling=False),
-    RequestField("lora_path", Kind.TEXT, 'The adapter directory (PEFT format) of lora_admin "load".',
-                 Range(1, 4096), sampling=False),
     RequestField("stream", Kind.BOOL, "Stream the answer as it is generated.", default=False, sampling=False),
     RequestField("max_tokens", Kind.INT, "Most tokens to generate; unset: up to the end of the context.",
                  Range(1, INT32_MAX), default=128, triton_default=None, openai_default=None),
@@ -241,6 +236,11 @@ FIELDS: tuple[RequestField, ...] = (
                  Range(1, 256)),
     RequestField("lora", Kind.TEXT, "The LoRA adapter that runs the request (a name the server serves); unset: the "
                  "base model. Its prefix-cache blocks are its own.", Range(1, 128)),
+    RequestField("lora_admin", Kind.TEXT, 'LoRA adapters, generating nothing: "load" (the adapter in lora_path, '
+                 'under the name in `lora`), "unload" (the adapter in `lora`) or "list"; text_output is the adapters '
+                 'served after it (JSON). Set by the gateway\'s admin routes.', Range(4, 6), sampling=False),
+    RequestField("lora_path", Kind.TEXT, 'The adapter directory (PEFT format) of lora_admin "load".',
+                 Range(1, 4096), sampling=False),
     RequestField("stream_interval", Kind.INT, "Tokens per streamed response (at least the server's).",
                  Range(1, INT32_MAX)),
     # Structured output: at most one of the four (engine_format/grammars.py says what each means and checks them).

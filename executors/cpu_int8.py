@@ -159,9 +159,9 @@ class Int8CpuBackend(FlatStepBackend):
         self.kv = KVPool.allocate(config, self.num_blocks)
         self.pool = self.kv.data
 
-    def enable_lora(self, num_slots: int) -> LoraSlots:
+    def enable_lora(self, num_slots: int, max_rank: int) -> LoraSlots:
         self._lora_norms = NormWeights.read(self.config)  # the layers' norms are smoothed: not the adapters' inputs
-        return super().enable_lora(num_slots)
+        return super().enable_lora(num_slots, max_rank)
 
     def _run(self, flat: FlatStep, logit_rows: np.ndarray) -> np.ndarray:
         spec, threads = self.config.model, self.threads

@@ -60,8 +60,9 @@ class FlatStepBackend(abc.ABC):
     lora_targets: tuple[str, ...] = ()  # the projections it applies LoRA adapters to (none: no LoRA)
     lora: LoraSlots | None = None
 
-    def enable_lora(self, num_slots: int) -> LoraSlots:
-        """Serve adapters from now on: `num_slots` of them resident at once (filled by the engine)."""
+    def enable_lora(self, num_slots: int, max_rank: int) -> LoraSlots:
+        """Serve adapters from now on: `num_slots` of them resident at once (filled by the engine), of ranks up to
+        `max_rank` (the engine refuses higher ones; a CPU slot holds an adapter's own matrices, of any rank)."""
         if not self.lora_targets:
             raise EngineLoadError(f"the {self.name} backend does not apply LoRA adapters: use --backend cpu-bf16")
         self.lora = LoraSlots(self.config.model, num_slots, self.name, self.lora_targets)

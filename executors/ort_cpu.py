@@ -93,9 +93,9 @@ class OrtCpuBackend(FlatStepBackend):
             return self.small_steps.step(chunks)
         return super().step(chunks)
 
-    def enable_lora(self, num_slots: int) -> LoraSlots:
+    def enable_lora(self, num_slots: int, max_rank: int) -> LoraSlots:
         self._lora_inputs = LoraInputs.read(self.config)
-        return super().enable_lora(num_slots)
+        return super().enable_lora(num_slots, max_rank)
 
     def _run(self, flat: FlatStep, logit_rows: np.ndarray) -> np.ndarray:
         spec = self.config.model

@@ -76,7 +76,7 @@ def adapters(hf_model, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def backend(engine, adapters):
     backend = create_backend(EngineConfig.load(engine), num_blocks=64, kind="cpu-int8")
-    slots = backend.enable_lora(len(NAMES))
+    slots = backend.enable_lora(len(NAMES), 64)
     for slot, name in enumerate(NAMES):
         slots.load(slot, load_adapter(name, adapters[name], backend.config.model, 64))
     return backend

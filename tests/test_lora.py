@@ -84,7 +84,7 @@ def test_backend_logits_per_slot(llama_engine, hf_model, adapters, kind):
     float32 + PEFT. cpu: float32, to 1e-4. cpu-bf16: no further from float32 than HF's own bfloat16 forward
     with the adapter (x 1.5, as tests/test_cpu_bf16.py bounds the base model)."""
     backend = create_backend(EngineConfig.load(llama_engine), num_blocks=64, kind=kind)
-    slots = backend.enable_lora(4)
+    slots = backend.enable_lora(4, 64)
     names = ["qv", "attn", "qo-rs"] + (["all"] if kind == "cpu-bf16" else [])
     for slot, name in enumerate(names):
         slots.load(slot, load_adapter(name, adapters[name], backend.config.model, 64))

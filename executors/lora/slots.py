@@ -56,6 +56,17 @@ def _group_update(adapter: LoraAdapter, spec: ModelSpec, layer: int, targets: tu
     return GroupUpdate(a, b)
 
 
+def group_updates(adapter: LoraAdapter, spec: ModelSpec) -> dict[tuple[int, str], GroupUpdate]:
+    """Each (layer, fused projection) the adapter updates, in the fused layout (a slot's contents)."""
+    updates = {}
+    for layer in range(spec.num_layers):
+        for group, targets in GROUPS.items():
+            update = _group_update(adapter, spec, layer, targets)
+            if update is not None:
+                updates[layer, group] = update
+    return updates
+
+
 @dataclass(frozen=True)
 class TokenGroups:
     """A step's tokens that run under an adapter, grouped by slot: (slot, flat token rows) pairs."""
@@ -103,13 +114,7 @@ class LoraSlots:
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         self.check(adapter)
-        updates = {}
-        for layer in range(self.spec.num_layers):
-            for group, targets in GROUPS.items():
-                update = _group_update(adapter, self.spec, layer, targets)
-                if update is not None:
-                    updates[layer, group] = update
-        self._updates[slot] = updates
+        self._updates[slot] = group_updates(adapter, self.spec)
         self.names[slot] = adapter.name
 
     def clear(self, slot: int) -> None:

@@ -10,6 +10,10 @@ transfer and run by model.Decoder. On CUDA, decode steps replay CUDA graphs per 
 (graphs.py) and `step_sample` samples on the device (executors/sampling/torch_sampler.py), so a
 step copies back token ids, not logits. On CPU the same code runs with the Triton kernels in
 Triton's interpreter (slow: tests and tiny models only).
+
+LoRA adapters (`enable_lora`, every projection): the slots' updates in device pools (lora.py), applied per
+segment of one adapter's tokens by the SGMV kernels. A step with a LoRA chunk runs eagerly, its segments in the
+step's one copy; the CUDA graphs are the base model's (graphs.py). Base-model steps are unchanged.
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ from engine_format import EngineConfig, EngineLoadError
 from executors.base import SequenceChunk
 from executors.block_table_rows import BlockTableRows
 from executors.device_sampling import PendingSample
+from executors.lora import TARGETS
 from executors.sampling.state import DeviceSample, SamplingState
 from executors.sampling.torch_sampler import TorchSampler
 from executors.torch.graphs import DecodeGraphs, default_buckets
 from executors.torch.kernels import load_kernels
 from executors.torch.kv_cache import TorchKVPool
+from executors.torch.lora import DeviceLoraSlots, LoraHostStep
 from executors.torch.model import Decoder, HostStep
 from executors.torch.weights import load_weights
 
@@ -38,6 +44,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 class TorchBackend:
+    name = "torch"
+    lora_targets = TARGETS  # every projection
+
     def __init__(
         self, config: EngineConfig, num_blocks: int | None = None, device: str | None = None,
         dtype: str | None = None, cuda_graphs: bool | None = None, graph_buckets: Sequence[int] | None = None,
@@ -52,7 +61,7 @@ class TorchBackend:
         if name not in DTYPES:
             raise EngineLoadError(f"the torch backend computes in {', '.join(DTYPES)} (got {name!r})")
         self.dtype = DTYPES[name]
-        kernels = load_kernels(self.device)
+        self.kernels = kernels = load_kernels(self.device)
         self.num_blocks = num_blocks or config.max_batch_size * config.max_blocks_per_seq
         self.weights = load_weights(config, self.device, self.dtype)
         self.kv = TorchKVPool.allocate(config, self.num_blocks, self.dtype, self.device, kernels)
@@ -69,10 +78,17 @@ class TorchBackend:
             self.graphs = DecodeGraphs(self.decoder.forward, buckets, config.max_blocks_per_seq, self.num_blocks,
                                        self.device, capture=on_cuda)  # fmt: skip
         self._staging: list[torch.Tensor | None] = [None, None]  # pinned host buffers of eager steps' inputs
+        self.lora: DeviceLoraSlots | None = None
         self._turn = 0
         log.info("torch backend on %s (%s, kernels %s): KV pool %d blocks (%s), %.1f MiB", self.device, name,
                  "interpreted" if kernels.interpreted else "compiled", self.num_blocks, config.kv_cache_dtype,
                  self.kv.nbytes / 2**20)  # fmt: skip
+
+    def enable_lora(self, num_slots: int, max_rank: int) -> DeviceLoraSlots:
+        """Serve adapters from now on (FlatStepBackend.enable_lora's contract): `num_slots` resident at once, filled
+        by the engine, of ranks up to `max_rank` (the server's max_lora_rank: it sizes the device pools)."""
+        self.lora = DeviceLoraSlots(self.config.model, num_slots, self.name, max_rank, self.device, self.dtype)
+        return self.lora
 
     def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
         return self._logits(chunks).cpu().numpy()
@@ -151,6 +167,8 @@ class TorchBackend:
     def close(self) -> None:
         """Drop the graphs, pool and weights; return the cached device memory to CUDA."""
         self.graphs = None
+        if self.lora is not None:
+            self.lora.pools.clear()
         del self.decoder, self.kv, self.pool, self.weights
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -161,14 +179,23 @@ class TorchBackend:
         return self._run(HostStep.pack(chunks, self.config, self.num_blocks, rows=self.rows), chunks)
 
     def _run(self, step: HostStep, chunks: Sequence[SequenceChunk], fill: Fill | None = None) -> torch.Tensor:
-        """The step's logits rows. `fill`: writes the placeholder tokens into the input ids on the device."""
-        bucket = self.graphs.bucket(chunks) if self.graphs is not None else None
+        """The step's logits rows. `fill`: writes the placeholder tokens into the input ids on the device.
+        Graphs are keyed on whether a LoRA is present: they hold base steps only, so a step with a LoRA chunk
+        never replays one (it runs eagerly, the adapters' kernels launched per step)."""
+        lora = None if self.lora is None else LoraHostStep.pack(chunks, self.lora)
+        bucket = self.graphs.bucket(chunks) if self.graphs is not None and lora is None else None
         if self.graphs is not None and bucket is not None:
             return self.graphs.run(step, bucket, fill)
-        inputs = step.views(self._upload(step.packed))
+        if lora is None:
+            inputs, adapters = step.views(self._upload(step.packed)), None
+        else:  # the segments travel in the step's one copy
+            assert self.lora is not None
+            device = self._upload(np.concatenate([step.packed, lora.packed]))
+            inputs = step.views(device[: step.packed.size])
+            adapters = lora.on_device(device[step.packed.size :], self.lora, self.kernels.lora)
         if fill is not None:
             fill(inputs.input_ids)
-        return self.decoder.forward(inputs)
+        return self.decoder.forward(inputs, adapters)
 
     def _upload(self, packed: np.ndarray) -> torch.Tensor:
         """One host -> device copy, through pinned buffers on CUDA, two taken in turn: an overlapped step's copy

@@ -11,6 +11,10 @@ Graphs are captured lazily, the first time a bucket is used (Triton compiles in 
 run before capture), all in one memory pool: a graph's temporaries are dead once its logits
 have been read, and nothing replays concurrently (one engine thread).
 
+Graphs are keyed on whether a LoRA is present, and hold base-model steps only: a decode step with a LoRA chunk
+runs eagerly (backend.py `_run`), so a graph captured without the adapters' kernels is never replayed for it.
+(Capturing LoRA decodes too would put the segments in static buffers and capture per bucket again; not done.)
+
 The capture itself is the only CUDA-specific part: `EagerReplay` runs the same static buffers
 eagerly, which is how the CPU tests check the bucketing and padding (tests/test_torch_backend.py).
 

@@ -22,6 +22,7 @@ class Kernels:
     attention_quant: ModuleType  # plugins_cuda.paged_attention_quant: int8/fp8 pools
     kv_write_quant: ModuleType  # plugins_cuda.kv_write_quant
     tails: ModuleType  # plugins_cuda.decoder_tails: residual add + RMSNorm, SiLU * up
+    lora: ModuleType  # plugins_cuda.lora: the SGMV shrink + expand of LoRA adapters (executors/torch/lora.py)
     interpreted: bool
 
 
@@ -30,11 +31,10 @@ def load_kernels(device: torch.device) -> Kernels:
     if interpret:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     # Imported by name: plugins_cuda is untyped (mypy checks executors/ strictly) and must load only now.
-    attention, kv_write, prologue, attention_quant, kv_write_quant, tails = (
-        importlib.import_module(f"plugins_cuda.{name}")
-        for name in ("attention_launch", "kv_write", "prologue_gemm", "paged_attention_quant", "kv_write_quant",
-                     "decoder_tails")
-    )  # fmt: skip
+    names = ("attention_launch", "kv_write", "prologue_gemm", "paged_attention_quant", "kv_write_quant")
+    attention, kv_write, prologue, attention_quant, kv_write_quant, tails, lora = (
+        importlib.import_module(f"plugins_cuda.{name}") for name in (*names, "decoder_tails", "lora")
+    )
     interpreted = type(kv_write.paged_kv_write_kernel).__name__ == "InterpretedFunction"
     if interpreted != interpret:
         raise EngineLoadError(
@@ -42,4 +42,4 @@ def load_kernels(device: torch.device) -> Kernels:
             f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}) but the device is {device}: run "
             "CPU (interpreted) and CUDA backends in separate processes"
         )
-    return Kernels(attention, kv_write, prologue, attention_quant, kv_write_quant, tails, interpreted)
+    return Kernels(attention, kv_write, prologue, attention_quant, kv_write_quant, tails, lora, interpreted)

@@ -12,6 +12,8 @@ window; an int8/fp8 pool through the quantized write and attention kernels, kv_c
 residual add and the post-attention RMSNorm (one), the SwiGLU MLP (two matmuls, SiLU * up in one kernel).
 The last residual add, the final norm and lm_head run only on the rows the step asks logits for
 (`logit_rows`: each sequence's last token, plus the draft positions of a speculative verify chunk).
+A step with LoRA chunks (executors/torch/lora.py) adds its adapters' updates to the outputs of the QKV (before
+RoPE: the unfused prologue), o_proj, gate|up and down matmuls, with the SGMV kernels (plugins_cuda/lora.py).
 
 `Decoder.forward` never reads device memory on the host (no sync), so a decode step can be
 captured in a CUDA graph (graphs.py).
@@ -32,6 +34,7 @@ from executors.block_table_rows import BlockTableRows
 from executors.device_sampling import ChunkArrays
 from executors.torch.kernels import Kernels
 from executors.torch.kv_cache import TorchKVPool
+from executors.torch.lora import LoraStep
 from executors.torch.weights import Layer, Weights
 
 PROLOGUE_MIN_HEAD_DIM = 32  # the RoPE kernel's heads: a power of two (tl.arange over half a head), as fused_qkv's
@@ -113,33 +116,58 @@ class Decoder:
         dim = self.spec.head_dim
         self.rope_kernel = dim >= PROLOGUE_MIN_HEAD_DIM and dim & (dim - 1) == 0  # as fused_qkv.check_head_dim
 
-    def forward(self, s: StepTensors) -> torch.Tensor:
-        """float32 logits [rows, vocab] of the `logit_rows` tokens; writes the step's K/V into the pool."""
+    def forward(self, s: StepTensors, lora: LoraStep | None = None) -> torch.Tensor:
+        """float32 logits [rows, vocab] of the `logit_rows` tokens; writes the step's K/V into the pool. `lora`: the
+        step's adapters; None (the base model) runs exactly the base step, the only one CUDA graphs capture."""
         spec, w, tails, eps = self.spec, self.w, self.k.tails, self.spec.rms_norm_eps
         hidden = F.embedding(s.input_ids, w.embed)
         mlp: torch.Tensor | None = None  # the last MLP's output: the next norm adds it to the residual stream
         for index, layer in enumerate(w.layers):
             hidden, normed = tails.add_rms_norm(hidden, mlp, layer.input_norm, eps)
-            q, k, v = self._qkv_rope(layer, normed, s.positions)
+            q, k, v = self._qkv_rope(layer, normed, s.positions, lora, index)
             self.kv.write(index, k, v, s.kv_block, s.kv_offset)
             ctx = self.kv.attend(index, q, s.block_tables, s.positions, s.query_start, s.max_rows, spec.num_kv_heads,
                                  layer.window, self.scale, self.sm_count)  # fmt: skip
-            hidden, normed = tails.add_rms_norm(hidden, layer.o_proj(ctx), layer.post_norm, eps)
-            mlp = layer.down(tails.silu_mul(layer.gate_up(normed)))
+            if lora is None:
+                hidden, normed = tails.add_rms_norm(hidden, layer.o_proj(ctx), layer.post_norm, eps)
+                mlp = layer.down(tails.silu_mul(layer.gate_up(normed)))
+            else:
+                hidden, mlp = self._lora_tail(layer, index, hidden, ctx, lora)
         assert mlp is not None, "a decoder has layers"
         rows = s.logit_rows
         _, last = tails.add_rms_norm(hidden.index_select(0, rows), mlp.index_select(0, rows), w.final_norm, eps)
         return F.linear(last, w.lm_head).float()
 
-    def _qkv_rope(self, layer: Layer, normed: torch.Tensor,
-                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-        """The prologue after its norm: QKV projection, bias, RoPE on q and k."""
+    def _qkv_rope(
+        self, layer: Layer, normed: torch.Tensor, positions: torch.Tensor, lora: LoraStep | None, index: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prologue after its norm: QKV projection, bias, RoPE on q and k. Where the step's adapters update
+        this layer's q, k or v, the unfused path: their update goes into the QKV output before RoPE."""
         spec, w = self.spec, self.w
-        if self.rope_kernel and layer.qkv.input_scale is None:
+        updated = lora is not None and lora.updates(index, "qkv")
+        if self.rope_kernel and layer.qkv.input_scale is None and not updated:
             q, k, v = self.k.prologue.gemm_rope(normed, layer.qkv.weight, layer.qkv.bias, w.cos, w.sin, positions,
                                                 spec.num_heads, spec.num_kv_heads)  # fmt: skip
             return q, k, v
         qkv = layer.qkv(normed)
+        if lora is not None:
+            lora.apply(index, "qkv", normed, qkv)  # PEFT's input: the activation before an FP8 engine's Q/DQ
         q, k, v = qkv.split([spec.num_heads * spec.head_dim, spec.kv_width, spec.kv_width], dim=-1)
         cos, sin = w.cos[positions], w.sin[positions]
         return rope(q, cos, sin, spec.num_heads), rope(k, cos, sin, spec.num_kv_heads), v.contiguous()
+
+    def _lora_tail(
+        self, layer: Layer, index: int, hidden: torch.Tensor, ctx: torch.Tensor, lora: LoraStep
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """o_proj and the MLP of a LoRA step, each projection's output with the adapters' update added: the new
+        residual stream and the MLP's output (the next norm adds it)."""
+        tails, eps = self.k.tails, self.spec.rms_norm_eps
+        attn = layer.o_proj(ctx)
+        lora.apply(index, "o_proj", ctx, attn)
+        hidden, normed = tails.add_rms_norm(hidden, attn, layer.post_norm, eps)
+        gate_up = layer.gate_up(normed)
+        lora.apply(index, "gate_up", normed, gate_up)  # before SiLU * up
+        act = tails.silu_mul(gate_up)
+        mlp = layer.down(act)
+        lora.apply(index, "down", act, mlp)
+        return hidden, mlp

@@ -234,7 +234,7 @@ def create_lora_manager(args: EngineArgs, backend: object, config: EngineConfig)
         raise EngineLoadError("LoRA adapters are not served with prefill/decode disaggregation (--role) yet")
     adapters = args.lora_adapters()
     manager = LoraManager(
-        enable(args.max_loras),
+        enable(args.max_loras, args.max_lora_rank),
         args.max_lora_rank,
         args.max_cpu_loras or max(args.max_loras, len(adapters)),
         base_model=_source_name(config),

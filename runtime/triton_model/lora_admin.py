@@ -13,7 +13,6 @@ import logging
 from pathlib import Path
 
 from engine_format.requests import InvalidRequest
-from executors.lora import AdapterError
 from runtime import AsyncLLM, RequestOutput
 from runtime.triton_model.inputs import LoraAdmin
 
@@ -49,7 +48,7 @@ class LoraDoor:
             try:
                 engine.add_lora(name, path)
                 self.loaded[name] = path
-            except AdapterError as exc:
+            except ValueError as exc:  # AdapterError: changed or gone since
                 log.warning("LoRA adapter %r loaded before the restart could not be loaded again: %s", name, exc)
 
     async def answer(self, admin: LoraAdmin, request_id: str) -> RequestOutput:
@@ -58,8 +57,9 @@ class LoraDoor:
             assert admin.name is not None and admin.path is not None  # parse_request checked
             try:
                 await self.engine.add_lora(admin.name, admin.path)
-            except AdapterError as exc:
-                raise InvalidRequest("lora" if exc.field == "name" else "lora_path", str(exc)) from None
+            except ValueError as exc:  # executors.lora.AdapterError: its field is a file or config key, or "name"
+                field = getattr(exc, "field", None)
+                raise InvalidRequest("lora" if field == "name" else "lora_path", str(exc)) from None
             self.loaded[admin.name] = admin.path
             self.removed.discard(admin.name)
             self._save()
