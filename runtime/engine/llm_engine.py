@@ -199,8 +199,11 @@ class LLMEngine:
         """Serve another adapter (AdapterError, a ValueError naming the problem, if it cannot run here)."""
         if self.loras is None:
             raise AdapterError(name, "enable_lora", "this engine was started without LoRA (EngineArgs.enable_lora)")
+        start = time.perf_counter()
+        adapter = self.loras.read(name, path)  # files read and checked while steps go on
         with self._lock:
-            return self.loras.add(name, path)
+            self.loras.add(adapter, time.perf_counter() - start)
+        return adapter
 
     def remove_lora(self, name: str) -> bool:
         """Stop serving an adapter: True if it left now, False once its requests finish (InvalidRequest if it is

@@ -69,21 +69,31 @@ class LoraManager:
         self.removing: set[str] = set()  # removed while in use: gone when the last user finishes
         self.counters = LoraCounters()
 
-    # ---- registry (any thread, under the engine's lock) -----------------------------------------
+    # ---- registry (under the engine's lock, except `read`) ---------------------------------------
 
-    def add(self, name: str, path: str | Path) -> LoraAdapter:
-        """Register an adapter (AdapterError naming the problem; nothing changes then). Adding a name again
-        replaces its adapter for new requests once no running request uses the old one."""
+    def read(self, name: str, path: str | Path) -> LoraAdapter:
+        """An adapter read from disk and checked for this engine and backend (AdapterError naming the problem).
+        Touches nothing shared: the engine calls it without its lock, so steps go on while files are read."""
         if not name or len(name) > 128 or any(c.isspace() for c in name):
             raise AdapterError(name, "name", "must be 1-128 characters without whitespace")
+        adapter = load_adapter(name, path, self.slots.spec, self.max_rank, self.base_model)
+        self.slots.check(adapter)
+        return adapter
+
+    def add(self, adapter: LoraAdapter, read_seconds: float = 0.0) -> None:
+        """Register an adapter `read` returned (in `read_seconds`). Adding a name again replaces its adapter, if no
+        request uses it."""
+        name = adapter.name
         if self.live[name]:
             raise AdapterError(name, "name", "is in use by requests: remove it first, or use another name")
-        adapter = self._read(name, Path(path))
+        self.counters.disk_loads += 1
+        self.counters.load_seconds += read_seconds
         self._drop(name)
         self.paths[name], self.digests[name] = adapter.path, adapter.digest
         self._keep_loaded(adapter)
-        log.info("LoRA adapter %r: rank %d, targets %s (%s)", name, adapter.rank, ",".join(adapter.targets), path)
-        return adapter
+        log.info(
+            "LoRA adapter %r: rank %d, targets %s (%s)", name, adapter.rank, ",".join(adapter.targets), adapter.path
+        )
 
     def remove(self, name: str) -> bool:
         """Unregister an adapter: new requests for it are refused now; True if it left at once, False if it
@@ -179,9 +189,9 @@ class LoraManager:
     # ---- internals -------------------------------------------------------------------------
 
     def _read(self, name: str, path: Path) -> LoraAdapter:
+        """`read`, counted: an adapter read back into host memory."""
         start = time.perf_counter()
-        adapter = load_adapter(name, path, self.slots.spec, self.max_rank, self.base_model)
-        self.slots.check(adapter)
+        adapter = self.read(name, path)
         self.counters.disk_loads += 1
         self.counters.load_seconds += time.perf_counter() - start
         return adapter
@@ -241,7 +251,8 @@ def create_lora_manager(args: EngineArgs, backend: object, config: EngineConfig)
     )
     for name, path in adapters.items():
         try:
-            manager.add(name, path)
+            start = time.perf_counter()
+            manager.add(manager.read(name, path), time.perf_counter() - start)
         except AdapterError as exc:
             raise EngineLoadError(str(exc)) from None
     return manager
