@@ -33,7 +33,7 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -148,8 +148,11 @@ def served_backend(serve: Serve, engine: Path, given: str | None) -> dict[str, s
     return {"backend": default_backend(EngineConfig.load(engine)), "how": how}
 
 
-def phase(endpoint: client.Endpoint, requests: list[ChatRequest], concurrency: int) -> dict:
-    result = asyncio.run(client.run_load(client.sender_for(endpoint), requests, concurrency=concurrency))
+def phase(
+    endpoint: client.Endpoint, requests: Sequence[ChatRequest], concurrency: int, send: client.Sender | None = None
+) -> dict:
+    """The requests through `send` (default: the endpoint's sender), summarized without an SLO."""
+    result = asyncio.run(client.run_load(send or client.sender_for(endpoint), requests, concurrency=concurrency))
     s = flatten(summarize(result.records, result.duration_s, NO_SLO))
     ok = len(requests) - s["failed"]
     s |= {"ok": ok, "mean_output_tokens": round(s["output_tokens"] / ok, 1) if ok else None,

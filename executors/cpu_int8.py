@@ -118,6 +118,7 @@ def _layer(reader: WeightReader, ranges: dict[str, np.ndarray] | None, i: int) -
 class Int8CpuBackend(FlatStepBackend):
     name = "cpu-int8"
     lora_targets = TARGETS
+    lora_half = True  # its own arithmetic is quantized: float16 adapters halve their bytes within its tolerance
 
     def __init__(self, config: EngineConfig, num_blocks: int | None = None, threads: int | None = None) -> None:
         if config.dtype != "float32" or config.quantization is not None:

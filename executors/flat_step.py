@@ -11,9 +11,7 @@ import numpy as np
 
 from engine_format import EngineConfig, EngineLoadError
 from executors.base import SequenceChunk, logit_rows
-from executors.lora import LoraSlots, TokenGroups
-
-NO_LORA = TokenGroups(())
+from executors.lora import NO_ROWS, LoraRows, LoraSlots
 
 
 @dataclass(frozen=True)
@@ -26,7 +24,7 @@ class FlatStep:
     block_tables: np.ndarray  # [B, M] int64
     slots: np.ndarray  # [T] pool slot of each token's K/V
     logit_rows: np.ndarray  # [rows] positions in T of each chunk's last num_logits tokens
-    loras: TokenGroups = NO_LORA  # tokens that run under a LoRA adapter, by slot
+    loras: LoraRows = NO_ROWS  # tokens that run under a LoRA adapter, and their slots
 
     @classmethod
     def pack(cls, chunks: Sequence[SequenceChunk], block_size: int) -> FlatStep:
@@ -46,9 +44,9 @@ class FlatStep:
             block_tables=tables,
             slots=slots,
             logit_rows=logit_rows(lengths, np.array([c.num_logits for c in chunks]), np.cumsum(lengths) - lengths),
-            loras=TokenGroups.of([c.lora_slot for c in chunks], lengths)
+            loras=LoraRows.of([c.lora_slot for c in chunks], lengths)
             if any(c.lora_slot is not None for c in chunks)
-            else NO_LORA,
+            else NO_ROWS,
         )
 
 
@@ -59,13 +57,15 @@ class FlatStepBackend(abc.ABC):
     name: str  # the backend kind (executors/factory.py)
     lora_targets: tuple[str, ...] = ()  # the projections it applies LoRA adapters to (none: no LoRA)
     lora: LoraSlots | None = None
+    lora_half: bool = False  # keep adapters as float16 (executors/lora/slots.py): where the tolerance allows it
 
     def enable_lora(self, num_slots: int, max_rank: int) -> LoraSlots:
         """Serve adapters from now on: `num_slots` of them resident at once (filled by the engine), of ranks up to
         `max_rank` (the engine refuses higher ones; a CPU slot holds an adapter's own matrices, of any rank)."""
         if not self.lora_targets:
             raise EngineLoadError(f"the {self.name} backend does not apply LoRA adapters: use --backend cpu-bf16")
-        self.lora = LoraSlots(self.config.model, num_slots, self.name, self.lora_targets)
+        self.lora = LoraSlots(self.config.model, num_slots, self.name, self.lora_targets, self.lora_half)
+        self.lora.threads = getattr(self, "threads", 1)
         return self.lora
 
     def step(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:

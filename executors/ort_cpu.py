@@ -110,9 +110,9 @@ class OrtCpuBackend(FlatStepBackend):
                 flat.positions[:, 0], self.shape, window=spec.sliding_windows[layer], threads=self.threads,
                 quant=self.kv.quant(layer),
             )[:, None]  # fmt: skip
-            if lora is not None:  # o_proj's update goes straight into the residual stream the segment adds to
-                for rows, delta in lora.deltas(flat.loras, layer, "o_proj", attn[:, 0]):
-                    hidden[rows, 0] += delta
+            if lora is not None and lora.updates_group(flat.loras, layer, "o_proj"):
+                rows = flat.loras.rows  # o_proj's update goes into the residual stream the next segment adds to
+                hidden[rows, 0] += lora.delta(flat.loras, layer, "o_proj", attn[:, 0])
             feeds = {"hidden": hidden, "attn": attn}
             if layer + 1 < spec.num_layers:
                 hidden, q, k, v = self.segments[layer + 1].run(None, {**feeds, "positions": flat.positions})

@@ -206,7 +206,7 @@ def test_removing_an_adapter_under_load_loses_nothing(llama_engine, hf_model, ad
     prompts = random_prompts(hf_model.config.vocab_size, [12, 18, 9], seed=11)
     ids = [engine.add_request(p, greedy("qv")) for p in prompts]
     first = {out.request_id: list(out.token_ids) for out in engine.step()}
-    with pytest.raises(AdapterError, match="adapter_config.json: not found"):  # a failed load changes nothing
+    with pytest.raises(AdapterError, match=r"adapter_config\.json: not found"):  # a failed load changes nothing
         engine.add_lora("missing", adapters["qv"] / "nowhere")
     assert engine.remove_lora("qv") is False  # in use: it leaves when they finish
     with pytest.raises(InvalidRequest, match="adapter 'qv' is not loaded"):

@@ -54,8 +54,12 @@ def post(url: str, body: dict, key: str | None = KEY) -> tuple[int, str]:
 
 def test_adapters_through_the_openai_door_and_triton(llama_engine, checkpoint, adapters):
     model, tokenizer = checkpoint
-    params = {"backend": "cpu", "lora_modules": f"qv={adapters['qv']},qkvo={adapters['qkvo']}", "max_loras": "2",
-              "max_lora_rank": "32"}  # fmt: skip
+    params = {
+        "backend": "cpu",
+        "lora_modules": f"qv={adapters['qv']},qkvo={adapters['qkvo']}",
+        "max_loras": "2",
+        "max_lora_rank": "32",
+    }
     prompts = random_prompts(model.config.vocab_size, [9, 14, 21, 6, 17, 11], seed=2)
 
     def expected(adapter: str | None, prompt: list[int]) -> str:
@@ -72,8 +76,9 @@ def test_adapters_through_the_openai_door_and_triton(llama_engine, checkpoint, a
             assert listed["qv"]["root"] == str(adapters["qv"].resolve())
 
             def complete(name: str, prompt: list[int]) -> str:
-                answer = sdk.completions.create(model=name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
-                                                extra_body={"ignore_eos": True})  # fmt: skip
+                answer = sdk.completions.create(
+                    model=name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+                )
                 assert answer.model == name
                 return answer.choices[0].text
 

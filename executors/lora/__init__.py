@@ -2,17 +2,18 @@
 adapters resident in a backend, applied per token in a mixed batch (slots.py)."""
 
 from executors.lora.adapter import ATTENTION_TARGETS, TARGETS, AdapterError, LoraAdapter, LoraModule, load_adapter
-from executors.lora.slots import GROUPS, GroupUpdate, LoraSlots, TokenGroups
+from executors.lora.slots import GROUPS, NO_ROWS, GroupUpdate, LoraRows, LoraSlots
 
 __all__ = [
     "ATTENTION_TARGETS",
     "GROUPS",
+    "NO_ROWS",
     "TARGETS",
     "AdapterError",
     "GroupUpdate",
     "LoraAdapter",
     "LoraModule",
+    "LoraRows",
     "LoraSlots",
-    "TokenGroups",
     "load_adapter",
 ]

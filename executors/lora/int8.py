@@ -19,7 +19,7 @@ import numpy as np
 
 from engine_format import EngineConfig
 from executors.engine_weights import WeightReader
-from executors.lora.slots import LoraSlots, TokenGroups
+from executors.lora.slots import LoraRows, LoraSlots
 
 
 @dataclass(frozen=True)
@@ -41,48 +41,51 @@ class NormWeights:
 
 
 class StepLora:
-    """One step's adapter updates. `rows`: the step's rows under an adapter, sorted; the groups are re-indexed
-    into them, so inputs are computed for those rows alone."""
+    """One step's adapter updates, computed for the step's LoRA rows alone (`tokens.rows`)."""
 
-    def __init__(self, slots: LoraSlots, norms: NormWeights, tokens: TokenGroups) -> None:
-        self.slots, self.norms = slots, norms
-        self.rows = np.sort(np.concatenate([rows for _, rows in tokens.groups]))
-        self.tokens = TokenGroups(tuple((slot, np.searchsorted(self.rows, rows)) for slot, rows in tokens.groups))
+    def __init__(self, slots: LoraSlots, norms: NormWeights, tokens: LoraRows) -> None:
+        self.slots, self.norms, self.tokens = slots, norms, tokens
+        self.rows = tokens.rows
 
     def _updates(self, layer: int, group: str) -> bool:
         return self.slots.updates_group(self.tokens, layer, group)
 
-    def _normed(self, hidden: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        x = hidden[self.rows]
-        return x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + self.norms.eps) * weight
-
     def _add(
-        self, out: np.ndarray, layer: int, group: str, x: np.ndarray, up_divisor: np.ndarray | None = None
+        self,
+        out: np.ndarray,
+        layer: int,
+        group: str,
+        x: np.ndarray,
+        norm: np.ndarray | None = None,
+        up_divisor: np.ndarray | None = None,
+        x_rows: np.ndarray | None = None,
     ) -> None:
-        """Add each slot's update of `group` (input `x`, one row per self.rows) to its rows of `out` [T, width]."""
-        for rows, delta in self.slots.deltas(self.tokens, layer, group, x):
-            if up_divisor is not None:
-                delta[:, delta.shape[1] // 2 :] /= up_divisor
-            out[self.rows[rows]] += delta
+        """Add the adapters' update of `group` to the LoRA rows of `out` [T, width]; its input is those rows of
+        `x` (x_rows of it, if given), RMS-normalized with `norm` if given."""
+        delta = self.slots.delta(self.tokens, layer, group, x, norm, self.norms.eps, x_rows)
+        if up_divisor is not None:
+            delta[:, delta.shape[1] // 2 :] /= up_divisor
+        out[self.rows] += delta
 
     def add_qkv(self, qkv: np.ndarray, hidden: np.ndarray, layer: int) -> None:
         """Into the fused q|k|v output [T, width], before RoPE; `hidden`: the layer's input residual stream."""
         if self._updates(layer, "qkv"):
-            self._add(qkv, layer, "qkv", self._normed(hidden, self.norms.input_norms[layer]))
+            self._add(qkv, layer, "qkv", hidden, self.norms.input_norms[layer])
 
     def add_o_proj(self, hidden: np.ndarray, attn: np.ndarray, layer: int) -> None:
         """Into the residual stream, from the attention output [T, heads x head_dim]."""
         if self._updates(layer, "o_proj"):
-            self._add(hidden, layer, "o_proj", attn[self.rows])
+            self._add(hidden, layer, "o_proj", attn)
 
     def add_gate_up(self, gate_up: np.ndarray, hidden: np.ndarray, layer: int, s_down: np.ndarray) -> None:
         """Into gate|up [T, 2 x intermediate], whose up half the backend divides by `s_down`."""
         if self._updates(layer, "gate_up"):
-            self._add(gate_up, layer, "gate_up", self._normed(hidden, self.norms.post_norms[layer]), s_down)
+            self._add(gate_up, layer, "gate_up", hidden, self.norms.post_norms[layer], s_down)
 
     def add_down(self, hidden: np.ndarray, gate_up: np.ndarray, layer: int, s_down: np.ndarray) -> None:
         """Into the residual stream, from gate|up as add_gate_up left it."""
         if self._updates(layer, "down"):
             gate, up = np.split(gate_up[self.rows], 2, axis=1)
             sigmoid = 0.5 + 0.5 * np.tanh(0.5 * gate)  # no overflow for large |gate|, unlike 1 / (1 + exp(-gate))
-            self._add(hidden, layer, "down", gate * sigmoid * (up * s_down))
+            act = gate * sigmoid * (up * s_down)
+            self._add(hidden, layer, "down", act, x_rows=np.arange(len(self.rows)))

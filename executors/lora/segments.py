@@ -51,11 +51,10 @@ class LoraInputs:
         self, lora: LoraSlots, flat: FlatStep, layer: int, hidden: np.ndarray, qkv: tuple[np.ndarray, ...]
     ) -> None:
         """Add the adapters' rotated q/k/v updates, in place, to a segment's q, k, v [T, width] (views)."""
-        x = hidden / np.sqrt(np.mean(np.square(hidden), axis=-1, keepdims=True) + self.eps) * self.input_norms[layer]
-        positions = flat.positions[:, 0]
-        for rows, delta in lora.deltas(flat.loras, layer, "qkv", x.astype(np.float32, copy=False)):
-            rotated = rope_split(
-                np.ascontiguousarray(delta), self.heads, self.kv_heads, self.cos, self.sin, positions[rows]
-            )
-            for out, part in zip(qkv, rotated, strict=True):
-                out[rows] += part
+        if not lora.updates_group(flat.loras, layer, "qkv"):
+            return
+        rows = flat.loras.rows
+        delta = lora.delta(flat.loras, layer, "qkv", hidden, self.input_norms[layer], self.eps)
+        rotated = rope_split(delta, self.heads, self.kv_heads, self.cos, self.sin, flat.positions[rows, 0])
+        for out, part in zip(qkv, rotated, strict=True):
+            out[rows] += part

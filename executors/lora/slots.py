@@ -3,11 +3,12 @@ in the layout of the engine's fused projections, and a step's tokens grouped by 
 
 The engine fuses q|k|v and gate|up into one matmul each, so an adapter's updates are kept per fused group:
 the group's A matrices stacked, A_cat [in, r_q + r_k + r_v], and B_cat [r_total, width] with each module's
-B (scaled) at its own columns, zero elsewhere. One shrink and one expand per (slot, layer, group) then
-produce the delta of every targeted module at once, in the fused output's columns; the rows of a step are
-grouped by slot first (Punica's SGMV: each adapter's weights are read once a step, however many of its
-tokens run). Updates are float32 numpy: the CPU backends add them to their float32 (or bfloat16, rounded
-as PEFT rounds) projection outputs.
+B (scaled) at its own columns, zero elsewhere. One shrink and one expand per row then produce the delta of
+every targeted module at once, in the fused output's columns. A step's LoRA rows, whatever their slots, go
+through one C kernel call per (layer, fused projection) (executors/kernels/lora_ops.h: Punica's SGMV); the
+slot-by-slot numpy form took ~1,000 small calls a step (29 ms of a 26-ms step at batch 16 over 8 adapters).
+Updates are float32: the CPU backends add them to their float32 (or bfloat16, rounded as PEFT rounds)
+projection outputs.
 """
 
 from __future__ import annotations
@@ -31,13 +32,25 @@ GROUPS: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class GroupUpdate:
-    """One adapter's update of one fused projection of one layer: delta = x @ a @ b."""
+    """One adapter's update of one fused projection of one layer, per row: (x @ a) split by module, each part
+    times its block, at its columns."""
 
-    a: np.ndarray  # [in, r_total] float32
-    b: np.ndarray  # [r_total, width] float32, scaling folded in
+    a: np.ndarray  # [in, r_total] float32: the modules' A matrices side by side
+    blocks: tuple[tuple[np.ndarray, int], ...]  # each module's B [r_m, w_m] (scaling folded in) and first column
+    width: int  # the fused projection's columns
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        return (x @ self.a) @ self.b
+    def astype(self, dtype: type) -> GroupUpdate:
+        return GroupUpdate(self.a.astype(dtype), tuple((b.astype(dtype), col) for b, col in self.blocks), self.width)
+
+    @property
+    def b(self) -> np.ndarray:
+        """[r_total, width]: the blocks on a zero matrix (the GPU kernel's layout, plugins_cuda/lora.py)."""
+        b = np.zeros((self.a.shape[1], self.width), np.float32)
+        row = 0
+        for block, col in self.blocks:
+            b[row : row + block.shape[0], col : col + block.shape[1]] = block
+            row += block.shape[0]
+        return b
 
 
 def _group_update(adapter: LoraAdapter, spec: ModelSpec, layer: int, targets: tuple[str, ...]) -> GroupUpdate | None:
@@ -46,14 +59,9 @@ def _group_update(adapter: LoraAdapter, spec: ModelSpec, layer: int, targets: tu
         return None
     widths = [module_shape(spec, t)[1] for t in targets]
     offsets = dict(zip(targets, np.cumsum([0, *widths[:-1]]).tolist(), strict=True))
-    a = np.concatenate([m.a for _, m in present]).T.copy()
-    b = np.zeros((a.shape[1], sum(widths)), np.float32)
-    row = 0
-    for target, module in present:
-        col = offsets[target]
-        b[row : row + module.rank, col : col + module.b.shape[0]] = module.b.T * module.scaling
-        row += module.rank
-    return GroupUpdate(a, b)
+    a = np.ascontiguousarray(np.concatenate([m.a for _, m in present]).T, np.float32)
+    blocks = tuple((np.ascontiguousarray(m.b.T * m.scaling, np.float32), offsets[target]) for target, m in present)
+    return GroupUpdate(a, blocks, sum(widths))
 
 
 def group_updates(adapter: LoraAdapter, spec: ModelSpec) -> dict[tuple[int, str], GroupUpdate]:
@@ -68,34 +76,66 @@ def group_updates(adapter: LoraAdapter, spec: ModelSpec) -> dict[tuple[int, str]
 
 
 @dataclass(frozen=True)
-class TokenGroups:
-    """A step's tokens that run under an adapter, grouped by slot: (slot, flat token rows) pairs."""
+class LoraRows:
+    """A step's tokens that run under an adapter: their flat rows (ascending) and each one's slot."""
 
-    groups: tuple[tuple[int, np.ndarray], ...]
+    rows: np.ndarray  # [n] int64
+    slots: np.ndarray  # [n] int32
 
     @classmethod
-    def of(cls, lora_slots: Sequence[int | None], lengths: np.ndarray) -> TokenGroups:
+    def of(cls, lora_slots: Sequence[int | None], lengths: np.ndarray) -> LoraRows:
         """From each chunk's slot (None: the base model) and token count, in flat order."""
-        starts = np.cumsum(lengths) - lengths
-        rows: dict[int, list[np.ndarray]] = {}
-        for slot, start, length in zip(lora_slots, starts, lengths, strict=True):
-            if slot is not None:
-                rows.setdefault(slot, []).append(np.arange(start, start + length))
-        return cls(tuple((slot, np.concatenate(parts)) for slot, parts in rows.items()))
+        slot_of_token = np.repeat(np.array([-1 if s is None else s for s in lora_slots], np.int32), lengths)
+        rows = np.flatnonzero(slot_of_token >= 0)
+        return cls(rows, np.ascontiguousarray(slot_of_token[rows]))
 
     def __bool__(self) -> bool:
-        return bool(self.groups)
+        return bool(self.rows.size)
+
+
+NO_ROWS = LoraRows(np.zeros(0, np.int64), np.zeros(0, np.int32))
+
+
+MODULES = 3  # blocks per fused projection at most (q, k, v): executors/kernels/lora_ops.h's LORA_MODULES
+
+
+class _GroupTable:
+    """One (layer, fused projection)'s matrices in every slot, as the kernel takes them: addresses and shapes
+    (0 where a slot's adapter does not update it). The arrays they point to stay referenced by the slot."""
+
+    def __init__(self, num_slots: int, width: int) -> None:
+        self.width = width
+        self.a_ptrs, self.ranks = np.zeros(num_slots, np.int64), np.zeros(num_slots, np.int64)
+        self.b_ptrs, self.b_ranks, self.b_cols, self.b_widths = (
+            np.zeros((num_slots, MODULES), np.int64) for _ in range(4)
+        )
+
+    def set(self, slot: int, update: GroupUpdate | None) -> None:
+        self.a_ptrs[slot] = 0 if update is None else update.a.ctypes.data
+        self.ranks[slot] = 0 if update is None else update.a.shape[1]
+        for table in (self.b_ptrs, self.b_ranks, self.b_cols, self.b_widths):
+            table[slot] = 0
+        for m, (block, col) in enumerate(update.blocks if update is not None else ()):
+            self.b_ptrs[slot, m], self.b_cols[slot, m] = block.ctypes.data, col
+            self.b_ranks[slot, m], self.b_widths[slot, m] = block.shape
 
 
 class LoraSlots:
     """`num_slots` adapters resident at once; `targets`: the projections this backend can update."""
 
-    def __init__(self, spec: ModelSpec, num_slots: int, backend: str, targets: tuple[str, ...] = TARGETS) -> None:
+    def __init__(
+        self, spec: ModelSpec, num_slots: int, backend: str, targets: tuple[str, ...] = TARGETS, half: bool = False
+    ) -> None:
+        """`half`: keep the matrices as float16 (half the bytes a step reads; float32 sums), for backends whose
+        tolerance allows it."""
         self.spec = spec
         self.backend = backend
         self.targets = targets
+        self.half = half
+        self.threads = 1  # the kernel's OpenMP threads: the backend's
         self.names: list[str | None] = [None] * num_slots
         self._updates: list[dict[tuple[int, str], GroupUpdate]] = [{} for _ in range(num_slots)]
+        self._tables: dict[tuple[int, str], _GroupTable] = {}
 
     @property
     def num_slots(self) -> int:
@@ -109,28 +149,66 @@ class LoraSlots:
                 adapter.name,
                 "target_modules",
                 f"the {self.backend} backend applies LoRA to {list(self.targets)}, not {missing}: serve it with "
-                "--backend cpu-bf16",
+                "--backend cpu-bf16 or cpu-int8",
             )
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         self.check(adapter)
-        self._updates[slot] = group_updates(adapter, self.spec)
+        self._set(slot, group_updates(adapter, self.spec))
         self.names[slot] = adapter.name
 
     def clear(self, slot: int) -> None:
-        self._updates[slot] = {}
+        self._set(slot, {})
         self.names[slot] = None
 
-    def updates_group(self, tokens: TokenGroups, layer: int, group: str) -> bool:
+    def updates_group(self, rows: LoraRows, layer: int, group: str) -> bool:
         """Whether some adapter of the step updates this projection."""
-        return any((layer, group) in self._updates[slot] for slot, _ in tokens.groups)
+        table = self._tables.get((layer, group))
+        return table is not None and bool(table.ranks[rows.slots].any())
 
-    def deltas(self, tokens: TokenGroups, layer: int, group: str, x: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        """(rows, delta [len(rows), width]) for each slot of the step that updates this projection; `x` is
-        the projection's float32 input, every row of the step."""
-        out = []
-        for slot, rows in tokens.groups:
-            update = self._updates[slot].get((layer, group))
-            if update is not None:
-                out.append((rows, update(x[rows])))
+    def delta(
+        self,
+        rows: LoraRows,
+        layer: int,
+        group: str,
+        x: np.ndarray,
+        norm: np.ndarray | None = None,
+        eps: float = 0.0,
+        x_rows: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Each LoRA row's update of this projection [n, width] float32 (zeros where its adapter has none), in one
+        kernel call for every slot of the step. The projection's input is row rows.rows[i] (or x_rows[i]) of `x`
+        (float32 [T, in], read in place), RMS-normalized with `norm` and `eps` first when `norm` is given."""
+        from executors.cpu_attention import kernel_module  # loaded by the backend by now, under its OpenMP policy
+
+        t = self._tables[layer, group]
+        x = np.ascontiguousarray(x, np.float32)
+        out = np.empty((rows.slots.size, t.width), np.float32)
+        weight = np.zeros(0, np.float32) if norm is None else np.ascontiguousarray(norm, np.float32)
+        tables = (t.a_ptrs, t.ranks, t.b_ptrs, t.b_ranks, t.b_cols, t.b_widths)
+        kernel_module().lora_sgmv(
+            x,
+            x.shape[1],
+            x.shape[1],
+            rows.rows if x_rows is None else x_rows,
+            rows.slots,
+            weight,
+            eps,
+            *tables,
+            out,
+            t.width,
+            self.threads,
+            int(self.half),
+        )
         return out
+
+    def _set(self, slot: int, updates: dict[tuple[int, str], GroupUpdate]) -> None:
+        """A slot's contents, and its column of every group's table (the arrays stay referenced by _updates)."""
+        if self.half:
+            updates = {key: update.astype(np.float16) for key, update in updates.items()}
+        self._updates[slot] = updates
+        for key, update in updates.items():
+            if key not in self._tables:
+                self._tables[key] = _GroupTable(self.num_slots, update.width)
+        for key, table in self._tables.items():
+            table.set(slot, updates.get(key))

@@ -68,8 +68,16 @@ def setting(
     the setting it means nothing without ("speculative", or "speculative=draft"), so that giving it alone
     is a usage error rather than silently ignored. `repeat`: a text setting the command line takes several
     times, joined with commas."""
-    metadata = {"help": help, "flag": flag, "choices": choices, "lo": lo, "hi": hi, "served": served,
-                "only_with": only_with, "repeat": repeat}  # fmt: skip
+    metadata = {
+        "help": help,
+        "flag": flag,
+        "choices": choices,
+        "lo": lo,
+        "hi": hi,
+        "served": served,
+        "only_with": only_with,
+        "repeat": repeat,
+    }
     return field(default=default, metadata=metadata)
 
 
@@ -159,19 +167,32 @@ class EngineArgs:
         lo=0.001,
         only_with="kv_disk_cache",
     )
-    enable_lora: bool = setting(False, "Serve LoRA adapters on the base model (implied by --lora): requests pick one "
-                                "by name, and adapters may be loaded and removed at run time.",
-                                flag="--enable-lora/--no-enable-lora")  # fmt: skip
-    lora_modules: str | None = setting(None, "LoRA adapters to serve: NAME=DIR, DIR a PEFT adapter "
-                                       "(adapter_config.json, adapter_model.safetensors); repeat the flag, or separate "
-                                       "them with commas.", flag="--lora", repeat=True)  # fmt: skip
-    max_loras: int = setting(DEFAULT_MAX_LORAS, "LoRA adapters one step may mix (slots; the least recently used "
-                             "idle one is replaced).", lo=1)  # fmt: skip
-    max_lora_rank: int = setting(DEFAULT_MAX_LORA_RANK, "Highest LoRA rank served; adapters above it are refused.",
-                                 lo=1)  # fmt: skip
-    max_cpu_loras: int | None = setting(None, "LoRA adapters kept in host memory (default: as many as --max-loras or "
-                                        "--lora gives, the larger); the others are read again when asked for.",
-                                        lo=1)  # fmt: skip
+    enable_lora: bool = setting(
+        False,
+        "Serve LoRA adapters on the base model (implied by --lora): requests pick one "
+        "by name, and adapters may be loaded and removed at run time.",
+        flag="--enable-lora/--no-enable-lora",
+    )
+    lora_modules: str | None = setting(
+        None,
+        "LoRA adapters to serve: NAME=DIR, DIR a PEFT adapter "
+        "(adapter_config.json, adapter_model.safetensors); repeat the flag, or separate "
+        "them with commas.",
+        flag="--lora",
+        repeat=True,
+    )
+    max_loras: int = setting(
+        DEFAULT_MAX_LORAS, "LoRA adapters one step may mix (slots; the least recently used idle one is replaced).", lo=1
+    )
+    max_lora_rank: int = setting(
+        DEFAULT_MAX_LORA_RANK, "Highest LoRA rank served; adapters above it are refused.", lo=1
+    )
+    max_cpu_loras: int | None = setting(
+        None,
+        "LoRA adapters kept in host memory (default: as many as --max-loras or "
+        "--lora gives, the larger); the others are read again when asked for.",
+        lo=1,
+    )
     stream_interval: int = setting(1, "Tokens per streamed response, the first and last at once; fewer responses cost "
                                    "the server less (a request may ask for more).", lo=1)  # fmt: skip
     grammar_compile_timeout_s: float = setting(DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, "Longest a structured-output "
@@ -207,10 +228,22 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.itl_target_ms == 0:  # as the settings say: no target
             object.__setattr__(self, "itl_target_ms", None)
-        names = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "threads",
-                 "min_prefill_tokens", "num_speculative_tokens", "ngram_prompt_lookup_min", "ngram_prompt_lookup_max",
-                 "speculative_disable_batch_size", "stream_interval", "max_loras", "max_lora_rank",
-                 "max_cpu_loras")  # fmt: skip
+        names = (
+            "num_kv_blocks",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_waiting",
+            "threads",
+            "min_prefill_tokens",
+            "num_speculative_tokens",
+            "ngram_prompt_lookup_min",
+            "ngram_prompt_lookup_max",
+            "speculative_disable_batch_size",
+            "stream_interval",
+            "max_loras",
+            "max_lora_rank",
+            "max_cpu_loras",
+        )
         for name in names:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

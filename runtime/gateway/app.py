@@ -133,6 +133,8 @@ def _model_cards(gateway: Gateway) -> list[dict[str, Any]]:
     """The models a client may name: the gateway's own (their `parent` null, as vLLM's base model), then the
     LoRA adapters of its backends."""
     created = int(gateway.started)
-    own = [{"id": m, "object": "model", "created": created, "owned_by": "trtserve", "root": m, "parent": None}
-           for m in gateway.model_ids]  # fmt: skip
+    own = [
+        {"id": m, "object": "model", "created": created, "owned_by": "trtserve", "root": m, "parent": None}
+        for m in gateway.model_ids
+    ]
     return own + gateway.loras.cards(created)

@@ -113,12 +113,14 @@ class LoraRegistry:
         await self.refresh(force=True)
         adapter = self.adapters.get(name)
         if adapter is None:
-            raise GatewayError(404, f"The LoRA adapter '{name}' is not loaded", "invalid_request_error",
-                               "lora_name", "model_not_found")  # fmt: skip
+            raise GatewayError(
+                404, f"The LoRA adapter '{name}' is not loaded", "invalid_request_error", "lora_name", "model_not_found"
+            )
         request = GenerateRequest(None, None, {}, texts={"lora_admin": "unload", "lora": name})
         del self.adapters[name]  # new requests: 404 now; running ones finish on their replicas
-        results = await asyncio.gather(*(_ask(r, request) for r in self._every_replica(adapter.backend)),
-                                       return_exceptions=True)  # fmt: skip
+        results = await asyncio.gather(
+            *(_ask(r, request) for r in self._every_replica(adapter.backend)), return_exceptions=True
+        )
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             log.warning("unloading LoRA adapter %r: %d replicas failed (%s)", name, len(failed), failed[0])
@@ -126,21 +128,30 @@ class LoraRegistry:
     def cards(self, created: float) -> list[dict[str, Any]]:
         """/v1/models entries (vLLM's: the adapter's directory as `root`, its backend as `parent`)."""
         return [
-            {"id": a.name, "object": "model", "created": int(created), "owned_by": "trtserve", "root": a.path,
-             "parent": a.backend}
+            {
+                "id": a.name,
+                "object": "model",
+                "created": int(created),
+                "owned_by": "trtserve",
+                "root": a.path,
+                "parent": a.backend,
+            }
             for a in self.adapters.values()
-        ]  # fmt: skip
+        ]
 
     def _every_replica(self, backend: str) -> list[ReplicaState]:
         pool = self.pools.get(backend)
         if pool is None:
-            raise GatewayError.invalid(f"'{backend}' is not a backend of this gateway ({', '.join(self.pools)})",
-                                       "model")  # fmt: skip
+            raise GatewayError.invalid(
+                f"'{backend}' is not a backend of this gateway ({', '.join(self.pools)})", "model"
+            )
         replicas = list(pool.replicas.values())
         unhealthy = [r.url for r in replicas if not r.sync_health()]
         if unhealthy:
-            raise GatewayError.unavailable(f"replicas {', '.join(unhealthy)} of {backend!r} are not serving: every "
-                                           "replica must take the adapter; retry once they are back")  # fmt: skip
+            raise GatewayError.unavailable(
+                f"replicas {', '.join(unhealthy)} of {backend!r} are not serving: every "
+                "replica must take the adapter; retry once they are back"
+            )
         return replicas
 
 
@@ -150,8 +161,9 @@ async def _ask(replica: ReplicaState, request: GenerateRequest) -> dict[str, str
     try:
         return dict(json.loads(text)["adapters"])
     except (ValueError, KeyError, TypeError):
-        raise GatewayError(502, f"replica {replica.url} answered a LoRA request with {text[:200]!r}",
-                           "server_error") from None  # fmt: skip
+        raise GatewayError(
+            502, f"replica {replica.url} answered a LoRA request with {text[:200]!r}", "server_error"
+        ) from None
 
 
 class LoadLoraAdapter(Strict):

@@ -1,0 +1,218 @@
+/*
+ * Multi-LoRA on the CPU (executors/lora/slots.py): each row's low-rank update from its own adapter, in one call
+ * per projection and layer for a whole step (Punica's SGMV; the numpy form made ~1,000 small calls a step).
+ *
+ * For a fused projection (q|k|v, gate|up, or a single one), slot s holds A_s [in, R_s] (its modules' A matrices
+ * side by side) and up to LORA_MODULES blocks B_sm [r_m, w_m] (scaled), block m covering columns c_m .. c_m + w_m
+ * of the output and rows of A_s after the earlier blocks'. Row t with slot s = slots[t] gets
+ * out[t, c_m + j] = sum_r (x_t @ A_s)[r_m0 + r] B_sm[r, j], zero elsewhere; a slot of rank 0 (no update here)
+ * or -1 gives a zero row. B is not padded to the fused width: q|k|v's blocks are a third of a padded B_cat.
+ * x_t is row rows[t] of `x` (the step's activations, read in place), RMS-normalized with `norm` first when one is
+ * given (the projection's input is RMSNorm(hidden): the CPU backends keep hidden, not their quantized or fused
+ * normalized rows).
+ *
+ * A decode step is bound by the bytes it reads (~21 ms for SmolLM2's int8 weights here), and adapters add theirs:
+ * each slot's A and B are read once per LORA_TILE rows of that slot (rows are taken slot by slot), not once a
+ * row, and may be stored as float16 (`half`: half the bytes; accumulation stays float32). Slots go to OpenMP
+ * threads (their rows are disjoint) when the step is big enough to pay for waking them.
+ */
+#ifndef TRTSERVE_LORA_OPS_H
+#define TRTSERVE_LORA_OPS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#endif
+
+#define LORA_MAX_RANK 1024 /* a fused group's summed rank: 3 x 64 for q|k|v at the default limit */
+#define LORA_MAX_IN 16384  /* the widest projection input (an intermediate size) */
+#define LORA_MODULES 3     /* blocks per fused projection: q, k, v */
+#define LORA_TILE 4        /* rows of one slot sharing each read of its matrices */
+
+typedef struct {
+    const int64_t *a_ptrs, *ranks;                       /* [S] */
+    const int64_t *b_ptrs, *b_ranks, *b_cols, *b_widths; /* [S, LORA_MODULES] */
+    int half;                                            /* matrices stored as float16 */
+} LoraTable;
+
+static inline float lora_half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13); /* inf, nan */
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else { /* zero or subnormal: man x 2^-24 */
+        float f = (float)man * 5.9604644775390625e-8f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* 16 weights from w + i (float32 or float16), the columns past n zero */
+static inline __m512 lora_load16(const void *w, int64_t i, int64_t n, int half) {
+    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    if (half) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)w + i));
+    return _mm512_maskz_loadu_ps(m, (const float *)w + i);
+}
+
+/* Rows idx[0..count) of the output, all of slot s; xs: their inputs [count, in]. Accumulators stay in registers:
+ * the shrink runs over 16 of A's columns at a time, reading each of A's rows once for every row of the tile, and
+ * the expand over 16 output columns at a time, reading B once. */
+static void lora_tile(const float *xs, int64_t in, const LoraTable *t, int64_t s, const int64_t *idx, int count,
+                      float *out, int64_t width) {
+    float tmp[LORA_TILE][LORA_MAX_RANK];
+    const int64_t rank = t->ranks[s], elem = t->half ? 2 : 4;
+    const char *a = (const char *)(intptr_t)t->a_ptrs[s];
+    for (int64_t c = 0; c < rank; c += 16) {
+        __m512 acc[LORA_TILE] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t i = 0; i < in; i++) {
+            const __m512 w = lora_load16(a + i * rank * elem, c, rank, t->half);
+            for (int j = 0; j < count; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(xs[j * in + i]), w, acc[j]);
+        }
+        for (int j = 0; j < count; j++) {
+            float block[16];
+            _mm512_storeu_ps(block, acc[j]);
+            memcpy(tmp[j] + c, block, (size_t)(rank - c < 16 ? rank - c : 16) * sizeof(float));
+        }
+    }
+    int64_t first = 0; /* the block's first row of A (and of tmp) */
+    for (int m = 0; m < LORA_MODULES; m++) {
+        const int64_t k = s * LORA_MODULES + m, rm = t->b_ranks[k], col = t->b_cols[k], w = t->b_widths[k];
+        if (rm == 0) continue;
+        const char *b = (const char *)(intptr_t)t->b_ptrs[k];
+        for (int64_t c = 0; c < w; c += 16) {
+            __m512 acc[LORA_TILE];
+            for (int j = 0; j < count; j++) acc[j] = _mm512_setzero_ps();
+            for (int64_t r = 0; r < rm; r++) {
+                const __m512 v = lora_load16(b + r * w * elem, c, w, t->half);
+                for (int j = 0; j < count; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(tmp[j][first + r]), v, acc[j]);
+            }
+            const __mmask16 mask = w - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (w - c)) - 1);
+            for (int j = 0; j < count; j++) _mm512_mask_storeu_ps(out + idx[j] * width + col + c, mask, acc[j]);
+        }
+        first += rm;
+    }
+}
+#else /* without AVX-512 (BW, VL) */
+static inline float lora_weight(const void *w, int64_t i, int half) {
+    return half ? lora_half_to_float(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
+/* The portable loops: the same sums, row by row of A and B. */
+static void lora_tile(const float *xs, int64_t in, const LoraTable *t, int64_t s, const int64_t *idx, int count,
+                      float *out, int64_t width) {
+    float tmp[LORA_TILE][LORA_MAX_RANK];
+    const int64_t rank = t->ranks[s], elem = t->half ? 2 : 4;
+    const char *a = (const char *)(intptr_t)t->a_ptrs[s];
+    for (int j = 0; j < count; j++) memset(tmp[j], 0, (size_t)rank * sizeof(float));
+    for (int64_t i = 0; i < in; i++)
+        for (int j = 0; j < count; j++)
+            for (int64_t r = 0; r < rank; r++) tmp[j][r] += xs[j * in + i] * lora_weight(a + i * rank * elem, r, t->half);
+    int64_t first = 0;
+    for (int m = 0; m < LORA_MODULES; m++) {
+        const int64_t k = s * LORA_MODULES + m, rm = t->b_ranks[k], col = t->b_cols[k], w = t->b_widths[k];
+        if (rm == 0) continue;
+        const char *b = (const char *)(intptr_t)t->b_ptrs[k];
+        for (int64_t r = 0; r < rm; r++)
+            for (int j = 0; j < count; j++)
+                for (int64_t q = 0; q < w; q++)
+                    out[idx[j] * width + col + q] += tmp[j][first + r] * lora_weight(b + r * w * elem, q, t->half);
+        first += rm;
+    }
+}
+#endif
+
+/* Row x[row] into dst, RMS-normalized and scaled by norm[] when norm is given (HF's RMSNorm, in float32). */
+static void lora_input(const float *x, int64_t stride, int64_t row, int64_t in, const float *norm, float eps,
+                       float *dst) {
+    const float *src = x + row * stride;
+    if (!norm) {
+        memcpy(dst, src, (size_t)in * sizeof(float));
+        return;
+    }
+    float sum = 0.0f;
+    for (int64_t i = 0; i < in; i++) sum += src[i] * src[i];
+    const float scale = 1.0f / sqrtf(sum / (float)in + eps);
+    for (int64_t i = 0; i < in; i++) dst[i] = src[i] * scale * norm[i];
+}
+
+static void lora_sgmv_rows(const float *x, int64_t stride, const int64_t *rows, int64_t n, int64_t in,
+                           const int32_t *slots, const float *norm, float eps, int64_t num_slots, const LoraTable *t,
+                           float *out, int64_t width, int threads) {
+    memset(out, 0, (size_t)(n * width) * sizeof(float));
+    /* ~64K multiply-adds a row: below ~8 rows one thread does it faster than waking the others */
+#pragma omp parallel num_threads(threads) if (n >= 8 && threads > 1)
+    {
+        float *xs = malloc((size_t)(LORA_TILE * in) * sizeof(float));
+#pragma omp for schedule(dynamic)
+        for (int64_t s = 0; s < num_slots; s++) {
+            if (t->ranks[s] == 0 || !xs) continue;
+            int64_t idx[LORA_TILE];
+            int count = 0;
+            for (int64_t row = 0; row < n; row++) {
+                if (slots[row] != s) continue;
+                lora_input(x, stride, rows[row], in, norm, eps, xs + count * in);
+                idx[count++] = row;
+                if (count == LORA_TILE) {
+                    lora_tile(xs, in, t, s, idx, count, out, width);
+                    count = 0;
+                }
+            }
+            if (count) lora_tile(xs, in, t, s, idx, count, out, width);
+        }
+        free(xs);
+    }
+}
+
+static PyObject *lora_sgmv(PyObject *self, PyObject *args) {
+    Py_buffer x, rows, slots, norm, a_ptrs, ranks, b_ptrs, b_ranks, b_cols, b_widths, out;
+    int64_t stride, in, width;
+    float eps;
+    int threads, half;
+    if (!PyArg_ParseTuple(args, "y*LLy*y*y*fy*y*y*y*y*y*w*Lii", &x, &stride, &in, &rows, &slots, &norm, &eps,
+                          &a_ptrs, &ranks, &b_ptrs, &b_ranks, &b_cols, &b_widths, &out, &width, &threads, &half))
+        return NULL;
+    const int64_t n = rows.len / 8, num_slots = ranks.len / 8, blocks = num_slots * LORA_MODULES;
+    const int64_t x_rows = stride > 0 ? x.len / 4 / stride : 0;
+    const LoraTable t = {a_ptrs.buf, ranks.buf, b_ptrs.buf, b_ranks.buf, b_cols.buf, b_widths.buf, half};
+    int bad = in <= 0 || in > LORA_MAX_IN || stride < in || width <= 0 || slots.len != n * 4 ||
+              out.len < n * width * 4 || (norm.len && norm.len != in * 4) || a_ptrs.len != ranks.len ||
+              b_ptrs.len != blocks * 8 || b_ranks.len != blocks * 8 || b_cols.len != blocks * 8 ||
+              b_widths.len != blocks * 8;
+    for (int64_t i = 0; !bad && i < n; i++) bad = ((const int64_t *)rows.buf)[i] < 0 || ((const int64_t *)rows.buf)[i] >= x_rows;
+    for (int64_t s = 0; !bad && s < num_slots; s++) {
+        int64_t sum = 0;
+        for (int m = 0; m < LORA_MODULES; m++) {
+            const int64_t k = s * LORA_MODULES + m;
+            sum += t.b_ranks[k];
+            bad |= t.b_ranks[k] < 0 || (t.b_ranks[k] && (!t.b_ptrs[k] || t.b_cols[k] < 0 || t.b_widths[k] <= 0 ||
+                                                         t.b_cols[k] + t.b_widths[k] > width));
+        }
+        bad |= t.ranks[s] < 0 || t.ranks[s] > LORA_MAX_RANK || sum != t.ranks[s] || (t.ranks[s] && !t.a_ptrs[s]);
+    }
+    if (!bad) {
+        Py_BEGIN_ALLOW_THREADS
+        lora_sgmv_rows(x.buf, stride, rows.buf, n, in, slots.buf, norm.len ? norm.buf : NULL, eps, num_slots, &t,
+                       out.buf, width, threads);
+        Py_END_ALLOW_THREADS
+    }
+    Py_buffer *views[] = {&x, &rows, &slots, &norm, &a_ptrs, &ranks, &b_ptrs, &b_ranks, &b_cols, &b_widths, &out};
+    for (size_t i = 0; i < sizeof views / sizeof *views; i++) PyBuffer_Release(views[i]);
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError,
+                        "lora_sgmv: rows within x and buffers that fit the shapes; ranks 0-1024, each the sum of "
+                        "its blocks', blocks within the width, with their pointers");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+#endif

@@ -1,0 +1,117 @@
+"""The CPU backends' LoRA kernel (executors/kernels/lora_ops.h through LoraSlots.delta) against a float64 reference:
+ragged rows of several slots and base rows, ranks that are no multiple of the vector width, q|k|v blocks of
+unequal widths, adapters of some projections only, float16 storage, the RMS norm on the way in, and rows read in
+place from a larger activation matrix; and a swapped slot caught."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine_format import ModelSpec
+from executors.lora import LoraAdapter, LoraModule, LoraRows, LoraSlots
+from executors.lora.adapter import module_shape
+
+SPEC = ModelSpec(
+    model_type="llama",
+    vocab_size=100,
+    hidden_size=40,
+    intermediate_size=72,
+    num_layers=2,
+    num_heads=5,
+    num_kv_heads=1,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    qkv_bias=False,
+    rope_type="default",
+    max_position_embeddings=64,
+    sliding_windows=(None, None),
+    bos_token_id=1,
+    eos_token_ids=(2,),
+)
+GROUP_TARGETS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+
+
+def adapter(name: str, targets: dict[str, int], seed: int) -> LoraAdapter:
+    """Random modules of the given ranks (target -> rank) in every layer."""
+    rng = np.random.default_rng(seed)
+    modules = {}
+    for layer in range(SPEC.num_layers):
+        for target, rank in targets.items():
+            fan_in, fan_out = module_shape(SPEC, target)
+            a = rng.standard_normal((rank, fan_in)).astype(np.float32)
+            b = rng.standard_normal((fan_out, rank)).astype(np.float32)
+            modules[layer, target] = LoraModule(a, b, float(rng.uniform(0.5, 2)))
+    return LoraAdapter(name, Path(name), max(targets.values()), tuple(targets), modules, name)
+
+
+def reference(ad: LoraAdapter | None, layer: int, group: str, x: np.ndarray) -> np.ndarray:
+    """float64: each target's scaling * x @ A.T @ B.T at its columns of the fused output."""
+    targets = GROUP_TARGETS[group]
+    widths = [module_shape(SPEC, t)[1] for t in targets]
+    out = np.zeros((x.shape[0], sum(widths)))
+    col = 0
+    for target, width in zip(targets, widths, strict=True):
+        module = None if ad is None else ad.modules.get((layer, target))
+        if module is not None:
+            out[:, col : col + width] = module.scaling * (x.astype(np.float64) @ module.a.T @ module.b.T)
+        col += width
+    return out
+
+
+ADAPTERS = [
+    adapter("qv", {"q_proj": 5, "v_proj": 17}, 1),  # no k: its columns stay zero
+    adapter("qkv", {"q_proj": 16, "k_proj": 3, "v_proj": 33}, 2),
+    adapter("mlp", {"gate_proj": 7, "up_proj": 9, "down_proj": 21}, 3),
+]
+
+
+@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize("group", ["qkv", "gate_up", "down"])
+def test_each_row_gets_its_own_adapters_update(half, group):
+    slots = LoraSlots(SPEC, 4, "test", half=half)
+    for slot, ad in enumerate(ADAPTERS):  # slot 3 stays empty
+        slots.load(slot, ad)
+    lengths = np.array([3, 1, 9, 2, 1, 6, 1])  # prefill chunks and decodes, base chunks between them
+    chunk_slots = [0, None, 1, 2, 0, None, 1]
+    rows = LoraRows.of(chunk_slots, lengths)
+    fan_in = module_shape(SPEC, GROUP_TARGETS[group][0])[0]
+    x = np.random.default_rng(7).standard_normal((int(lengths.sum()), fan_in)).astype(np.float32)
+    assert slots.updates_group(rows, 1, group)
+    got = slots.delta(rows, 1, group, x)
+    pairs = list(zip(rows.rows, rows.slots, strict=True))
+    want = np.concatenate([reference(ADAPTERS[s], 1, group, x[[r]]) for r, s in pairs])
+    tolerance = 3e-3 if half else 1e-5
+    np.testing.assert_allclose(got, want, atol=tolerance * np.abs(want).max())
+    swapped = np.concatenate([reference(ADAPTERS[(s + 1) % 3], 1, group, x[[r]]) for r, s in pairs])
+    assert np.abs(got - swapped).max() > 0.1 * np.abs(want).max()  # the check catches a slot read as another
+
+
+def test_the_norm_on_the_way_in_and_rows_read_in_place():
+    slots = LoraSlots(SPEC, 2, "test")
+    slots.load(1, ADAPTERS[1])
+    rows = LoraRows(np.array([4, 0, 7]), np.array([1, 1, 1], np.int32))
+    hidden = np.random.default_rng(3).standard_normal((9, SPEC.hidden_size)).astype(np.float32) * 3
+    weight = np.random.default_rng(4).uniform(0.5, 1.5, SPEC.hidden_size).astype(np.float32)
+    got = slots.delta(rows, 0, "qkv", hidden, weight, 1e-5)
+    x = hidden[rows.rows].astype(np.float64)
+    normed = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-5) * weight
+    np.testing.assert_allclose(got, reference(ADAPTERS[1], 0, "qkv", normed), rtol=1e-4, atol=1e-4)
+    gathered = slots.delta(rows, 0, "qkv", hidden[rows.rows], x_rows=np.arange(3))
+    np.testing.assert_allclose(gathered, reference(ADAPTERS[1], 0, "qkv", x), rtol=1e-4, atol=1e-4)
+
+
+def test_a_cleared_slot_and_a_projection_it_does_not_update_give_zeros():
+    slots = LoraSlots(SPEC, 2, "test")
+    slots.load(0, ADAPTERS[0])
+    slots.load(1, ADAPTERS[2])
+    rows = LoraRows(np.array([0, 1]), np.array([0, 1], np.int32))
+    x = np.ones((2, SPEC.hidden_size), np.float32)
+    assert np.all(slots.delta(rows, 0, "qkv", x)[1] == 0)  # the MLP adapter has no q|k|v update
+    slots.clear(0)
+    assert not slots.updates_group(LoraRows(np.array([0]), np.array([0], np.int32)), 0, "qkv")
+    with pytest.raises(ValueError, match="rows within x"):
+        slots.delta(LoraRows(np.array([5]), np.array([1], np.int32)), 0, "gate_up", x)
