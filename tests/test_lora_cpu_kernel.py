@@ -75,7 +75,7 @@ def test_each_row_gets_its_own_adapters_update(half, group):
     slots = LoraSlots(SPEC, 4, "test", half=half)
     for slot, ad in enumerate(ADAPTERS):  # slot 3 stays empty
         slots.load(slot, ad)
-    lengths = np.array([3, 1, 9, 2, 1, 6, 1])  # prefill chunks and decodes, base chunks between them
+    lengths = np.array([3, 1, 21, 2, 1, 6, 1])  # prefill chunks (one past a 16-row tile) and decodes, base between
     chunk_slots = [0, None, 1, 2, 0, None, 1]
     rows = LoraRows.of(chunk_slots, lengths)
     fan_in = module_shape(SPEC, GROUP_TARGETS[group][0])[0]

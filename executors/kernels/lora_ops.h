@@ -12,8 +12,8 @@
  * normalized rows).
  *
  * A decode step is bound by the bytes it reads (~21 ms for SmolLM2's int8 weights here), and adapters add theirs:
- * each slot's A and B are read once per LORA_TILE rows of that slot (rows are taken slot by slot), not once a
- * row, and may be stored as float16 (`half`: half the bytes; accumulation stays float32). Slots go to OpenMP
+ * each slot's A and B are read once per LORA_TILE rows of that slot (rows are taken slot by slot: a prefill
+ * chunk's run together), not once a row, and may be stored as float16 (`half`: half the bytes; accumulation stays float32). Slots go to OpenMP
  * threads (their rows are disjoint) when the step is big enough to pay for waking them.
  */
 #ifndef TRTSERVE_LORA_OPS_H
@@ -30,7 +30,8 @@
 #define LORA_MAX_RANK 1024 /* a fused group's summed rank: 3 x 64 for q|k|v at the default limit */
 #define LORA_MAX_IN 16384  /* the widest projection input (an intermediate size) */
 #define LORA_MODULES 3     /* blocks per fused projection: q, k, v */
-#define LORA_TILE 4        /* rows of one slot sharing each read of its matrices */
+#define LORA_TILE 16       /* rows of one slot sharing each read of its matrices: 16 accumulators + 1 weight vector fit
+                              AVX-512's 32 registers */
 
 typedef struct {
     const int64_t *a_ptrs, *ranks;                       /* [S] */
@@ -68,11 +69,12 @@ static inline __m512 lora_load16(const void *w, int64_t i, int64_t n, int half) 
  * the expand over 16 output columns at a time, reading B once. */
 static void lora_tile(const float *xs, int64_t in, const LoraTable *t, int64_t s, const int64_t *idx, int count,
                       float *out, int64_t width) {
-    float tmp[LORA_TILE][LORA_MAX_RANK];
+    static __thread float tmp[LORA_TILE][LORA_MAX_RANK]; /* 64 KiB: off the (OpenMP workers') stacks */
     const int64_t rank = t->ranks[s], elem = t->half ? 2 : 4;
     const char *a = (const char *)(intptr_t)t->a_ptrs[s];
     for (int64_t c = 0; c < rank; c += 16) {
-        __m512 acc[LORA_TILE] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        __m512 acc[LORA_TILE];
+        for (int j = 0; j < count; j++) acc[j] = _mm512_setzero_ps();
         for (int64_t i = 0; i < in; i++) {
             const __m512 w = lora_load16(a + i * rank * elem, c, rank, t->half);
             for (int j = 0; j < count; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(xs[j * in + i]), w, acc[j]);
