@@ -9,7 +9,8 @@ adapter costs, what a slot-pool miss costs a step, and what a resident adapter h
   (warm). The first step (the prefill, with the slot load on a miss) and the decode steps are timed per kind; the
   slot fill itself is the LoraManager's load_seconds over the miss step (no disk read: host memory holds them all);
 - memory: LoraAdapter.nbytes (its float32 A and B, in host memory) and the fused GroupUpdates its slot holds
-  (executors/lora/slots.py: A_cat and a zero-padded B_cat per fused projection and layer).
+  (executors/lora/slots.py: A_cat and each module's B block per fused projection and layer, float16 on cpu-int8
+  and cpu-bf16).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def slot_nbytes(slots: Any, slot: int) -> int | None:
     updates = getattr(slots, "_updates", None)
     if not isinstance(updates, list) or slot >= len(updates):
         return None
-    return sum(u.a.nbytes + u.b.nbytes for u in updates[slot].values())
+    return sum(u.a.nbytes + sum(block.nbytes for block, _ in u.blocks) for u in updates[slot].values())
 
 
 def probe_order(first: str, second: str, cycles: int) -> list[tuple[str | None, str]]:

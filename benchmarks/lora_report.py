@@ -161,7 +161,8 @@ def _offline(o: dict | None) -> list[str]:
         f"(load_seconds over the miss step); slot loads as expected: {'yes' if pr['loads_as_expected'] else '**no**'}.",
         f"- Memory per resident adapter ({mem['adapter']}): {mem['adapter_nbytes'] / 2**20:.2f} MiB in host memory "
         f"(LoraAdapter.nbytes, float32 A and B) + {_f((mem['slot_nbytes'] or 0) / 2**20, 2)} MiB in its slot "
-        "(the fused GroupUpdates: A_cat and zero-padded B_cat per fused projection and layer).",
+        "(the fused GroupUpdates: A_cat and each module's B block per fused projection and layer, in the backend's "
+        "storage dtype).",
         *_table("request | first step ms (median) | decode step ms (median) | requests", rows),
     ]
 
