@@ -18,6 +18,7 @@ from engine_format import EngineConfig
 from executors.engine_weights import WeightReader
 from executors.flat_step import FlatStep
 from executors.int8_ops import rope_split
+from executors.lora.norms import NormWeights
 from executors.lora.slots import LoraSlots
 
 
@@ -25,8 +26,7 @@ from executors.lora.slots import LoraSlots
 class LoraInputs:
     """What the q/k/v updates need beside the segments' outputs: each layer's input RMSNorm and RoPE's tables."""
 
-    input_norms: list[np.ndarray]  # float32 [hidden] per layer
-    eps: float
+    norms: NormWeights
     cos: np.ndarray  # float32 [max_positions, head_dim], rotate-half form (as executors/int8_ops.rope_split takes)
     sin: np.ndarray
     heads: int
@@ -37,10 +37,7 @@ class LoraInputs:
         reader, spec = WeightReader(config), config.model
         cos, sin = reader.array("rope_cos").astype(np.float32), reader.array("rope_sin").astype(np.float32)
         return cls(
-            input_norms=[
-                reader.array(f"layer{i}.input_norm.weight").astype(np.float32) for i in range(spec.num_layers)
-            ],
-            eps=spec.rms_norm_eps,
+            norms=NormWeights.read(config),
             cos=np.ascontiguousarray(np.concatenate([cos, cos], axis=1)),
             sin=np.ascontiguousarray(np.concatenate([-sin, sin], axis=1)),
             heads=spec.num_heads,
@@ -54,7 +51,7 @@ class LoraInputs:
         if not lora.updates_group(flat.loras, layer, "qkv"):
             return
         rows = flat.loras.rows
-        delta = lora.delta(flat.loras, layer, "qkv", hidden, self.input_norms[layer], self.eps)
+        delta = lora.delta(flat.loras, layer, "qkv", hidden, self.norms.input_norms[layer], self.norms.eps)
         rotated = rope_split(delta, self.heads, self.kv_heads, self.cos, self.sin, flat.positions[rows, 0])
         for out, part in zip(qkv, rotated, strict=True):
             out[rows] += part
