@@ -17,6 +17,9 @@ What a decode worker needs, and why each field is there:
 - `block_ids`, `prompt_token_ids`, `first_token`: the request's blocks (its prompt's, in order), the tokens
   they hold (checked against the decode worker's own tokenization: another tokenizer or chat template is
   refused), and the token the prefill sampled (the decode worker's first step computes its KV).
+- `lora`: the LoRA adapter the KV was computed under (its content digest; None: the base model). KV is a
+  function of the weights that made it: a decode worker continues only a request for the same adapter,
+  holding the same adapter, and refuses any other (by name, at `expect`).
 - `expires_at`: wall-clock time (time.time()) the prefill worker releases the blocks unless pulled; a
   decode worker never starts a transfer that could end after it (the blocks may then hold another
   request's KV).
@@ -81,6 +84,7 @@ class KVHandle:
     prompt_token_ids: tuple[int, ...]
     first_token: int
     expires_at: float
+    lora: str | None = None
     recompute: bool = False
     version: int = field(default=HANDLE_VERSION)
 

@@ -85,7 +85,7 @@ def registry(*upstreams: FakeUpstream) -> LoraRegistry:
     for replica, upstream in zip(p.replicas.values(), upstreams, strict=True):
         replica.upstream = upstream  # type: ignore[assignment]
         replica.upstream.healthy = True  # type: ignore[attr-defined]
-    return LoraRegistry({"m": p}, ["m"], clock=Clock())
+    return LoraRegistry({"m": [p]}, ["m"], clock=Clock())
 
 
 def test_adapters_are_learned_from_the_backends_and_a_backend_name_is_never_an_adapter():
@@ -120,7 +120,24 @@ def test_a_load_reaches_every_replica_or_none():
 
 def test_a_load_waits_for_every_replica_to_serve():
     reg = registry(FakeUpstream({}), FakeUpstream({}))
-    next(iter(reg.pools["m"].replicas.values())).upstream.healthy = False
+    next(iter(reg.pools["m"][0].replicas.values())).upstream.healthy = False
     with pytest.raises(GatewayError, match="are not serving: every replica must take the adapter") as down:
         asyncio.run(reg.load("z", "/x/z", "m"))
     assert down.value.status == 503
+
+
+def test_a_disaggregated_backend_loads_on_its_prefill_and_decode_workers():
+    """A backend with no `both` replicas: its adapters are listed by a prefill or decode worker, and a load
+    reaches every worker of both roles (a decode worker continues KV only under the adapter it holds)."""
+    own = pool("prefix", urls=())
+    roles = [pool("prefix", urls=(A,)), pool("least_loaded", urls=(B, C))]
+    workers = [FakeUpstream({"a": "/x/a"}), FakeUpstream({"a": "/x/a"}), FakeUpstream({"a": "/x/a"})]
+    for replica, upstream in zip([r for p in roles for r in p.replicas.values()], workers, strict=True):
+        replica.upstream = upstream  # type: ignore[assignment]
+        replica.upstream.healthy = True  # type: ignore[attr-defined]
+    reg = LoraRegistry({"m": [own, *roles]}, ["m"], clock=Clock())
+    asyncio.run(reg.load("z", "/x/z", "m"))
+    assert [w.served for w in workers] == [{"a": "/x/a", "z": "/x/z"}] * 3
+    assert sorted(reg.adapters) == ["a", "z"]
+    asyncio.run(reg.unload("z"))
+    assert [w.served for w in workers] == [{"a": "/x/a"}] * 3

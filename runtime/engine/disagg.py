@@ -62,15 +62,14 @@ class DisaggStats:
 
 
 class Disagg:
-    def __init__(self, role: str, pin_timeout_s: float, kv: KVCacheManager, scheduler: Scheduler, max_num_seqs: int,
+    def __init__(self, role: str, pin_timeout_s: float, kv: KVCacheManager, scheduler: Scheduler,
                  requests: dict[str, Request], lock: Any, clock: Callable[[], float],
                  connector: KVConnector | None = None) -> None:  # fmt: skip
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)} (got {role!r})")
         self.role, self.connector, self.requests, self.lock = role, connector, requests, lock
         self.pins = KVPins(kv.pool, pin_timeout_s, clock)
-        self.imports = KVImports(kv, scheduler, max_num_seqs, connector if role == "decode" else None, lock, clock,
-                                 pin_timeout_s)  # fmt: skip
+        self.imports = KVImports(kv, scheduler, connector if role == "decode" else None, lock, clock, pin_timeout_s)
         self.block_size = kv.block_size
         self.handoffs = 0
         self._exports: set[str] = set()
@@ -82,7 +81,7 @@ class Disagg:
 
     @classmethod
     def create(cls, role: str, pin_timeout_s: float, config: EngineConfig, backend: Any, kv: KVCacheManager,
-               scheduler: Scheduler, max_num_seqs: int, requests: dict[str, Request], lock: Any,
+               scheduler: Scheduler, requests: dict[str, Request], lock: Any,
                clock: Callable[[], float]) -> Disagg:  # fmt: skip
         """The engine's: a connector over the backend's pool for the transfer roles (KVTransferError when
         NIXL is missing), none for "both"."""
@@ -90,7 +89,7 @@ class Disagg:
         if role != "both":
             connector = create_connector("nixl", kv_memory(backend, kv_layout(config)), kv_identity(config))
             log.info("role %s: KV connector %s, agent %s", role, connector.kind, connector.agent_name)
-        return cls(role, pin_timeout_s, kv, scheduler, max_num_seqs, requests, lock, clock, connector)
+        return cls(role, pin_timeout_s, kv, scheduler, requests, lock, clock, connector)
 
     # ---- the doors' calls, before a request reaches the engine ----------------------------------
 
@@ -101,9 +100,10 @@ class Disagg:
         with self.lock:
             self._exports.add(request_id)
 
-    def expect(self, request_id: str, handle_text: str, cache_salt: str | None) -> Import:
-        """Register a request's KV handle (InvalidRequest if unusable here); then `await pull(...)`."""
-        return self.imports.expect(request_id, handle_text, cache_salt)
+    def expect(self, request_id: str, handle_text: str, cache_salt: str | None, lora: str | None = None) -> Import:
+        """Register the KV handle of a request for adapter `lora` (InvalidRequest if unusable here); then
+        `await pull(...)`."""
+        return self.imports.expect(request_id, handle_text, cache_salt, lora)
 
     async def pull(self, imp: Import) -> None:
         await self.imports.pull(imp)
@@ -186,6 +186,7 @@ class Disagg:
             block_ids=tuple(blocks),
             prompt_token_ids=tuple(request.prompt_token_ids),
             first_token=request.all_token_ids[num_prompt],
+            lora=request.lora_id,
             expires_at=time.time() + self.pins.timeout_s,
         )
 

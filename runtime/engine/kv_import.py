@@ -1,7 +1,8 @@
 """Decode side of disaggregation: a request that arrives with a prefill worker's KV handle.
 
 Its life, in the order the door drives it (runtime/triton_model/ for Triton; any caller of the Python API):
-1. `expect`: the handle is registered under the request id, before the request reaches the engine.
+1. `expect`: the handle is registered under the request id, before the request reaches the engine. Refused
+   if it was computed under another LoRA adapter than the request's, as this worker holds it (or the base).
 2. `pull` (a coroutine on the caller's event loop, so the engine keeps stepping meanwhile): blocks are
    staged for the prompt (prefix-cache hits first: only what this worker lacks is read), the peer's agent is
    loaded (the handshake refuses another engine or layout), one read is started for the missing blocks and
@@ -45,6 +46,7 @@ class Import:
     request_id: str
     handle: KVHandle
     cache_salt: str | None
+    lora_id: str | None  # the request's adapter's digest here (the handle's: expect checks)
     deadline: float  # the clock's: staged blocks never adopted are freed then
     block_ids: list[int] = field(default_factory=list)  # staged: the prompt's blocks, hits first
     num_hits: int = 0
@@ -60,17 +62,18 @@ class PullRecord:
 
 
 class KVImports:
-    def __init__(self, kv: KVCacheManager, scheduler: Scheduler, max_num_seqs: int, connector: KVConnector | None,
-                 lock: Any, clock: Callable[[], float], timeout_s: float) -> None:  # fmt: skip
-        self.kv, self.scheduler, self.max_num_seqs, self.connector = kv, scheduler, max_num_seqs, connector
+    def __init__(self, kv: KVCacheManager, scheduler: Scheduler, connector: KVConnector | None, lock: Any,
+                 clock: Callable[[], float], timeout_s: float) -> None:  # fmt: skip
+        self.kv, self.scheduler, self.connector = kv, scheduler, connector
         self.lock, self.clock, self.timeout_s = lock, clock, timeout_s
         self._imports: dict[str, Import] = {}
         self._quarantine: list[tuple[Transfer, list[int]]] = []  # reads that could not be cancelled yet
         self.records: list[PullRecord] = []  # finished reads, drained by metrics
         self.pulls = self.failures = self.recomputes = self.pulled_bytes = 0
 
-    def expect(self, request_id: str, handle_text: str, cache_salt: str | None) -> Import:
-        """Register the request's handle; InvalidRequest if it cannot be used here."""
+    def expect(self, request_id: str, handle_text: str, cache_salt: str | None, lora: str | None = None) -> Import:
+        """Register the handle of a request for adapter `lora` (None: the base model); InvalidRequest if it
+        cannot be used here."""
         try:
             handle = KVHandle.from_json(handle_text)
         except KVHandleError as exc:
@@ -81,7 +84,10 @@ class KVImports:
         with self.lock:
             if request_id in self._imports:
                 raise InvalidRequest("request_id", f"{request_id!r} is already in use")
-            imp = Import(request_id, handle, cache_salt, self.clock() + self.timeout_s)
+            lora_id = self._lora_id(lora)
+            if handle.lora != lora_id:
+                raise InvalidRequest("kv_handle", _lora_mismatch(handle.lora, lora))
+            imp = Import(request_id, handle, cache_salt, lora_id, self.clock() + self.timeout_s)
             self._imports[request_id] = imp
         return imp
 
@@ -148,7 +154,7 @@ class KVImports:
         with self.lock:
             hits = []
             if self.kv.enable_prefix_caching:
-                parent = salt_root(imp.cache_salt)
+                parent = salt_root(imp.cache_salt, imp.lora_id)
                 for i in range(len(prompt) // bs):
                     parent = block_hash(parent, prompt[i * bs : (i + 1) * bs])
                     block = pool.lookup(parent)
@@ -175,12 +181,15 @@ class KVImports:
             self._free(imp)
             raise InvalidRequest("kv_handle", f"the handle's prompt ({handle.num_prompt_tokens} tokens) differs from "
                                  "this request's: another prompt, tokenizer or chat template")  # fmt: skip
+        if request.lora_id != imp.lora_id:  # another adapter than expect() was told, or it changed since
+            self._free(imp)
+            raise InvalidRequest("kv_handle", _lora_mismatch(handle.lora, request.params.lora))
         resume(request, [handle.first_token])  # generated (and its text sent) by the prefill worker
         now = self.clock()
         request.timing.first_scheduled = now
         request.timing.on_token(now)
         num_prompt = request.num_prompt_tokens
-        if imp.pulled and imp.block_ids and len(self.scheduler.running) < self.max_num_seqs:
+        if imp.pulled and imp.block_ids and self.scheduler.can_start(request):
             request.block_ids, imp.block_ids = imp.block_ids, []
             request.num_cached_blocks = imp.num_hits
             request.num_computed_tokens = num_prompt
@@ -188,7 +197,7 @@ class KVImports:
             self.kv.record_lookup(num_prompt, imp.num_hits * self.kv.block_size)
             self.scheduler.add_running(request)
             return True
-        if imp.pulled and imp.block_ids:  # no sequence slot: cache what was read, queue for the rest
+        if imp.pulled and imp.block_ids:  # no sequence or adapter slot: cache what was read, queue for the rest
             request.block_ids, imp.block_ids = imp.block_ids, []
             request.num_cached_blocks, request.num_computed_tokens = imp.num_hits, num_prompt
             self.kv.cache_computed_blocks(request)
@@ -199,6 +208,14 @@ class KVImports:
         # Once read, the prefill worker's pins are gone: refused now, the handle could not be used again.
         self.scheduler.add(request, bounded=not imp.pulled)
         return True
+
+    def _lora_id(self, lora: str | None) -> str | None:
+        """The digest of the adapter `lora` as this worker serves it; InvalidRequest if it serves none so named."""
+        if lora is None:
+            return None
+        if self.scheduler.loras is None:
+            raise InvalidRequest("lora", f"adapter {lora!r}: this server serves no LoRA adapters")
+        return self.scheduler.loras.digest(lora)
 
     def discard(self, request_id: str) -> None:
         """Forget a request's handle and free what it staged (a no-op once adopted); thread-safe."""
@@ -242,3 +259,10 @@ class KVImports:
 
     def _free_blocks(self, blocks: list[int]) -> None:
         self.kv.pool.free_blocks(self.kv.pool.blocks[b] for b in reversed(blocks))
+
+
+def _lora_mismatch(computed_under: str | None, lora: str | None) -> str:
+    """Why KV computed under adapter digest `computed_under` cannot continue a request for adapter `lora`."""
+    theirs = "the base model" if computed_under is None else f"an adapter of digest {computed_under[:12]}"
+    mine = "the base model" if lora is None else f"adapter {lora!r} as this worker holds it"
+    return f"the KV was computed under {theirs}, this request asks for {mine}: a prefill worker with the same adapter"

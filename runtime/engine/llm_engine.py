@@ -117,7 +117,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         # disagg hook (runtime/engine/disagg.py): the worker's role, pinned and pulled KV blocks; inert for "both"
         self.disagg = Disagg.create(args.role, args.kv_pin_timeout_s, config, self.backend, self.kv, self.scheduler,
-                                    max_num_seqs, self.requests, self._lock, clock)  # fmt: skip
+                                    self.requests, self._lock, clock)  # fmt: skip
         log.info(
             "KV cache: %d blocks x %d = %d tokens; max concurrency at max_seq_len %d: %.1f sequences "
             "(max_num_seqs %d)",

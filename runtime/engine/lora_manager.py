@@ -112,20 +112,26 @@ class LoraManager:
         name = request.params.lora
         if name is None:
             return
-        if name not in self.paths or name in self.removing:
-            known = ", ".join(sorted(set(self.paths) - self.removing)) or "none"
-            raise InvalidRequest("lora", f"adapter {name!r} is not loaded (loaded: {known})")
+        digest = self.digest(name)
         if name not in self.loaded:
             try:
                 adapter = self._read(name, self.paths[name])
             except AdapterError as exc:
                 raise InvalidRequest("lora", f"adapter {name!r} could not be read again: {exc}") from None
-            if adapter.digest != self.digests[name]:
+            if adapter.digest != digest:
                 raise InvalidRequest("lora", f"adapter {name!r} changed on disk since it was loaded: load it again")
             self._keep_loaded(adapter)
         self.loaded.move_to_end(name)
         self.live[name] += 1
-        request.lora_id = self.digests[name]
+        request.lora_id = digest
+
+    def digest(self, name: str) -> str:
+        """The served adapter's content digest: its identity in the prefix cache and in KV handed between
+        workers. InvalidRequest naming `lora` if no adapter of that name is served."""
+        if name not in self.paths or name in self.removing:
+            known = ", ".join(sorted(set(self.paths) - self.removing)) or "none"
+            raise InvalidRequest("lora", f"adapter {name!r} is not loaded (loaded: {known})")
+        return self.digests[name]
 
     def unregister_request(self, request: Request) -> None:
         """A request ended (after release): its adapter may leave host memory, or leave altogether if removed."""
@@ -240,8 +246,6 @@ def create_lora_manager(args: EngineArgs, backend: object, config: EngineConfig)
     enable = getattr(backend, "enable_lora", None)
     if enable is None:
         raise EngineLoadError(f"{type(backend).__name__} does not apply LoRA adapters: use --backend cpu-bf16")
-    if args.role != "both":
-        raise EngineLoadError("LoRA adapters are not served with prefill/decode disaggregation (--role) yet")
     adapters = args.lora_adapters()
     manager = LoraManager(
         enable(args.max_loras, args.max_lora_rank),

@@ -109,7 +109,7 @@ class Scheduler:
 
     def add_running(self, request: Request) -> None:
         """Run a request that arrives with its prompt's KV computed (a decode worker's pulled blocks) from the
-        next step, in its sort_key place."""
+        next step, in its sort_key place (can_start said yes)."""
         self._start_running(request)
         self.requests[request.request_id] = request
         self.num_host_sampled += request.host_sampled
@@ -138,7 +138,14 @@ class Scheduler:
                 reason="slo",
             )
 
+    def can_start(self, request: Request) -> bool:
+        """Whether the request may run from the next step: a sequence free, and its adapter's slot."""
+        lora_ok = self.loras is None or self.loras.can_acquire(request)
+        return len(self.running) < self.config.max_num_seqs and lora_ok
+
     def _start_running(self, request: Request) -> None:
+        if self.loras is not None:
+            self.loras.acquire(request)
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=Request.sort_key)
         request.slot = self._free_slots.pop() if self._free_slots else None  # None: the backend reads the list
@@ -322,8 +329,6 @@ class Scheduler:
         self.kv.record_lookup(request.num_tokens, num_hit)
         request.num_computed_tokens = num_hit
         self._start_running(request)
-        if self.loras is not None:
-            self.loras.acquire(request)
         step.add(n, num_hit, prefill=True)
         batch.num_tokens[request] = n
         batch.budget -= n

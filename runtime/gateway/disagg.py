@@ -112,7 +112,7 @@ async def attempts(pool: ReplicaPool, request: GenerateRequest, stream: bool, ex
     tried = set(exclude)
     while True:
         try:
-            pick = pool.pick([], frozenset(tried))
+            pick = pool.pick([], frozenset(tried), request.lora)  # a worker with the adapter in a slot, if any
         except GatewayError as none_left:
             raise NotDecoded(none_left, None) from None
         tried.add(pick.replica.url)

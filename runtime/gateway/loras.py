@@ -5,7 +5,7 @@ backend as `parent`.
 Which adapters a backend serves is the backends' own word (their `lora_admin` "list" answer, from `trtserve
 serve --lora` and what was loaded since), asked of one healthy replica per backend at most once a second, when a
 client names a model the gateway does not know or lists the models. Admin keys load and unload adapters on every
-replica of a backend (vLLM's routes):
+replica of a backend, its prefill and decode workers included when it is disaggregated (vLLM's routes):
 
     POST /v1/load_lora_adapter    {"lora_name": "...", "lora_path": "/dir", "model": "<backend>"}   (model: optional
                                    with one backend)
@@ -54,8 +54,10 @@ class Adapter:
 class LoraRegistry:
     """Adapter name -> the backend serving it, as the backends last said."""
 
-    def __init__(self, pools: dict[str, ReplicaPool], models: list[str], clock: Callable[[], float] = time.monotonic):
-        self.pools = {name: pool for name, pool in pools.items() if name in models}  # not disaggregated role pools
+    def __init__(
+        self, pools: dict[str, list[ReplicaPool]], models: list[str], clock: Callable[[], float] = time.monotonic
+    ):
+        self.pools = pools  # backend -> the pools of its workers (its own; with disaggregation, prefill and decode)
         self.models = models  # the gateway's own names (backends, virtual models): no adapter may take one
         self.clock = clock
         self.adapters: dict[str, Adapter] = {}
@@ -72,8 +74,8 @@ class LoraRegistry:
                 return
             self._asked = self.clock()
             found: dict[str, Adapter] = {}
-            for backend, pool in self.pools.items():
-                healthy = pool.healthy
+            for backend, pools in self.pools.items():
+                healthy = [r for pool in pools for r in pool.healthy]
                 if not healthy:  # keep what it said before: it is restarting
                     found.update({n: a for n, a in self.adapters.items() if a.backend == backend})
                     continue
@@ -140,12 +142,12 @@ class LoraRegistry:
         ]
 
     def _every_replica(self, backend: str) -> list[ReplicaState]:
-        pool = self.pools.get(backend)
-        if pool is None:
+        pools = self.pools.get(backend)
+        if pools is None:
             raise GatewayError.invalid(
                 f"'{backend}' is not a backend of this gateway ({', '.join(self.pools)})", "model"
             )
-        replicas = list(pool.replicas.values())
+        replicas = [r for pool in pools for r in pool.replicas.values()]
         unhealthy = [r.url for r in replicas if not r.sync_health()]
         if unhealthy:
             raise GatewayError.unavailable(

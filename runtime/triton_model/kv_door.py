@@ -26,7 +26,7 @@ async def disaggregated(engine: AsyncLLM, parsed: ParsedRequest, request_id: str
     disagg = engine.disagg
     try:
         if parsed.kv_handle is not None:
-            await disagg.pull(disagg.expect(request_id, parsed.kv_handle, parsed.params.cache_salt))
+            await disagg.pull(disagg.expect(request_id, parsed.kv_handle, parsed.params.cache_salt, parsed.params.lora))
         elif parsed.prefill_only:
             disagg.export(request_id)
         yield
