@@ -7,6 +7,8 @@ parameter `trtserve serve` writes), behind `trtserve gateway --prefill-url ... -
   the gateway's outcomes; pins are back to 0 once read.
 - A decode worker whose engine differs is refused at the handshake; the gateway recomputes on the `both` worker
   and the client gets the same answer.
+- A LoRA adapter served by every worker: its answer through prefill + decode equals one worker's; a decode
+  worker refuses KV computed under an adapter for a request without it.
 - A prefill worker killed after answering: the decode worker's read fails with a clear error and holds no block.
 - A decode worker killed before it reads: the prefill worker's pins time out; no block stays held.
 """
@@ -23,8 +25,10 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from builder.build import BuildOptions, build_engine
+from builder.sources import load_checkpoint, resolve_model
 from runtime.serve.launcher import ServerConfig, TritonServer
 from tests.gateway_helpers import client, engine_metrics, gateway_metrics, running_gateway
+from tests.helpers import make_lora_adapter
 from tests.triton_helpers import grpc_stream, wait_for
 
 pytestmark = pytest.mark.serving
@@ -56,12 +60,14 @@ def grpc_url(server: TritonServer) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(llama_engine):
-    with servers((llama_engine, {"role": "prefill"}), (llama_engine, {"role": "decode"}), (llama_engine, {})) as (
-        prefill,
-        decode,
-        both,
-    ):
+def cluster(llama_engine, tmp_path_factory):
+    """Prefill, decode and both workers, each serving the LoRA adapter "qv"; gateways over the three (disagg)
+    and over the `both` worker alone (plain)."""
+    model = load_checkpoint(resolve_model("tiny-llama"))[0]
+    adapter = make_lora_adapter(model, tmp_path_factory.mktemp("lora") / "qv", ["q_proj", "v_proj"], 8, 16, 1)
+    lora = {"lora_modules": f"qv={adapter}"}
+    with servers((llama_engine, {"role": "prefill", **lora}), (llama_engine, {"role": "decode", **lora}),
+                 (llama_engine, lora)) as (prefill, decode, both):  # fmt: skip
         args = ["--prefill-url", grpc_url(prefill), "--decode-url", grpc_url(decode), "--triton-url", grpc_url(both)]
         with (
             running_gateway(None, None, "--model", "tiny", *args) as disagg,
@@ -70,9 +76,9 @@ def cluster(llama_engine):
             yield prefill, decode, both, disagg, plain
 
 
-def complete(gateway, prompt: str, stream: bool = False) -> tuple[str, int]:
+def complete(gateway, prompt: str, stream: bool = False, model: str = "tiny") -> tuple[str, int]:
     api = client(gateway.url)
-    params = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    params = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
     if not stream:
         answer = api.completions.create(**params, extra_body={"ignore_eos": True})
         return answer.choices[0].text, answer.usage.completion_tokens
@@ -121,10 +127,10 @@ def infer(server: TritonServer, **values):
         triton.close()
 
 
-def prefill_handle(server: TritonServer, prompt: str) -> str:
+def prefill_handle(server: TritonServer, prompt: str, **values) -> str:
     """A prefill-only request straight to a prefill worker: its KV handle."""
     result, error = infer(server, text_input=prompt.encode(), max_tokens=MAX_TOKENS, prefill_only=True,
-                          ignore_eos=True)  # fmt: skip
+                          ignore_eos=True, **values)  # fmt: skip
     assert error is None, error
     assert result.as_numpy("finish_reason")[0] == b"handoff"
     return result.as_numpy("kv_handle")[0].decode()
@@ -164,6 +170,17 @@ def test_a_mismatched_decode_worker_is_refused_and_the_gateway_recomputes(cluste
             assert outcomes['trtserve_gateway_disagg_requests_total{backend="tiny",outcome="recomputed"}'] == 1
         assert engine_metrics(mismatched)["trtserve_kv_cache_used_blocks"] == 0
     assert wait_for(lambda: engine_metrics(prefill)["trtserve_kv_pinned_blocks"] == 0)  # told it will not be read
+
+
+def test_an_adapter_is_prefilled_and_decoded_under_itself(cluster):
+    prefill, decode, _, disagg, plain = cluster
+    for prompt in PROMPTS[1:]:
+        expected = complete(plain, prompt, model="qv")
+        assert expected != complete(plain, prompt)  # the adapter changes the answer
+        assert complete(disagg, prompt, stream=True, model="qv") == expected
+    message = decode_error(decode, PROMPTS[2], prefill_handle(prefill, PROMPTS[2], lora=b"qv"))
+    assert message is not None and "kv_handle: the KV was computed under an adapter of digest" in message
+    assert wait_for(lambda: engine_metrics(decode)["trtserve_kv_staged_blocks"] == 0)
 
 
 def test_killing_the_prefill_worker_leaves_the_decode_worker_no_blocks(llama_engine):
