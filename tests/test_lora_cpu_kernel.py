@@ -1,7 +1,8 @@
 """The CPU backends' LoRA kernel (executors/kernels/lora_ops.h through LoraSlots.delta) against a float64 reference:
 ragged rows of several slots and base rows, ranks that are no multiple of the vector width, q|k|v blocks of
 unequal widths, adapters of some projections only, float16 storage, the RMS norm on the way in, and rows read in
-place from a larger activation matrix; and a swapped slot caught."""
+place from a larger activation matrix, tiles of every row count with ranks past the kernel's register block,
+updates added in place; and a swapped slot caught."""
 
 from __future__ import annotations
 
@@ -115,3 +116,36 @@ def test_a_cleared_slot_and_a_projection_it_does_not_update_give_zeros():
     assert not slots.updates_group(LoraRows(np.array([0]), np.array([0], np.int32)), 0, "qkv")
     with pytest.raises(ValueError, match="rows within x"):
         slots.delta(LoraRows(np.array([5]), np.array([1], np.int32)), 0, "gate_up", x)
+
+
+@pytest.mark.parametrize("count", range(1, 18))
+def test_every_tile_row_count_and_ranks_past_the_register_block(count):
+    """The kernel compiles a tile for each row count 1-16 (registers: 4 vectors a row up to 4 rows, 2 up to 8,
+    1 past), and q's rank 70 spans two blocks of 64 columns with a partial one."""
+    wide = adapter("wide", {"q_proj": 70, "k_proj": 1, "v_proj": 20}, 5)
+    slots = LoraSlots(SPEC, 2, "test", half=count % 2 == 0)
+    slots.load(1, wide)
+    rows = LoraRows(np.arange(count, dtype=np.int64), np.ones(count, np.int32))
+    x = np.random.default_rng(count).standard_normal((count, SPEC.hidden_size)).astype(np.float32)
+    want = reference(wide, 0, "qkv", x)
+    np.testing.assert_allclose(slots.delta(rows, 0, "qkv", x), want, atol=3e-3 * np.abs(want).max())
+
+
+def test_updates_added_in_place_to_their_rows_only():
+    slots = LoraSlots(SPEC, 3, "test")
+    slots.load(0, ADAPTERS[0])
+    slots.load(2, ADAPTERS[1])
+    rows = LoraRows(np.array([1, 4, 5]), np.array([2, 0, 2], np.int32))
+    x = np.random.default_rng(8).standard_normal((6, SPEC.hidden_size)).astype(np.float32)
+    out = np.random.default_rng(9).standard_normal((6, 56)).astype(np.float32)  # q|k|v: 40 + 8 + 8 columns
+    expected = out.astype(np.float64)
+    held = {0: ADAPTERS[0], 2: ADAPTERS[1]}
+    for r, s in zip(rows.rows, rows.slots, strict=True):
+        expected[r] += reference(held[s], 1, "qkv", x[[r]])[0]
+    slots.add_delta(out, rows, 1, "qkv", x)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)  # rows 0, 2, 3 unchanged
+    assert slots.groups(rows) == {(layer, "qkv") for layer in range(SPEC.num_layers)}
+    with pytest.raises(ValueError, match="C-contiguous float32"):
+        slots.add_delta(np.zeros((6, 64), np.float32), rows, 1, "qkv", x)  # another width
+    with pytest.raises(ValueError, match="out_rows within out"):
+        slots.add_delta(out[:3], rows, 1, "qkv", x)  # rows 4 and 5 are past its end

@@ -6,15 +6,19 @@
  * side by side) and up to LORA_MODULES blocks B_sm [r_m, w_m] (scaled), block m covering columns c_m .. c_m + w_m
  * of the output and rows of A_s after the earlier blocks'. Row t with slot s = slots[t] gets
  * out[t, c_m + j] = sum_r (x_t @ A_s)[r_m0 + r] B_sm[r, j], zero elsewhere; a slot of rank 0 (no update here)
- * or -1 gives a zero row. B is not padded to the fused width: q|k|v's blocks are a third of a padded B_cat.
+ * or -1 gives a zero row. With `out_rows`, the update is added to row out_rows[t] of `out` instead (the
+ * projection's own output, or the residual stream: no delta array, no scatter-add after the call). B is not padded to the fused width: q|k|v's blocks are a third of a padded B_cat.
  * x_t is row rows[t] of `x` (the step's activations, read in place), RMS-normalized with `norm` first when one is
  * given (the projection's input is RMSNorm(hidden): the CPU backends keep hidden, not their quantized or fused
  * normalized rows).
  *
  * A decode step is bound by the bytes it reads (~21 ms for SmolLM2's int8 weights here), and adapters add theirs:
  * each slot's A and B are read once per LORA_TILE rows of that slot (rows are taken slot by slot: a prefill
- * chunk's run together), not once a row, and may be stored as float16 (`half`: half the bytes; accumulation stays float32). Slots go to OpenMP
- * threads (their rows are disjoint) when the step is big enough to pay for waking them.
+ * chunk's run together), not once a row, and may be stored as float16 (`half`: half the bytes; accumulation stays
+ * float32). A decode step has few rows per slot: their tiles keep several vectors of each row in registers, so
+ * the multiply-adds do not wait on each other (a 16-row step over 8 adapters: 2.7 ms more than the base model,
+ * 9.1 with one vector a row and the updates scattered from a delta array). Slots go to OpenMP threads (their
+ * rows are disjoint) when the step is big enough to pay for waking them.
  */
 #ifndef TRTSERVE_LORA_OPS_H
 #define TRTSERVE_LORA_OPS_H
@@ -57,50 +61,86 @@ static inline float lora_half_to_float(uint16_t h) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-/* 16 weights from w + i (float32 or float16), the columns past n zero */
+static inline __mmask16 lora_mask(int64_t i, int64_t n) {
+    return n - i >= 16 ? (__mmask16)0xffff : n <= i ? (__mmask16)0 : (__mmask16)((1u << (n - i)) - 1);
+}
+
+/* 16 weights from w + i (float32 or float16), the columns past n zero (none read) */
 static inline __m512 lora_load16(const void *w, int64_t i, int64_t n, int half) {
-    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    const __mmask16 m = lora_mask(i, n);
     if (half) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)w + i));
     return _mm512_maskz_loadu_ps(m, (const float *)w + i);
 }
 
-/* Rows idx[0..count) of the output, all of slot s; xs: their inputs [count, in]. Accumulators stay in registers:
- * the shrink runs over 16 of A's columns at a time, reading each of A's rows once for every row of the tile, and
- * the expand over 16 output columns at a time, reading B once. */
-static void lora_tile(const float *xs, int64_t in, const LoraTable *t, int64_t s, const int64_t *idx, int count,
-                      float *out, int64_t width) {
+/* Rows idx[0..count) of the output, all of slot s; xs: their inputs [count, in]. Inlined with `count` a constant
+ * (lora_tile's switch), so the count x NV accumulators stay in registers: NV vectors of 16 columns per row at a
+ * time (4 for up to 4 rows, whose chains of dependent multiply-adds would otherwise leave the FMA units idle). The
+ * shrink reads each of A's rows once per NV vectors for every row of the tile, the expand each of B's. */
+static inline __attribute__((always_inline)) void lora_tile_rows(const float *xs, int64_t in, const LoraTable *t,
+                                                                 int64_t s, const int64_t *idx, const int count,
+                                                                 float *out, const int64_t *out_rows, int64_t width) {
+    enum { NV_MAX = 4 };
+    const int nv = count <= 4 ? 4 : count <= 8 ? 2 : 1;
     static __thread float tmp[LORA_TILE][LORA_MAX_RANK]; /* 64 KiB: off the (OpenMP workers') stacks */
     const int64_t rank = t->ranks[s], elem = t->half ? 2 : 4;
     const char *a = (const char *)(intptr_t)t->a_ptrs[s];
-    for (int64_t c = 0; c < rank; c += 16) {
-        __m512 acc[LORA_TILE];
-        for (int j = 0; j < count; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < rank; c += 16 * nv) {
+        __m512 acc[LORA_TILE][NV_MAX];
+        for (int j = 0; j < count; j++)
+            for (int v = 0; v < nv; v++) acc[j][v] = _mm512_setzero_ps();
         for (int64_t i = 0; i < in; i++) {
-            const __m512 w = lora_load16(a + i * rank * elem, c, rank, t->half);
-            for (int j = 0; j < count; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(xs[j * in + i]), w, acc[j]);
+            __m512 w[NV_MAX];
+            for (int v = 0; v < nv; v++) w[v] = lora_load16(a + i * rank * elem, c + 16 * v, rank, t->half);
+            for (int j = 0; j < count; j++) {
+                const __m512 xj = _mm512_set1_ps(xs[j * in + i]);
+                for (int v = 0; v < nv; v++) acc[j][v] = _mm512_fmadd_ps(xj, w[v], acc[j][v]);
+            }
         }
-        for (int j = 0; j < count; j++) {
-            float block[16];
-            _mm512_storeu_ps(block, acc[j]);
-            memcpy(tmp[j] + c, block, (size_t)(rank - c < 16 ? rank - c : 16) * sizeof(float));
-        }
+        for (int j = 0; j < count; j++)
+            for (int v = 0; v < nv; v++) _mm512_mask_storeu_ps(tmp[j] + c + 16 * v, lora_mask(c + 16 * v, rank), acc[j][v]);
     }
     int64_t first = 0; /* the block's first row of A (and of tmp) */
     for (int m = 0; m < LORA_MODULES; m++) {
         const int64_t k = s * LORA_MODULES + m, rm = t->b_ranks[k], col = t->b_cols[k], w = t->b_widths[k];
         if (rm == 0) continue;
         const char *b = (const char *)(intptr_t)t->b_ptrs[k];
-        for (int64_t c = 0; c < w; c += 16) {
-            __m512 acc[LORA_TILE];
-            for (int j = 0; j < count; j++) acc[j] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < w; c += 16 * nv) {
+            __m512 acc[LORA_TILE][NV_MAX];
+            for (int j = 0; j < count; j++)
+                for (int v = 0; v < nv; v++) acc[j][v] = _mm512_setzero_ps();
             for (int64_t r = 0; r < rm; r++) {
-                const __m512 v = lora_load16(b + r * w * elem, c, w, t->half);
-                for (int j = 0; j < count; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(tmp[j][first + r]), v, acc[j]);
+                __m512 bv[NV_MAX];
+                for (int v = 0; v < nv; v++) bv[v] = lora_load16(b + r * w * elem, c + 16 * v, w, t->half);
+                for (int j = 0; j < count; j++) {
+                    const __m512 h = _mm512_set1_ps(tmp[j][first + r]);
+                    for (int v = 0; v < nv; v++) acc[j][v] = _mm512_fmadd_ps(h, bv[v], acc[j][v]);
+                }
             }
-            const __mmask16 mask = w - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (w - c)) - 1);
-            for (int j = 0; j < count; j++) _mm512_mask_storeu_ps(out + idx[j] * width + col + c, mask, acc[j]);
+            for (int j = 0; j < count; j++) {
+                float *dst = out + (out_rows ? out_rows[idx[j]] : idx[j]) * width + col + c;
+                for (int v = 0; v < nv; v++) {
+                    const __mmask16 mask = lora_mask(c + 16 * v, w);
+                    __m512 sum = acc[j][v];
+                    if (out_rows) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, dst + 16 * v));
+                    _mm512_mask_storeu_ps(dst + 16 * v, mask, sum);
+                }
+            }
         }
         first += rm;
+    }
+}
+
+static void lora_tile(const float *xs, int64_t in, const LoraTable *t, int64_t s, const int64_t *idx, int count,
+                      float *out, const int64_t *out_rows, int64_t width) {
+    switch (count) {
+#define LORA_TILE_OF(n)                                                                                               \
+    case n:                                                                                                           \
+        lora_tile_rows(xs, in, t, s, idx, n, out, out_rows, width);                                                   \
+        break;
+        LORA_TILE_OF(1) LORA_TILE_OF(2) LORA_TILE_OF(3) LORA_TILE_OF(4) LORA_TILE_OF(5) LORA_TILE_OF(6)
+        LORA_TILE_OF(7) LORA_TILE_OF(8) LORA_TILE_OF(9) LORA_TILE_OF(10) LORA_TILE_OF(11) LORA_TILE_OF(12)
+        LORA_TILE_OF(13) LORA_TILE_OF(14) LORA_TILE_OF(15) LORA_TILE_OF(16)
+#undef LORA_TILE_OF
     }
 }
 #else /* without AVX-512 (BW, VL) */
@@ -110,7 +150,7 @@ static inline float lora_weight(const void *w, int64_t i, int half) {
 
 /* The portable loops: the same sums, row by row of A and B. */
 static void lora_tile(const float *xs, int64_t in, const LoraTable *t, int64_t s, const int64_t *idx, int count,
-                      float *out, int64_t width) {
+                      float *out, const int64_t *out_rows, int64_t width) {
     float tmp[LORA_TILE][LORA_MAX_RANK];
     const int64_t rank = t->ranks[s], elem = t->half ? 2 : 4;
     const char *a = (const char *)(intptr_t)t->a_ptrs[s];
@@ -126,7 +166,7 @@ static void lora_tile(const float *xs, int64_t in, const LoraTable *t, int64_t s
         for (int64_t r = 0; r < rm; r++)
             for (int j = 0; j < count; j++)
                 for (int64_t q = 0; q < w; q++)
-                    out[idx[j] * width + col + q] += tmp[j][first + r] * lora_weight(b + r * w * elem, q, t->half);
+                    out[(out_rows ? out_rows[idx[j]] : idx[j]) * width + col + q] += tmp[j][first + r] * lora_weight(b + r * w * elem, q, t->half);
         first += rm;
     }
 }
@@ -148,8 +188,8 @@ static void lora_input(const float *x, int64_t stride, int64_t row, int64_t in, 
 
 static void lora_sgmv_rows(const float *x, int64_t stride, const int64_t *rows, int64_t n, int64_t in,
                            const int32_t *slots, const float *norm, float eps, int64_t num_slots, const LoraTable *t,
-                           float *out, int64_t width, int threads) {
-    memset(out, 0, (size_t)(n * width) * sizeof(float));
+                           float *out, const int64_t *out_rows, int64_t width, int threads) {
+    if (!out_rows) memset(out, 0, (size_t)(n * width) * sizeof(float));
     /* ~64K multiply-adds a row: below ~8 rows one thread does it faster than waking the others */
 #pragma omp parallel num_threads(threads) if (n >= 8 && threads > 1)
     {
@@ -164,32 +204,36 @@ static void lora_sgmv_rows(const float *x, int64_t stride, const int64_t *rows, 
                 lora_input(x, stride, rows[row], in, norm, eps, xs + count * in);
                 idx[count++] = row;
                 if (count == LORA_TILE) {
-                    lora_tile(xs, in, t, s, idx, count, out, width);
+                    lora_tile(xs, in, t, s, idx, count, out, out_rows, width);
                     count = 0;
                 }
             }
-            if (count) lora_tile(xs, in, t, s, idx, count, out, width);
+            if (count) lora_tile(xs, in, t, s, idx, count, out, out_rows, width);
         }
         free(xs);
     }
 }
 
 static PyObject *lora_sgmv(PyObject *self, PyObject *args) {
-    Py_buffer x, rows, slots, norm, a_ptrs, ranks, b_ptrs, b_ranks, b_cols, b_widths, out;
+    Py_buffer x, rows, slots, norm, a_ptrs, ranks, b_ptrs, b_ranks, b_cols, b_widths, out, out_rows;
     int64_t stride, in, width;
     float eps;
     int threads, half;
-    if (!PyArg_ParseTuple(args, "y*LLy*y*y*fy*y*y*y*y*y*w*Lii", &x, &stride, &in, &rows, &slots, &norm, &eps,
-                          &a_ptrs, &ranks, &b_ptrs, &b_ranks, &b_cols, &b_widths, &out, &width, &threads, &half))
+    if (!PyArg_ParseTuple(args, "y*LLy*y*y*fy*y*y*y*y*y*w*y*Lii", &x, &stride, &in, &rows, &slots, &norm, &eps,
+                          &a_ptrs, &ranks, &b_ptrs, &b_ranks, &b_cols, &b_widths, &out, &out_rows, &width, &threads,
+                          &half))
         return NULL;
     const int64_t n = rows.len / 8, num_slots = ranks.len / 8, blocks = num_slots * LORA_MODULES;
     const int64_t x_rows = stride > 0 ? x.len / 4 / stride : 0;
     const LoraTable t = {a_ptrs.buf, ranks.buf, b_ptrs.buf, b_ranks.buf, b_cols.buf, b_widths.buf, half};
     int bad = in <= 0 || in > LORA_MAX_IN || stride < in || width <= 0 || slots.len != n * 4 ||
-              out.len < n * width * 4 || (norm.len && norm.len != in * 4) || a_ptrs.len != ranks.len ||
+              (out_rows.len ? out_rows.len != n * 8 : out.len < n * width * 4) || (norm.len && norm.len != in * 4) || a_ptrs.len != ranks.len ||
               b_ptrs.len != blocks * 8 || b_ranks.len != blocks * 8 || b_cols.len != blocks * 8 ||
               b_widths.len != blocks * 8;
+    const int64_t out_len = width > 0 ? out.len / 4 / width : 0;
     for (int64_t i = 0; !bad && i < n; i++) bad = ((const int64_t *)rows.buf)[i] < 0 || ((const int64_t *)rows.buf)[i] >= x_rows;
+    for (int64_t i = 0; !bad && i < n && out_rows.len; i++)
+        bad = ((const int64_t *)out_rows.buf)[i] < 0 || ((const int64_t *)out_rows.buf)[i] >= out_len;
     for (int64_t s = 0; !bad && s < num_slots; s++) {
         int64_t sum = 0;
         for (int m = 0; m < LORA_MODULES; m++) {
@@ -203,14 +247,15 @@ static PyObject *lora_sgmv(PyObject *self, PyObject *args) {
     if (!bad) {
         Py_BEGIN_ALLOW_THREADS
         lora_sgmv_rows(x.buf, stride, rows.buf, n, in, slots.buf, norm.len ? norm.buf : NULL, eps, num_slots, &t,
-                       out.buf, width, threads);
+                       out.buf, out_rows.len ? out_rows.buf : NULL, width, threads);
         Py_END_ALLOW_THREADS
     }
-    Py_buffer *views[] = {&x, &rows, &slots, &norm, &a_ptrs, &ranks, &b_ptrs, &b_ranks, &b_cols, &b_widths, &out};
+    Py_buffer *views[] = {&x, &rows, &slots, &norm, &a_ptrs, &ranks, &b_ptrs, &b_ranks, &b_cols, &b_widths, &out,
+                          &out_rows};
     for (size_t i = 0; i < sizeof views / sizeof *views; i++) PyBuffer_Release(views[i]);
     if (bad) {
         PyErr_SetString(PyExc_ValueError,
-                        "lora_sgmv: rows within x and buffers that fit the shapes; ranks 0-1024, each the sum of "
+                        "lora_sgmv: rows within x (and out_rows within out) and buffers that fit the shapes; ranks 0-1024, each the sum of "
                         "its blocks', blocks within the width, with their pointers");
         return NULL;
     }

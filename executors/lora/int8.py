@@ -25,9 +25,10 @@ class StepLora:
     def __init__(self, slots: LoraSlots, norms: NormWeights, tokens: LoraRows) -> None:
         self.slots, self.norms, self.tokens = slots, norms, tokens
         self.rows = tokens.rows
+        self.groups = slots.groups(tokens)  # what the step's adapters update, looked up once a step
 
     def _updates(self, layer: int, group: str) -> bool:
-        return self.slots.updates_group(self.tokens, layer, group)
+        return (layer, group) in self.groups
 
     def _add(
         self,
@@ -41,9 +42,11 @@ class StepLora:
     ) -> None:
         """Add the adapters' update of `group` to the LoRA rows of `out` [T, width]; its input is those rows of
         `x` (x_rows of it, if given), RMS-normalized with `norm` if given."""
+        if up_divisor is None:  # added by the kernel, in place
+            self.slots.add_delta(out, self.tokens, layer, group, x, norm, self.norms.eps, x_rows)
+            return
         delta = self.slots.delta(self.tokens, layer, group, x, norm, self.norms.eps, x_rows)
-        if up_divisor is not None:
-            delta[:, delta.shape[1] // 2 :] /= up_divisor
+        delta[:, delta.shape[1] // 2 :] /= up_divisor
         out[self.rows] += delta
 
     def add_qkv(self, qkv: np.ndarray, hidden: np.ndarray, layer: int) -> None:

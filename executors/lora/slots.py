@@ -96,6 +96,7 @@ class LoraRows:
 NO_ROWS = LoraRows(np.zeros(0, np.int64), np.zeros(0, np.int32))
 
 
+_NO_NORM, _NO_ROWS = np.zeros(0, np.float32), np.zeros(0, np.int64)  # the kernel's "none" for norm and out_rows
 MODULES = 3  # blocks per fused projection at most (q, k, v): executors/kernels/lora_ops.h's LORA_MODULES
 
 
@@ -109,6 +110,7 @@ class _GroupTable:
         self.b_ptrs, self.b_ranks, self.b_cols, self.b_widths = (
             np.zeros((num_slots, MODULES), np.int64) for _ in range(4)
         )
+        self.kernel_args = (self.a_ptrs, self.ranks, self.b_ptrs, self.b_ranks, self.b_cols, self.b_widths)
 
     def set(self, slot: int, update: GroupUpdate | None) -> None:
         self.a_ptrs[slot] = 0 if update is None else update.a.ctypes.data
@@ -166,6 +168,10 @@ class LoraSlots:
         table = self._tables.get((layer, group))
         return table is not None and bool(table.ranks[rows.slots].any())
 
+    def groups(self, rows: LoraRows) -> frozenset[tuple[int, str]]:
+        """The (layer, fused projection)s some adapter of the step updates (updates_group's, for a whole step)."""
+        return frozenset().union(*(self._updates[s] for s in np.unique(rows.slots).tolist()))
+
     def delta(
         self,
         rows: LoraRows,
@@ -179,13 +185,45 @@ class LoraSlots:
         """Each LoRA row's update of this projection [n, width] float32 (zeros where its adapter has none), in one
         kernel call for every slot of the step. The projection's input is row rows.rows[i] (or x_rows[i]) of `x`
         (float32 [T, in], read in place), RMS-normalized with `norm` and `eps` first when `norm` is given."""
+        out = np.empty((rows.slots.size, self._tables[layer, group].width), np.float32)
+        self._sgmv(rows, layer, group, x, norm, eps, x_rows, out, None)
+        return out
+
+    def add_delta(
+        self,
+        out: np.ndarray,
+        rows: LoraRows,
+        layer: int,
+        group: str,
+        x: np.ndarray,
+        norm: np.ndarray | None = None,
+        eps: float = 0.0,
+        x_rows: np.ndarray | None = None,
+    ) -> None:
+        """delta's updates added in place to rows rows.rows of `out` (float32 [T, width], C-contiguous: the
+        projection's output, or the residual stream for o_proj and down)."""
+        width = self._tables[layer, group].width
+        if out.dtype != np.float32 or not out.flags.c_contiguous or out.ndim != 2 or out.shape[1] != width:
+            raise ValueError(f"add_delta: out must be C-contiguous float32 [T, {width}], not {out.dtype} {out.shape}")
+        self._sgmv(rows, layer, group, x, norm, eps, x_rows, out, rows.rows)
+
+    def _sgmv(
+        self,
+        rows: LoraRows,
+        layer: int,
+        group: str,
+        x: np.ndarray,
+        norm: np.ndarray | None,
+        eps: float,
+        x_rows: np.ndarray | None,
+        out: np.ndarray,
+        out_rows: np.ndarray | None,
+    ) -> None:
         from executors.cpu_attention import kernel_module  # loaded by the backend by now, under its OpenMP policy
 
         t = self._tables[layer, group]
         x = np.ascontiguousarray(x, np.float32)
-        out = np.empty((rows.slots.size, t.width), np.float32)
-        weight = np.zeros(0, np.float32) if norm is None else np.ascontiguousarray(norm, np.float32)
-        tables = (t.a_ptrs, t.ranks, t.b_ptrs, t.b_ranks, t.b_cols, t.b_widths)
+        weight = _NO_NORM if norm is None else np.ascontiguousarray(norm, np.float32)
         kernel_module().lora_sgmv(
             x,
             x.shape[1],
@@ -194,13 +232,13 @@ class LoraSlots:
             rows.slots,
             weight,
             eps,
-            *tables,
+            *t.kernel_args,
             out,
+            _NO_ROWS if out_rows is None else out_rows,
             t.width,
             self.threads,
             int(self.half),
         )
-        return out
 
     def _set(self, slot: int, updates: dict[tuple[int, str], GroupUpdate]) -> None:
         """A slot's contents, and its column of every group's table (the arrays stay referenced by _updates)."""
