@@ -13,6 +13,7 @@ import pytest
 from runtime.gateway.errors import GatewayError
 from runtime.gateway.health import parse_engine_load
 from runtime.gateway.loras import LoraRegistry
+from runtime.gateway.replica_config import Replica
 from runtime.gateway.replicas import LEAST_LOADED, LORA_RESIDENT, NO_PREFIX_MATCH, PREFIX_MATCH, EngineLoad
 from runtime.gateway.wire import Delta, GenerateRequest
 from tests.test_gateway_balancing import SYSTEM, A, B, C, Clock, chat, pool
@@ -141,3 +142,32 @@ def test_a_disaggregated_backend_loads_on_its_prefill_and_decode_workers():
     assert sorted(reg.adapters) == ["a", "z"]
     asyncio.run(reg.unload("z"))
     assert [w.served for w in workers] == [{"a": "/x/a"}] * 3
+
+
+def test_a_replica_that_joins_later_is_given_the_adapters_loaded_through_the_gateway():
+    """Scale-out (or one back from being down): the monitor's round after it serves gives it what was loaded
+    at run time, not what the other replicas started with; an unloaded adapter is not given."""
+    first, second = FakeUpstream({"boot": "/x/boot"}), FakeUpstream({"boot": "/x/boot"})
+    reg = registry(first, second)
+    asyncio.run(reg.load("z", "/x/z", "m"))
+    asyncio.run(reg.load("gone", "/x/gone", "m"))
+    asyncio.run(reg.unload("gone"))
+    asyncio.run(reg.sync())  # every replica took "z" at its load: nothing to give (one list each)
+    assert [c["lora_admin"] for c in first.calls][-1:] == ["list"] and "z" in first.served
+    pool = reg.pools["m"][0]
+    joiner = FakeUpstream({"boot": "/x/boot"})
+    state = pool.add(Replica(C))
+    state.upstream = joiner  # type: ignore[assignment]
+    joiner.healthy = True  # type: ignore[attr-defined]
+    asyncio.run(reg.refresh(force=True))
+    assert "z" in reg.adapters  # known even if the joiner is the replica asked
+    asyncio.run(reg.sync())
+    assert joiner.served == {"boot": "/x/boot", "z": "/x/z"}
+    calls = len(joiner.calls)
+    asyncio.run(reg.sync())
+    assert len(joiner.calls) == calls  # synced once
+    joiner.healthy = False  # type: ignore[attr-defined]
+    asyncio.run(reg.sync())
+    joiner.healthy, joiner.served = True, {}  # type: ignore[attr-defined]  # back, its state lost
+    asyncio.run(reg.sync())
+    assert joiner.served == {"z": "/x/z"}

@@ -65,12 +65,14 @@ async def resolve(host: str, port: int) -> list[str]:
 
 
 class Monitor:
-    """Runs the probe and scrape loops over `pools` until stopped; `on_removed` gets replicas that left."""
+    """Runs the probe and scrape loops over `pools` until stopped; `on_removed` gets replicas that left, and
+    `after_health` runs after each health round (what replicas that joined or came back need)."""
 
     def __init__(self, pools: dict[str, ReplicaPool], discover: dict[str, Discovery],
-                 on_removed: Callable[[ReplicaState], None], resolver: Resolver = resolve) -> None:  # fmt: skip
+                 on_removed: Callable[[ReplicaState], None], resolver: Resolver = resolve,
+                 after_health: Callable[[], Awaitable[None]] | None = None) -> None:  # fmt: skip
         self.pools, self.discover = pools, discover
-        self.on_removed, self.resolver = on_removed, resolver
+        self.on_removed, self.resolver, self.after_health = on_removed, resolver, after_health
         self.discovered: dict[str, set[str]] = {name: set() for name in discover}  # urls DNS supplied
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -95,6 +97,8 @@ class Monitor:
         await asyncio.gather(*(r.upstream.probe() for r in replicas))
         for pool in self.pools.values():
             pool.publish_health()
+        if self.after_health is not None:
+            await self.after_health()
 
     async def rediscover(self, backend: str) -> None:
         discovery, pool = self.discover[backend], self.pools[backend]

@@ -12,7 +12,9 @@ replica of a backend, its prefill and decode workers included when it is disaggr
     POST /v1/unload_lora_adapter  {"lora_name": "..."}
 
 A load reaches every replica or none (the ones that took it unload it again when another refuses); each replica
-keeps it across its own restarts (runtime/triton_model/lora_admin.py).
+keeps it across its own restarts (runtime/triton_model/lora_admin.py), and a replica that joins later (scale-out,
+discovery, or one back after being down) is given the adapters loaded here before as the monitor's health round
+finds it serving (`sync`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import logging
 import math
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -61,6 +64,8 @@ class LoraRegistry:
         self.models = models  # the gateway's own names (backends, virtual models): no adapter may take one
         self.clock = clock
         self.adapters: dict[str, Adapter] = {}
+        self.loaded: dict[str, Adapter] = {}  # loaded through this gateway: every replica of the backend takes them
+        self._synced: weakref.WeakSet[ReplicaState] = weakref.WeakSet()  # healthy replicas known to hold them
         self._asked = -math.inf
         self._lock = asyncio.Lock()
 
@@ -87,7 +92,27 @@ class LoraRegistry:
                 for name, path in served.items():
                     if name not in self.models:  # a backend's own name wins
                         found[name] = Adapter(name, backend, path)
+            found.update(self.loaded)  # the replica asked may have joined since, not given them yet
             self.adapters = found
+
+    async def sync(self) -> None:
+        """Give each replica that serves again or joined since the last call the adapters loaded here (the
+        monitor calls it after each health round); one that fails is tried again next round."""
+        for backend, pools in self.pools.items():
+            wanted = [a for a in self.loaded.values() if a.backend == backend]
+            for replica in (r for pool in pools for r in pool.replicas.values()):
+                if not replica.upstream.healthy:
+                    self._synced.discard(replica)
+                elif replica not in self._synced:
+                    try:
+                        served = await _ask(replica, LIST) if wanted else {}
+                        for adapter in (a for a in wanted if a.name not in served):
+                            log.info("replica %s joined without LoRA adapter %r: loading it", replica.url, adapter.name)
+                            await _ask(replica, _load_request(adapter.name, adapter.path))
+                    except GatewayError as exc:
+                        log.warning("giving replica %s the LoRA adapters loaded here failed: %s", replica.url, exc)
+                        continue
+                    self._synced.add(replica)
 
     async def load(self, name: str, path: str, backend: str) -> None:
         """Load on every replica of `backend`, or on none (GatewayError naming why)."""
@@ -97,7 +122,7 @@ class LoraRegistry:
         if name in self.adapters:
             raise GatewayError.invalid(f"the LoRA adapter '{name}' is already loaded: unload it first", "lora_name")
         replicas = self._every_replica(backend)
-        request = GenerateRequest(None, None, {}, texts={"lora_admin": "load", "lora": name, "lora_path": path})
+        request = _load_request(name, path)
         done: list[ReplicaState] = []
         try:
             for replica in replicas:
@@ -109,7 +134,7 @@ class LoraRegistry:
             if exc.param in ("lora", "lora_path"):  # the model's words for this route's fields
                 exc.param = "lora_name" if exc.param == "lora" else "lora_path"
             raise
-        self.adapters[name] = Adapter(name, backend, path)
+        self.adapters[name] = self.loaded[name] = Adapter(name, backend, path)
 
     async def unload(self, name: str) -> None:
         await self.refresh(force=True)
@@ -120,6 +145,7 @@ class LoraRegistry:
             )
         request = GenerateRequest(None, None, {}, texts={"lora_admin": "unload", "lora": name})
         del self.adapters[name]  # new requests: 404 now; running ones finish on their replicas
+        self.loaded.pop(name, None)
         results = await asyncio.gather(
             *(_ask(r, request) for r in self._every_replica(adapter.backend)), return_exceptions=True
         )
@@ -155,6 +181,10 @@ class LoraRegistry:
                 "replica must take the adapter; retry once they are back"
             )
         return replicas
+
+
+def _load_request(name: str, path: str) -> GenerateRequest:
+    return GenerateRequest(None, None, {}, texts={"lora_admin": "load", "lora": name, "lora_path": path})
 
 
 async def _ask(replica: ReplicaState, request: GenerateRequest) -> dict[str, str]:

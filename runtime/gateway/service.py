@@ -78,12 +78,12 @@ class Gateway:
                     discover[name] = source.discover
             both = self.pools[b.name] if b.configured_replicas or b.discover is not None else None
             self.disagg[b.name] = DisaggPools(b.name, roles["prefill"], roles["decode"], both)
-        self.monitor = Monitor(self.pools, discover, self._retire)
         self.model_ids = config.models  # backends, then virtual models
         # adapters, named by clients as models, served by every worker of their backend
         workers = {b: [d.prefill, d.decode] for b, d in self.disagg.items()}
         backend_pools = {b: [self.pools[b], *workers.get(b, [])] for b in config.backends}
         self.loras = LoraRegistry(backend_pools, self.model_ids)
+        self.monitor = Monitor(self.pools, discover, self._retire, after_health=self.loras.sync)
         self.responses = ResponseStore()  # the Responses API's finished responses (previous_response_id)
         self.started = time.time()
         self._closing: dict[asyncio.Task[None], ReplicaState] = {}  # removed replicas awaiting their last request
