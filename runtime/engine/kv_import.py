@@ -188,24 +188,11 @@ class KVImports:
         now = self.clock()
         request.timing.first_scheduled = now
         request.timing.on_token(now)
-        num_prompt = request.num_prompt_tokens
-        if imp.pulled and imp.block_ids and self.scheduler.can_start(request):
-            request.block_ids, imp.block_ids = imp.block_ids, []
-            request.num_cached_blocks = imp.num_hits
-            request.num_computed_tokens = num_prompt
-            self.kv.cache_computed_blocks(request)  # pulled full blocks serve later prompts too
-            self.kv.record_lookup(num_prompt, imp.num_hits * self.kv.block_size)
-            self.scheduler.add_running(request)
+        if imp.pulled and imp.block_ids:
+            blocks, imp.block_ids = imp.block_ids, []
+            self.scheduler.add_computed(request, blocks, imp.num_hits)
             return True
-        if imp.pulled and imp.block_ids:  # no sequence or adapter slot: cache what was read, queue for the rest
-            request.block_ids, imp.block_ids = imp.block_ids, []
-            request.num_cached_blocks, request.num_computed_tokens = imp.num_hits, num_prompt
-            self.kv.cache_computed_blocks(request)
-            self.kv.free(request)
-            request.num_computed_tokens = 0
-        else:
-            self.recomputes += 1
-        # Once read, the prefill worker's pins are gone: refused now, the handle could not be used again.
+        self.recomputes += 1
         self.scheduler.add(request, bounded=not imp.pulled)
         return True
 

@@ -35,13 +35,13 @@ from runtime.engine.kv_tiers import create_tiers
 from runtime.engine.lora_manager import create_lora_manager
 from runtime.engine.output_processor import OutputProcessor
 from runtime.engine.outputs import RequestOutput, TokenOutput
-from runtime.engine.request import Request, RequestStatus, RequestTiming
+from runtime.engine.request import Request, RequestTiming
 from runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from runtime.engine.spec.decoding import create_spec_decoder
 from runtime.engine.stats import EngineCounters, EngineStats, StepRecord
 from runtime.engine.step_cost import OnlineStepCost, StepShape
 from runtime.engine.step_inputs import InFlight, StepChunks, build_chunks
-from runtime.engine.step_update import Placed, StepUpdate
+from runtime.engine.step_update import StepUpdate
 from runtime.engine.tokenizer import load_tokenizer, stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -332,19 +332,7 @@ class LLMEngine:
             return outputs + self._fail(step, exc)
         with self._lock:
             self.counters.steps += 1
-            placed: list[Placed] = []
-            lists = zip(step.requests, step.chunks, step.completes, strict=True)
-            for row, (request, chunk, completes) in enumerate(lists):
-                if request.status is RequestStatus.FINISHED:  # aborted while it was launched: its row is dropped
-                    continue
-                if request.num_computed_tokens < request.num_prompt_tokens:
-                    self.counters.prompt_tokens += len(chunk.token_ids)
-                request.num_computed_tokens += len(chunk.token_ids)
-                if completes:
-                    placed.append((request, row, len(request.all_token_ids)))
-                    request.all_token_ids.append(PLACEHOLDER)
-                    request.pending_row = row
-            self._in_flight = InFlight(placed, pending, step, batch, start)
+            self._in_flight = InFlight(self.update.launched(step), pending, step, batch, start)
             return [] if previous is None else self._resolve(previous)
 
     def _resolve(self, launched: InFlight | None = None) -> list[TokenOutput]:

@@ -107,9 +107,20 @@ class Scheduler:
         self.num_host_sampled += request.host_sampled
         self.num_deadlines += request.params.deadline_s is not None
 
-    def add_running(self, request: Request) -> None:
-        """Run a request that arrives with its prompt's KV computed (a decode worker's pulled blocks) from the
-        next step, in its sort_key place (can_start said yes)."""
+    def add_computed(self, request: Request, block_ids: list[int], num_hits: int) -> None:
+        """A request that arrives with its prompt's KV computed in `block_ids` (a decode worker's pulled blocks;
+        the first `num_hits` were hits on its own prefix cache): running from the next step in its sort_key
+        place if it can start, else queued with what was read kept in the prefix cache. Never refused: once
+        read, the prefill worker's pins are gone, and the handle could not be used again."""
+        num_prompt = request.num_prompt_tokens
+        request.block_ids, request.num_cached_blocks, request.num_computed_tokens = block_ids, num_hits, num_prompt
+        self.kv.cache_computed_blocks(request)  # pulled full blocks serve later prompts too
+        if not self.can_start(request):  # no sequence or adapter slot: queue for what the prefix cache lacks
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            self.add(request, bounded=False)
+            return
+        self.kv.record_lookup(num_prompt, num_hits * self.kv.block_size)
         self._start_running(request)
         self.requests[request.request_id] = request
         self.num_host_sampled += request.host_sampled

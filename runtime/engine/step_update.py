@@ -1,7 +1,9 @@
 """After the backend ran a step, the per-step state transition (vLLM's update_from_output): advance computed
 lengths, sample (or verify drafts), append the tokens, finish requests at a stop token or max_tokens, and
-hand back each request's TokenOutput. Text (detokenization, stop strings) is the output processor's, off
-this path.
+hand back each request's TokenOutput. An overlapped step is updated in two halves: at launch (`launched`:
+computed lengths, a placeholder per sampled row) and once its tokens are known (`resolve`). With the
+scheduler's admissions and preemptions, this is where a running request's state changes; the speculation and
+disaggregation hooks ask them. Text (detokenization, stop strings) is the output processor's, off this path.
 
 The scheduler's: it reads and changes the scheduler's requests, queues and KV cache manager, under the
 engine's lock; it owns the host sampler.
@@ -13,6 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from executors.device_sampling import PLACEHOLDER
 from executors.sampling import DeviceSample, Sampler, SampleResult, TokenLogprobs, prompt_logprobs
 from runtime.engine.outputs import RequestStats, TokenOutput
 from runtime.engine.request import Request, RequestStatus
@@ -73,7 +76,8 @@ class StepUpdate:
         """Keep each request's accepted drafts plus one token; roll the rest back."""
         assert self.spec is not None
         now, outputs = self.clock(), []
-        for request, tokens, logprobs in self.spec.verify(logits, to_verify):
+        for request, tokens, logprobs, accepted in self.spec.verify(logits, to_verify):
+            request.num_computed_tokens = request.num_tokens + accepted  # tokens so far hold K/V, plus accepted
             outputs.append(self._append_tokens(request, tokens, logprobs, now))
             if not request.is_finished:
                 self.kv.trim(request)  # blocks that held only rejected drafts go back to the pool
@@ -118,6 +122,23 @@ class StepUpdate:
             if reason is not None:
                 return self.finish(request, reason, tokens[: i + 1], None if logprobs is None else logprobs[: i + 1])
         return _output(request, tokens, logprobs)
+
+    def launched(self, step: StepChunks) -> list[Placed]:
+        """An overlapped step was launched (its tokens sampled on the device, not yet known): computed lengths
+        advance now, and each sampled row's request gets a placeholder token (the next step's decode takes the
+        real one on the device; `resolve` writes it here)."""
+        placed: list[Placed] = []
+        for row, (request, chunk, completes) in enumerate(zip(step.requests, step.chunks, step.completes, strict=True)):
+            if request.status is RequestStatus.FINISHED:  # aborted while it was launched: its row is dropped
+                continue
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                self.counters.prompt_tokens += len(chunk.token_ids)
+            request.num_computed_tokens += len(chunk.token_ids)
+            if completes:
+                placed.append((request, row, len(request.all_token_ids)))
+                request.all_token_ids.append(PLACEHOLDER)
+                request.pending_row = row
+        return placed
 
     def resolve(self, placed: list[Placed], sample: DeviceSample) -> list[TokenOutput]:
         """An overlapped step's tokens, now known: each replaces its request's placeholder (and a request that

@@ -133,14 +133,14 @@ class SpecDecoder:
 
     def verify(
         self, logits: np.ndarray, to_verify: Sequence[tuple[Request, int, list[int]]]
-    ) -> list[tuple[Request, list[int], list[TokenLogprobs] | None]]:
+    ) -> list[tuple[Request, list[int], list[TokenLogprobs] | None, int]]:
         """to_verify: (request, its first logit row in `logits`, its drafts). Rejection-samples every
-        request's drafts and advances its computed length past the accepted ones (their K/V, and
-        the last real token's, are valid; the rejected rows are stale); returns the tokens to append."""
+        request's drafts; returns the tokens to append and how many drafts were accepted (their K/V, and the
+        last real token's, are valid; the rejected rows are stale)."""
         rows = np.concatenate([np.arange(first, first + len(d) + 1) for _, first, d in to_verify])
         requests, drafts = [r for r, _, _ in to_verify], [d for _, _, d in to_verify]
         result = self.sampler.verify(logits, drafts, [r.sampling for r in requests], rows=rows)
-        for request, d, accepted in zip(requests, drafts, result.num_accepted.tolist(), strict=True):
-            self.counters.record(len(d), accepted)
-            request.num_computed_tokens = request.num_tokens + accepted  # tokens so far hold K/V, plus accepted
-        return list(zip(requests, result.token_ids, result.logprobs, strict=True))
+        accepted = result.num_accepted.tolist()
+        for d, n in zip(drafts, accepted, strict=True):
+            self.counters.record(len(d), n)
+        return list(zip(requests, result.token_ids, result.logprobs, accepted, strict=True))
