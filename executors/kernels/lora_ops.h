@@ -17,7 +17,7 @@
  * chunk's run together), not once a row, and may be stored as float16 (`half`: half the bytes; accumulation stays
  * float32). A decode step has few rows per slot: their tiles keep several vectors of each row in registers, so
  * the multiply-adds do not wait on each other (a 16-row step over 8 adapters: 2.7 ms more than the base model,
- * 9.1 with one vector a row and the updates scattered from a delta array). Slots go to OpenMP threads (their
+ * 9.1 with one vector a row and the updates scattered from a delta array). Tiles go to OpenMP threads (their
  * rows are disjoint) when the step is big enough to pay for waking them.
  */
 #ifndef TRTSERVE_LORA_OPS_H
@@ -186,32 +186,60 @@ static void lora_input(const float *x, int64_t stride, int64_t row, int64_t in, 
     for (int64_t i = 0; i < in; i++) dst[i] = src[i] * scale * norm[i];
 }
 
-static void lora_sgmv_rows(const float *x, int64_t stride, const int64_t *rows, int64_t n, int64_t in,
-                           const int32_t *slots, const float *norm, float eps, int64_t num_slots, const LoraTable *t,
-                           float *out, const int64_t *out_rows, int64_t width, int threads) {
+/* A tile of work: up to LORA_TILE rows (indices into the call's rows) of one slot. */
+typedef struct {
+    int64_t slot;
+    int count;
+    int64_t idx[LORA_TILE];
+} LoraWork;
+
+/* The call's rows in tiles, slot by slot (row order within a slot); how many tiles. `tiles` holds n at least. */
+static int64_t lora_plan(const int32_t *slots, int64_t n, int64_t num_slots, const LoraTable *t, LoraWork *tiles) {
+    int64_t ntiles = 0;
+    for (int64_t s = 0; s < num_slots; s++) {
+        if (t->ranks[s] == 0) continue;
+        LoraWork *tile = NULL;
+        for (int64_t row = 0; row < n; row++) {
+            if (slots[row] != s) continue;
+            if (!tile || tile->count == LORA_TILE) {
+                tile = &tiles[ntiles++];
+                tile->slot = s;
+                tile->count = 0;
+            }
+            tile->idx[tile->count++] = row;
+        }
+    }
+    return ntiles;
+}
+
+/* 0, or -1 when memory ran out. Tiles go to the OpenMP threads (a prefill chunk of one adapter is several). */
+static int lora_sgmv_rows(const float *x, int64_t stride, const int64_t *rows, int64_t n, int64_t in,
+                          const int32_t *slots, const float *norm, float eps, int64_t num_slots, const LoraTable *t,
+                          float *out, const int64_t *out_rows, int64_t width, int threads) {
     if (!out_rows) memset(out, 0, (size_t)(n * width) * sizeof(float));
+    LoraWork *tiles = malloc(sizeof(LoraWork) * (size_t)(n > 0 ? n : 1));
+    if (!tiles) return -1;
+    const int64_t ntiles = lora_plan(slots, n, num_slots, t, tiles);
+    int failed = 0;
     /* ~64K multiply-adds a row: below ~8 rows one thread does it faster than waking the others */
-#pragma omp parallel num_threads(threads) if (n >= 8 && threads > 1)
+#pragma omp parallel num_threads(threads) if (n >= 8 && ntiles > 1 && threads > 1)
     {
         float *xs = malloc((size_t)(LORA_TILE * in) * sizeof(float));
+        if (!xs) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(dynamic)
-        for (int64_t s = 0; s < num_slots; s++) {
-            if (t->ranks[s] == 0 || !xs) continue;
-            int64_t idx[LORA_TILE];
-            int count = 0;
-            for (int64_t row = 0; row < n; row++) {
-                if (slots[row] != s) continue;
-                lora_input(x, stride, rows[row], in, norm, eps, xs + count * in);
-                idx[count++] = row;
-                if (count == LORA_TILE) {
-                    lora_tile(xs, in, t, s, idx, count, out, out_rows, width);
-                    count = 0;
-                }
-            }
-            if (count) lora_tile(xs, in, t, s, idx, count, out, out_rows, width);
+        for (int64_t k = 0; k < ntiles; k++) {
+            if (!xs) continue;
+            const LoraWork *tile = &tiles[k];
+            for (int j = 0; j < tile->count; j++) lora_input(x, stride, rows[tile->idx[j]], in, norm, eps, xs + j * in);
+            lora_tile(xs, in, t, tile->slot, tile->idx, tile->count, out, out_rows, width);
         }
         free(xs);
     }
+    free(tiles);
+    return failed ? -1 : 0;
 }
 
 static PyObject *lora_sgmv(PyObject *self, PyObject *args) {
@@ -244,15 +272,17 @@ static PyObject *lora_sgmv(PyObject *self, PyObject *args) {
         }
         bad |= t.ranks[s] < 0 || t.ranks[s] > LORA_MAX_RANK || sum != t.ranks[s] || (t.ranks[s] && !t.a_ptrs[s]);
     }
+    int oom = 0;
     if (!bad) {
         Py_BEGIN_ALLOW_THREADS
-        lora_sgmv_rows(x.buf, stride, rows.buf, n, in, slots.buf, norm.len ? norm.buf : NULL, eps, num_slots, &t,
-                       out.buf, out_rows.len ? out_rows.buf : NULL, width, threads);
+        oom = lora_sgmv_rows(x.buf, stride, rows.buf, n, in, slots.buf, norm.len ? norm.buf : NULL, eps, num_slots,
+                             &t, out.buf, out_rows.len ? out_rows.buf : NULL, width, threads) != 0;
         Py_END_ALLOW_THREADS
     }
     Py_buffer *views[] = {&x, &rows, &slots, &norm, &a_ptrs, &ranks, &b_ptrs, &b_ranks, &b_cols, &b_widths, &out,
                           &out_rows};
     for (size_t i = 0; i < sizeof views / sizeof *views; i++) PyBuffer_Release(views[i]);
+    if (oom) return PyErr_NoMemory();
     if (bad) {
         PyErr_SetString(PyExc_ValueError,
                         "lora_sgmv: rows within x (and out_rows within out) and buffers that fit the shapes; ranks 0-1024, each the sum of "
