@@ -66,8 +66,8 @@ def cluster(llama_engine, tmp_path_factory):
     model = load_checkpoint(resolve_model("tiny-llama"))[0]
     adapter = make_lora_adapter(model, tmp_path_factory.mktemp("lora") / "qv", ["q_proj", "v_proj"], 8, 16, 1)
     lora = {"lora_modules": f"qv={adapter}"}
-    with servers((llama_engine, {"role": "prefill", **lora}), (llama_engine, {"role": "decode", **lora}),
-                 (llama_engine, lora)) as (prefill, decode, both):  # fmt: skip
+    roles = ({"role": "prefill", **lora}, {"role": "decode", **lora}, lora)
+    with servers(*((llama_engine, params) for params in roles)) as (prefill, decode, both):
         args = ["--prefill-url", grpc_url(prefill), "--decode-url", grpc_url(decode), "--triton-url", grpc_url(both)]
         with (
             running_gateway(None, None, "--model", "tiny", *args) as disagg,

@@ -252,4 +252,4 @@ def _lora_mismatch(computed_under: str | None, lora: str | None) -> str:
     """Why KV computed under adapter digest `computed_under` cannot continue a request for adapter `lora`."""
     theirs = "the base model" if computed_under is None else f"an adapter of digest {computed_under[:12]}"
     mine = "the base model" if lora is None else f"adapter {lora!r} as this worker holds it"
-    return f"the KV was computed under {theirs}, this request asks for {mine}: a prefill worker with the same adapter"
+    return f"the KV was computed under {theirs}, this request asks for {mine} (both workers must serve its files)"
