@@ -112,7 +112,7 @@ class OrtCpuBackend(FlatStepBackend):
             )[:, None]  # fmt: skip
             if lora is not None and lora.updates_group(flat.loras, layer, "o_proj"):
                 # o_proj's update goes into the residual stream the next segment adds to
-                lora.add_delta(hidden[:, 0], flat.loras, layer, "o_proj", attn[:, 0])
+                lora.delta(flat.loras, layer, "o_proj", attn[:, 0], add_to=hidden[:, 0])
             feeds = {"hidden": hidden, "attn": attn}
             if layer + 1 < spec.num_layers:
                 hidden, q, k, v = self.segments[layer + 1].run(None, {**feeds, "positions": flat.positions})

@@ -142,10 +142,10 @@ def test_updates_added_in_place_to_their_rows_only():
     held = {0: ADAPTERS[0], 2: ADAPTERS[1]}
     for r, s in zip(rows.rows, rows.slots, strict=True):
         expected[r] += reference(held[s], 1, "qkv", x[[r]])[0]
-    slots.add_delta(out, rows, 1, "qkv", x)
+    slots.delta(rows, 1, "qkv", x, add_to=out)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)  # rows 0, 2, 3 unchanged
     assert slots.groups(rows) == {(layer, "qkv") for layer in range(SPEC.num_layers)}
     with pytest.raises(ValueError, match="C-contiguous float32"):
-        slots.add_delta(np.zeros((6, 64), np.float32), rows, 1, "qkv", x)  # another width
+        slots.delta(rows, 1, "qkv", x, add_to=np.zeros((6, 64), np.float32))  # another width
     with pytest.raises(ValueError, match="out_rows within out"):
-        slots.add_delta(out[:3], rows, 1, "qkv", x)  # rows 4 and 5 are past its end
+        slots.delta(rows, 1, "qkv", x, add_to=out[:3])  # rows 4 and 5 are past its end

@@ -181,47 +181,24 @@ class LoraSlots:
         norm: np.ndarray | None = None,
         eps: float = 0.0,
         x_rows: np.ndarray | None = None,
+        add_to: np.ndarray | None = None,
     ) -> np.ndarray:
         """Each LoRA row's update of this projection [n, width] float32 (zeros where its adapter has none), in one
         kernel call for every slot of the step. The projection's input is row rows.rows[i] (or x_rows[i]) of `x`
-        (float32 [T, in], read in place), RMS-normalized with `norm` and `eps` first when `norm` is given."""
-        out = np.empty((rows.slots.size, self._tables[layer, group].width), np.float32)
-        self._sgmv(rows, layer, group, x, norm, eps, x_rows, out, None)
-        return out
-
-    def add_delta(
-        self,
-        out: np.ndarray,
-        rows: LoraRows,
-        layer: int,
-        group: str,
-        x: np.ndarray,
-        norm: np.ndarray | None = None,
-        eps: float = 0.0,
-        x_rows: np.ndarray | None = None,
-    ) -> None:
-        """delta's updates added in place to rows rows.rows of `out` (float32 [T, width], C-contiguous: the
-        projection's output, or the residual stream for o_proj and down)."""
-        width = self._tables[layer, group].width
-        if out.dtype != np.float32 or not out.flags.c_contiguous or out.ndim != 2 or out.shape[1] != width:
-            raise ValueError(f"add_delta: out must be C-contiguous float32 [T, {width}], not {out.dtype} {out.shape}")
-        self._sgmv(rows, layer, group, x, norm, eps, x_rows, out, rows.rows)
-
-    def _sgmv(
-        self,
-        rows: LoraRows,
-        layer: int,
-        group: str,
-        x: np.ndarray,
-        norm: np.ndarray | None,
-        eps: float,
-        x_rows: np.ndarray | None,
-        out: np.ndarray,
-        out_rows: np.ndarray | None,
-    ) -> None:
+        (float32 [T, in], read in place), RMS-normalized with `norm` and `eps` first when `norm` is given.
+        `add_to` (float32 [T, width], C-contiguous: the projection's output, or the residual stream for o_proj and
+        down): the updates are added in place to its rows rows.rows instead, and it is returned."""
         from executors.cpu_attention import kernel_module  # loaded by the backend by now, under its OpenMP policy
 
         t = self._tables[layer, group]
+        if add_to is None:
+            out, out_rows = np.empty((rows.slots.size, t.width), np.float32), _NO_ROWS
+        elif add_to.dtype == np.float32 and add_to.flags.c_contiguous and add_to.shape[1:] == (t.width,):
+            out, out_rows = add_to, rows.rows
+        else:
+            raise ValueError(
+                f"delta: add_to must be C-contiguous float32 [T, {t.width}], not {add_to.dtype} {add_to.shape}"
+            )
         x = np.ascontiguousarray(x, np.float32)
         weight = _NO_NORM if norm is None else np.ascontiguousarray(norm, np.float32)
         kernel_module().lora_sgmv(
@@ -234,11 +211,12 @@ class LoraSlots:
             eps,
             *t.kernel_args,
             out,
-            _NO_ROWS if out_rows is None else out_rows,
+            out_rows,
             t.width,
             self.threads,
             int(self.half),
         )
+        return out
 
     def _set(self, slot: int, updates: dict[tuple[int, str], GroupUpdate]) -> None:
         """A slot's contents, and its column of every group's table (the arrays stay referenced by _updates)."""
