@@ -116,10 +116,15 @@ class Serve:
             time.sleep(0.2)
         return round(time.monotonic() - start, 1)
 
-    def child(self, name: str) -> int | None:
-        """The pid of serve's `name` child ("tritonserver" or "gateway") now."""
+    def children(self, name: str) -> list[int]:
+        """The pids of serve's `name` children now ("tritonserver", with a warm spare's; or "gateway")."""
         marker = "runtime.gateway" if name == "gateway" else "/tritonserver "
-        return next((pid for pid in _children(self.process.pid) if marker in _cmdline(pid)), None)
+        return [pid for pid in _children(self.process.pid) if marker in _cmdline(pid)]
+
+    def child(self, name: str) -> int | None:
+        """The pid of serve's `name` child ("tritonserver": the serving one, not a warm spare; or "gateway") now."""
+        serving = f"--grpc-port={self.ports['grpc']} "
+        return next((pid for pid in self.children(name) if name == "gateway" or serving in _cmdline(pid)), None)
 
     def model_stub(self) -> int | None:
         triton = self.child("tritonserver")
@@ -150,7 +155,7 @@ class Serve:
 
     def kill_all(self) -> None:
         """Last resort after a failure of ours: serve, and the children it started, by pid."""
-        for pid in [p for name in ("tritonserver", "gateway") if (p := self.child(name))]:
+        for pid in [*self.children("tritonserver"), *self.children("gateway")]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)  # each child leads its own session
         with contextlib.suppress(ProcessLookupError):
@@ -190,10 +195,7 @@ class Watch:
         parts = {"tritonserver": 0, "stubs": 0, "gateway": 0}
         supervisor = self.serve.process.pid
         self.ticks[supervisor] = max(self.ticks.get(supervisor, 0), cpu_ticks(supervisor))
-        for name in ("tritonserver", "gateway"):
-            pid = self.serve.child(name)
-            if pid is None:
-                continue
+        for name, pid in [(child, pid) for child in ("tritonserver", "gateway") for pid in self.serve.children(child)]:
             if (log := stdout_path(pid)) is not None:
                 self.logs.add(log)
             for member in session_pids(pid) if name == "tritonserver" else [pid]:

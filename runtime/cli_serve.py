@@ -98,10 +98,17 @@ from runtime.serve.serve_loop import ADMIN_KEY_ENV
     help="Seconds the model may show no progress (no engine step with requests unfinished, no heartbeat) "
     "before tritonserver is restarted.",
 )
+@click.option(
+    "--standby",
+    is_flag=True,
+    help="Keep a warm spare: a second tritonserver with the engine loaded (twice the engine's memory), on free "
+    "loopback ports, which the OpenAI gateway uses while the first cannot serve; a dead model's requests and "
+    "streams then go on there at once instead of after its restart. Left out, with a warning, if it cannot start.",
+)
 @engine_options(served_settings())
 def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_port: int, metrics_port: int,
           openai_port: int, no_openai: bool, api_key: str | None, tenants_path: Path | None, admin_key: str | None,
-          drain_timeout_s: float, health_interval_s: float, stall_timeout_s: float, max_restarts: int,
+          drain_timeout_s: float, health_interval_s: float, stall_timeout_s: float, max_restarts: int, standby: bool,
           engine_args: EngineArgs) -> None:  # fmt: skip
     """Serve an engine with NVIDIA Triton Inference Server (HTTP, gRPC, Prometheus metrics).
 
@@ -116,7 +123,7 @@ def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_po
     """
     from runtime.engine.spec.draft import check_draft_vocabulary
     from runtime.gateway.process import GatewayProcess, GatewayProcessError, start_beside_triton
-    from runtime.serve.launcher import ServerConfig, ServerError, TritonServer
+    from runtime.serve.launcher import ServerConfig, ServerError, TritonServer, free_port
     from runtime.serve.restarts import RestartBudget
     from runtime.serve.serve_loop import run_serve
 
@@ -138,12 +145,16 @@ def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_po
         raise click.ClickException(str(exc)) from None
     served_name = engine_dir.resolve().name
 
-    def start_gateway(grpc_address: str, http_address: str, triton_alive: Callable[[], bool]) -> GatewayProcess:
-        return start_beside_triton(
-            grpc_address, served_name, host, openai_port, api_key, http_address, tenants_path, triton_alive
-        )
+    def start_gateway(grpc_address: str, http_address: str, standby_address: str | None,
+                      triton_alive: Callable[[], bool]) -> GatewayProcess:  # fmt: skip
+        return start_beside_triton(grpc_address, served_name, host, openai_port, api_key, http_address, tenants_path,
+                                   triton_alive, standby_address)  # fmt: skip
 
     starter = None if no_openai else start_gateway
     budget = RestartBudget(max_per_window=max_restarts)
+    spare = None
+    if standby:  # on loopback whatever --triton-host says: only the gateway reaches it
+        spare = dataclasses.replace(config, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
+                                    metrics_port=free_port())  # fmt: skip
     sys.exit(run_serve(server, starter, served_name, health_interval_s, (GatewayProcessError,), stall_timeout_s,
-                       budget))  # fmt: skip
+                       budget, spare))  # fmt: skip

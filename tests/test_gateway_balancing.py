@@ -46,10 +46,10 @@ class Clock:
 
 
 def pool(policy: str = "prefix", urls: tuple[str, ...] = (A, B, C), clock: Clock | None = None,
-         **settings: object) -> ReplicaPool:  # fmt: skip
-    """A pool whose replicas are all healthy (set directly: nothing is probed)."""
+         standby: tuple[str, ...] = (), **settings: object) -> ReplicaPool:  # fmt: skip
+    """A pool whose replicas (`standby` among them marked so) are all healthy (set directly: nothing is probed)."""
     routing = RoutingSettings(policy=policy, **settings)  # type: ignore[arg-type]
-    made = ReplicaPool("m", "llm", [Replica(u) for u in urls], routing, policy,  # type: ignore[arg-type]
+    made = ReplicaPool("m", "llm", [Replica(u, standby=u in standby) for u in urls], routing, policy,  # type: ignore[arg-type]
                        GatewayMetrics.create(CollectorRegistry()), clock or Clock())  # fmt: skip
     for replica in made.replicas.values():
         replica.upstream.healthy = True
@@ -232,6 +232,25 @@ def test_a_replica_that_went_down_is_skipped_and_forgets_its_prefixes():
     assert caught.value.status == 503
 
 
+@pytest.mark.parametrize("policy", ["prefix", "round_robin", "least_loaded"])
+def test_a_standby_is_picked_only_while_no_other_replica_can_serve(policy: str):
+    p = pool(policy, urls=(A, B), standby=(B,))
+    request = chat(SYSTEM, "q")
+    for _ in range(4):  # however loaded A gets, and whatever B's index holds
+        assert route(p, request)[0] == A
+    p.replicas[B].index.insert(p.prefix_key(request))
+    assert route(p, request)[0] == A
+    assert p.pick(p.prefix_key(request), frozenset({A})).replica.url == B  # A failed this request: the spare
+    p.replicas[A].upstream.healthy = False  # A's model died
+    assert route(p, request)[0] == B
+    p.replicas[A].upstream.healthy = True  # restarted
+    assert route(p, request)[0] == A
+    p.replicas[B].upstream.healthy = False
+    p.replicas[A].upstream.healthy = False
+    with pytest.raises(GatewayError, match="no healthy replica"):
+        p.pick([])
+
+
 def test_round_robin_and_least_loaded_index_nothing():
     for policy in ("round_robin", "least_loaded"):
         p = pool(policy)
@@ -247,6 +266,7 @@ backends:
     replicas:
       - {url: "10.0.0.1:8001", metrics_url: "http://10.0.0.1:8002/metrics"}
       - "10.0.0.2:8001"
+      - {url: "127.0.0.1:9001", standby: true}
     routing: least_loaded
   pods:
     discover: {host: trtserve-triton.default.svc.cluster.local}
@@ -260,7 +280,11 @@ def test_replicas_and_routing_load_from_yaml(tmp_path: Path):
     assert config.routing == RoutingSettings(chunk_chars=32, balance_abs=4, health_interval_s=0.5)
     assert config.backends["smol"] == Backend(
         "smol",
-        replicas=(Replica("10.0.0.1:8001", "http://10.0.0.1:8002/metrics"), Replica("10.0.0.2:8001")),
+        replicas=(
+            Replica("10.0.0.1:8001", "http://10.0.0.1:8002/metrics"),
+            Replica("10.0.0.2:8001"),
+            Replica("127.0.0.1:9001", standby=True),
+        ),
         routing="least_loaded",
     )
     assert config.backends["pods"].discover == Discovery("trtserve-triton.default.svc.cluster.local", 8001, 8002)
@@ -279,6 +303,7 @@ def test_replicas_and_routing_load_from_yaml(tmp_path: Path):
          r"backends\.a\.replicas\[0\]\.metrics_url: expected an http"),
         ("backends:\n  a: {replicas: [{url: 'h:1', metric_url: x}]}\n", r"replicas\[0\]\.metric_url: unknown"),
         ("backends:\n  a: {replicas: [{metrics_url: 'http://h/'}]}\n", r"backends\.a\.replicas\[0\]\.url: required"),
+        ("backends:\n  a: {replicas: [{url: 'h:1', standby: 'yes'}]}\n", r"replicas\[0\]\.standby: expected true or"),
         ("backends:\n  a: {discover: {host: 'svc:8001'}}\n", r"backends\.a\.discover\.host: expected a DNS name"),
         ("backends:\n  a: {discover: {host: svc, grpc_port: 0}}\n", r"backends\.a\.discover\.grpc_port"),
         ("backends:\n  a: {url: 'h:1', routing: random}\n", r"backends\.a\.routing: expected one of prefix, round"),

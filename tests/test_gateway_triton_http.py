@@ -259,7 +259,7 @@ def test_a_tenant_at_its_limit_gets_429_here_too(triton, gateway):
     assert status == 200  # the slot came back when the stream's client left
 
 
-def test_start_beside_triton_passes_the_http_door_and_tenants(monkeypatch, tmp_path: Path):
+def test_start_beside_triton_passes_the_http_door_tenants_and_the_spare(monkeypatch, tmp_path: Path):
     """What `trtserve serve` runs: the options the gateway gets (the process itself is not started here)."""
     seen: list[list[str]] = []
 
@@ -272,6 +272,7 @@ def test_start_beside_triton_passes_the_http_door_and_tenants(monkeypatch, tmp_p
 
     monkeypatch.setattr("runtime.gateway.process.GatewayProcess", Recorder)
     start_beside_triton("0.0.0.0:8001", "m", "127.0.0.1", 9000, None, http_address="0.0.0.0:8000",
-                        tenants=tmp_path / "t.yaml")  # fmt: skip
-    assert seen == [["--triton-url", "127.0.0.1:8001", "--model", "m", "--nice", "10",
-                     "--triton-http-url", "http://127.0.0.1:8000", "--tenants", str(tmp_path / "t.yaml")]]  # fmt: skip
+                        tenants=tmp_path / "t.yaml", standby_address="127.0.0.1:8101")  # fmt: skip
+    assert seen == [["--triton-url", "127.0.0.1:8001", "--model", "m", "--nice", "10", "--standby-url",
+                     "127.0.0.1:8101", "--triton-http-url", "http://127.0.0.1:8000", "--tenants",
+                     str(tmp_path / "t.yaml")]]  # fmt: skip

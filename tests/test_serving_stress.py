@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc.aio as grpcaio
 
-from runtime.serve.supervisor import Supervisor
+from runtime.serve.supervisor import TRITON, Supervisor
 from tests.triton_helpers import metric, metrics, running_server, wait_for
 
 pytestmark = pytest.mark.serving
@@ -102,5 +102,5 @@ def test_a_burst_of_streams_with_requested_outputs_and_cancels_leaves_the_stub_a
             "completed": STREAMS - STREAMS // CANCEL_EVERY,
             "cancelled": STREAMS // CANCEL_EVERY - early,
         }
-        assert Supervisor(server).probe() is None, "the model still answers its health probe"
+        assert Supervisor({TRITON: server}).probe(server) is None, "the model still answers its health probe"
         assert wait_for(lambda: metric(metrics(server), "trtserve_kv_cache_usage_ratio") == 0.0, timeout_s=30)

@@ -1,7 +1,8 @@
 """Replica administration over HTTP: list, add and remove a backend's replicas while the gateway runs.
 
     GET    /admin/replicas                              every backend's policy and replicas, with their state
-    POST   /admin/backends/{backend}/replicas           {"url": "host:port", "metrics_url": "http://..."} -> 201
+    POST   /admin/backends/{backend}/replicas           {"url": "host:port", "metrics_url": "http://...",
+                                                         "standby": false (true: a warm spare)} -> 201
     DELETE /admin/backends/{backend}/replicas/{url}     open requests there finish; new ones go elsewhere
     GET    /admin/metrics                               the per-tenant series (Prometheus text), kept off /metrics
 
@@ -31,6 +32,7 @@ class NewReplica(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     url: str
     metrics_url: str | None = None
+    standby: bool = False
 
 
 def add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
@@ -54,7 +56,7 @@ def add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
             raise GatewayError.invalid("the body is not valid JSON") from None
         except ValidationError as exc:
             raise from_validation(exc) from None
-        replica = Replica(body.url, body.metrics_url)
+        replica = Replica(body.url, body.metrics_url, body.standby)
         try:
             check_replica("replica", replica)
         except ValueError as exc:
@@ -93,6 +95,7 @@ def _replica(pool: ReplicaPool, replica: ReplicaState) -> dict[str, Any]:
     return {
         "url": replica.url,
         "metrics_url": replica.replica.metrics_url,
+        "standby": replica.replica.standby,
         "healthy": replica.upstream.healthy,
         "in_flight": replica.in_flight,
         "load": pool.load(replica),

@@ -27,6 +27,13 @@ API_KEY_ENV = "TRTSERVE_API_KEY"
     "127.0.0.1:8001, none with --prefill-url: then these are `both` workers, the fallback that recomputes].",
 )
 @click.option(
+    "--standby-url",
+    "standby_urls",
+    multiple=True,
+    help="gRPC address of a warm spare tritonserver (`trtserve serve --standby` starts one): a replica picked only "
+    "while no --triton-url replica is healthy; repeat for more.",
+)
+@click.option(
     "--prefill-url",
     "prefill_urls",
     multiple=True,
@@ -156,8 +163,8 @@ API_KEY_ENV = "TRTSERVE_API_KEY"
     show_default=True,
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
 )
-def gateway(triton_urls: tuple[str, ...], prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...],
-            prefill_metrics_urls: tuple[str, ...], decode_metrics_urls: tuple[str, ...],
+def gateway(triton_urls: tuple[str, ...], standby_urls: tuple[str, ...], prefill_urls: tuple[str, ...],
+            decode_urls: tuple[str, ...], prefill_metrics_urls: tuple[str, ...], decode_metrics_urls: tuple[str, ...],
             triton_http_url: str | None, metrics_urls: tuple[str, ...], model_name: str,
             config_path: Path | None, tenants_path: Path | None, routing: ReplicaPolicy | None,
             ready_wait_s: float | None, host: str, port: int, api_key: str | None, max_queued: int,
@@ -183,13 +190,14 @@ def gateway(triton_urls: tuple[str, ...], prefill_urls: tuple[str, ...], decode_
 
     if bool(prefill_urls) != bool(decode_urls):
         raise click.UsageError("give --prefill-url and --decode-url together (a pool of each)")
-    if (prefill_urls or triton_urls) and config_path:
+    if (prefill_urls or triton_urls or standby_urls) and config_path:
         raise click.UsageError("--config lists the backends: give it alone, or --triton-url / --prefill-url")
     triton_urls = triton_urls or (() if prefill_urls or config_path else ("127.0.0.1:8001",))
     for urls, metric, flag in ((triton_urls, metrics_urls, "url"), (prefill_urls, prefill_metrics_urls, "prefill-url"),
                                (decode_urls, decode_metrics_urls, "decode-url")):  # fmt: skip
         if metric and len(metric) != len(urls):
             raise click.UsageError(f"{len(metric)} metrics URLs for {len(urls)} --{flag}")
+    standbys = tuple(Replica(url, standby=True) for url in standby_urls)
     try:
         if config_path:
             config = GatewayConfig.load(config_path)
@@ -200,14 +208,14 @@ def gateway(triton_urls: tuple[str, ...], prefill_urls: tuple[str, ...], decode_
                                                                                 strict=True)))  # fmt: skip
 
             both = tuple(Replica(u, m) for u, m in zip(triton_urls, metrics_urls or [None] * len(triton_urls),
-                                                       strict=True))  # fmt: skip
+                                                       strict=True)) + standbys  # fmt: skip
             config = GatewayConfig({model_name: Backend(model_name, replicas=both, prefill=source(
                 prefill_urls, prefill_metrics_urls), decode=source(decode_urls, decode_metrics_urls))})  # fmt: skip
-        elif len(triton_urls) == 1 and not metrics_urls:
+        elif len(triton_urls) == 1 and not metrics_urls and not standbys:
             config = GatewayConfig.single(model_name, triton_urls[0])
         else:
             metrics: list[str | None] = list(metrics_urls) or [None] * len(triton_urls)
-            replicas = tuple(Replica(url, m) for url, m in zip(triton_urls, metrics, strict=True))
+            replicas = tuple(Replica(url, m) for url, m in zip(triton_urls, metrics, strict=True)) + standbys
             config = GatewayConfig({model_name: Backend(model_name, replicas=replicas)})
         if ready_wait_s is not None:
             config = replace(config, routing=replace(config.routing, ready_wait_s=ready_wait_s))

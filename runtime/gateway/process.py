@@ -107,12 +107,16 @@ def start_beside_triton(
     http_address: str | None = None,
     tenants: Path | None = None,
     triton_alive: Callable[[], bool] = lambda: True,
+    standby_address: str | None = None,
 ) -> GatewayProcess:
     """The gateway `trtserve serve` runs next to its tritonserver (at `grpc_address`), ready to serve.
     `http_address`: tritonserver's HTTP host:port, whose KServe routes the gateway then serves (the safe door:
     Triton's own HTTP port stays on loopback); `tenants`: a file with a `tenants:` section (instead of `api_key`);
-    `triton_alive`: false once that tritonserver died (the wait for the gateway's readiness ends at once)."""
+    `triton_alive`: false once that tritonserver died (the wait for the gateway's readiness ends at once);
+    `standby_address`: a warm spare tritonserver's gRPC host:port (a standby replica)."""
     args = ["--triton-url", _reachable(grpc_address), "--model", model, "--nice", str(BESIDE_ENGINE_NICE)]
+    if standby_address is not None:
+        args += ["--standby-url", _reachable(standby_address)]
     if http_address is not None:
         args += ["--triton-http-url", f"http://{_reachable(http_address)}"]
     if tenants is not None:

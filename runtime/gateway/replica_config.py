@@ -20,6 +20,9 @@ REPLICA_POLICIES: tuple[str, ...] = get_args(ReplicaPolicy)
 class Replica:
     url: str  # tritonserver's gRPC host:port
     metrics_url: str | None = None  # its Prometheus endpoint (Triton: http://host:8002/metrics); None: no load scrape
+    # A warm spare (`trtserve serve --standby`): picked only while no other replica of its backend is healthy, so
+    # a dead model's requests go on at once, on an engine already loaded, while that model is restarted.
+    standby: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ def check_policy(path: str, policy: object) -> None:
 
 
 def replicas_from(path: str, value: object) -> tuple[Replica, ...]:
-    """`replicas:` entries: "host:port" strings or {url, metrics_url} mappings."""
+    """`replicas:` entries: "host:port" strings or {url, metrics_url, standby} mappings."""
     if not isinstance(value, list) or not value:
         raise ValueError(f"{path}: expected a non-empty list of replicas")
     out = []
@@ -170,6 +173,8 @@ def check_replica(path: str, replica: Replica) -> None:
     check_grpc_url(f"{path}.url", replica.url)
     if replica.metrics_url is not None:
         check_http_url(f"{path}.metrics_url", replica.metrics_url)
+    if not isinstance(replica.standby, bool):
+        raise ValueError(f"{path}.standby: expected true or false, got {replica.standby!r}")
 
 
 def check_http_url(path: str, url: object) -> None:

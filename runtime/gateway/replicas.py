@@ -16,7 +16,8 @@ Policies (RoutingSettings.policy, or a backend's `routing`):
 Load = max(requests this gateway has open to the replica, the engine's running + waiting as last scraped):
 the gateway's count is exact and immediate, the scrape adds other clients' work (other gateways, direct
 traffic) and is ignored once older than 3 scrape intervals. Unhealthy replicas are never picked; one that
-goes down loses its index (it may come back restarted, with an empty KV cache). While none is healthy,
+goes down loses its index (it may come back restarted, with an empty KV cache). A standby replica (a warm
+spare) is picked only while no other is healthy (or all others were tried). While none is healthy,
 `wait_healthy` lets a request wait for one to come back (the monitor's probes find it).
 """
 
@@ -173,8 +174,10 @@ class ReplicaPool:
 
     def pick(self, hashes: Sequence[bytes], exclude: frozenset[str] = frozenset(), lora: str | None = None) -> Pick:
         """A healthy replica not in `exclude` for a prompt with these chunk hashes (and LoRA adapter: without a
-        prefix match, a replica that has it in a slot, unless overloaded); 503 if there is none."""
-        candidates = [r for r in self.healthy if r.url not in exclude]
+        prefix match, a replica that has it in a slot, unless overloaded); a standby only when no other is left;
+        503 if there is none."""
+        healthy = [r for r in self.healthy if r.url not in exclude]
+        candidates = [r for r in healthy if not r.replica.standby] or healthy
         if not candidates:
             tried = f" (tried: {', '.join(sorted(exclude))})" if exclude else ""
             raise GatewayError.unavailable(f"no healthy replica of backend {self.name!r}{tried}")

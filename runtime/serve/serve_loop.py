@@ -3,7 +3,10 @@
 A child that cannot serve is restarted, not the whole server stopped: a dead or stuck model (or a dead
 tritonserver) means a new tritonserver on the same ports with the engine loaded again (killing the old
 one closes its connections, so in-flight requests end with an error at once and the gateway retries those
-that had produced nothing); a dead gateway is started again on its port. Restarts back off and are
+that had produced nothing, and resumes the streams); a dead gateway is started again on its port. With a
+warm spare (`--standby`: a second tritonserver with the engine loaded, on ports of its own, which the gateway
+picks only while the first cannot serve) those requests go on at once instead of after the restart; a dead
+spare is restarted the same way. Restarts back off and are
 capped per minute (runtime.serve.restarts); past the cap the server stops with EXIT_UNSERVABLE for an
 orchestrator to decide.
 
@@ -25,9 +28,9 @@ from typing import Protocol
 import click
 
 from engine_format.serving import MODEL_NAME
-from runtime.serve.launcher import ServerError, TritonServer
+from runtime.serve.launcher import ServerConfig, ServerError, TritonServer
 from runtime.serve.restarts import RestartBudget
-from runtime.serve.supervisor import STOP_TIMEOUT_S, TRITON, Failure, Supervisor
+from runtime.serve.supervisor import STANDBY, STOP_TIMEOUT_S, TRITON, Failure, Supervisor
 
 ADMIN_KEY_ENV = "TRTSERVE_ADMIN_KEY"
 EXIT_UNSERVABLE = 3
@@ -52,25 +55,33 @@ class Gateway(Protocol):
     def stop(self) -> int: ...
 
 
-# Starts the gateway beside tritonserver (given its gRPC and HTTP addresses and whether it still runs), ready to
-# serve.
-GatewayStarter = Callable[[str, str, Callable[[], bool]], Gateway]
+# Starts the gateway beside tritonserver (given its gRPC and HTTP addresses, the warm spare's gRPC address if there
+# is one, and whether tritonserver still runs), ready to serve.
+GatewayStarter = Callable[[str, str, str | None, Callable[[], bool]], Gateway]
 
 
 class _Children:
-    """The running tritonserver and gateway, replaced when they die."""
+    """The running tritonservers (the serving one, and a warm spare) and gateway, replaced when they die."""
 
-    def __init__(self, server: TritonServer, start_gateway: GatewayStarter | None, served_name: str) -> None:
-        self.server, self.start_gateway, self.served_name = server, start_gateway, served_name
+    def __init__(self, server: TritonServer, start_gateway: GatewayStarter | None, served_name: str,
+                 standby: ServerConfig | None = None) -> None:  # fmt: skip
+        self.servers: dict[str, TritonServer] = {TRITON: server}  # by Failure.child name; STANDBY once it serves
+        self.start_gateway, self.served_name, self.standby_config = start_gateway, served_name, standby
         self.gateway: Gateway | None = None
         self.announced = False  # the endpoints are printed once everything first serves
         self.crash_logs: list[Path] = []  # logs of tritonservers whose stub crashed
         self.crashed_at_exit = False
 
     @property
-    def triton_addresses(self) -> tuple[str, str]:
-        config = self.server.config
-        return f"{config.host}:{config.grpc_port}", f"{config.host}:{config.http_port}"
+    def server(self) -> TritonServer:
+        return self.servers[TRITON]
+
+    @property
+    def gateway_addresses(self) -> tuple[str, str, str | None]:
+        """tritonserver's gRPC and HTTP addresses, and the spare's gRPC address (None without one)."""
+        config, standby = self.server.config, self.servers.get(STANDBY)
+        spare = f"{standby.config.host}:{standby.config.grpc_port}" if standby is not None else None
+        return f"{config.host}:{config.grpc_port}", f"{config.host}:{config.http_port}", spare
 
     def _triton_alive(self) -> bool:
         return self.server.process.poll() is None
@@ -82,9 +93,10 @@ class _Children:
         """Tritonserver, then the gateway. Once tritonserver has been ready, a child that fails is the
         supervisor's to restart (the Failure); before that, the server could not start (`errors` propagate)."""
         self.server.wait_ready()
+        self._start_standby()
         try:
             if self.start_gateway is not None:
-                self.gateway = self.start_gateway(*self.triton_addresses, self._triton_alive)
+                self.gateway = self.start_gateway(*self.gateway_addresses, self._triton_alive)
         except errors as exc:
             if self.server.process.poll() is not None:  # tritonserver died while the gateway started
                 return Failure(
@@ -96,34 +108,65 @@ class _Children:
         self.announce()
         return None
 
+    def _start_standby(self) -> None:
+        """The warm spare, once tritonserver is ready (started beside it, the two loads would share the CPU). One
+        that cannot start (too little memory for a second engine) is left out, with a warning."""
+        if self.standby_config is None:
+            return
+        click.echo("starting the standby tritonserver (a warm spare) ...", err=True)
+        standby = TritonServer(self.standby_config)
+        try:
+            standby.wait_ready()
+        except ServerError as exc:
+            standby.stop(timeout_s=0)
+            click.echo(f"warning: serving without a warm spare, which could not start: {exc}", err=True)
+            return
+        self.servers[STANDBY] = standby
+
     def announce(self) -> None:
         if not self.announced:
             _print_endpoints(self, self.served_name)
             self.announced = True
 
     def restart(self, child: str) -> None:
-        if child == TRITON:
-            self.server.kill()  # a dead model never finishes its requests: closing the connections ends them now
-            self._note_crash(self.server)
-            self.server.stop(timeout_s=0)
-            self.server = TritonServer(self.server.config)
-            self.server.wait_ready()
-        if self.start_gateway is not None and (child != TRITON or self.gateway is None):  # (None: it never started)
+        if child in self.servers:
+            dead = self.servers[child]
+            dead.kill()  # a dead model never finishes its requests: closing the connections ends them now
+            self._note_crash(dead)
+            dead.stop(timeout_s=0)
+            self.servers[child] = TritonServer(dead.config)  # the same ports: the gateway finds it there again
+            self.servers[child].wait_ready()
+        if self.start_gateway is not None and (child == GATEWAY or self.gateway is None):  # (None: it never started)
             if self.gateway is not None:
                 self.gateway.stop()
-            self.gateway = self.start_gateway(*self.triton_addresses, self._triton_alive)
+            self.gateway = self.start_gateway(*self.gateway_addresses, self._triton_alive)
+
+    def drop_standby(self, reason: str) -> None:
+        """Serve on without the warm spare (it kept failing: the restart budget is for what serves)."""
+        standby = self.servers.pop(STANDBY)
+        standby.kill()
+        self._note_crash(standby)
+        standby.stop(timeout_s=0)
+        click.echo(f"warning: serving on without the warm spare, which kept failing; last: {reason}", err=True)
+
+    def kill(self) -> None:
+        for server in self.servers.values():
+            server.kill()
 
     def stop(self) -> None:
         if self.gateway is not None:
             click.echo("stopping the OpenAI gateway ...", err=True)
             self.gateway.stop()
-        click.echo("stopping tritonserver ...", err=True)
-        running = self.server.process.poll() is None
-        if self.server.stop(timeout_s=STOP_TIMEOUT_S) == -signal.SIGKILL and running:
-            # Triton 2.51 can hang in shutdown (e.g. after a gRPC stream it rejected was cancelled); its shared
-            # memory regions are removed all the same.
-            click.echo(f"tritonserver did not exit within {STOP_TIMEOUT_S:g} s: killed", err=True)
-        self.crashed_at_exit = self._note_crash(self.server)
+        crashed = False
+        for name, server in self.servers.items():
+            click.echo(f"stopping {name} ...", err=True)
+            running = server.process.poll() is None
+            if server.stop(timeout_s=STOP_TIMEOUT_S) == -signal.SIGKILL and running:
+                # Triton 2.51 can hang in shutdown (e.g. after a gRPC stream it rejected was cancelled); its shared
+                # memory regions are removed all the same.
+                click.echo(f"{name} did not exit within {STOP_TIMEOUT_S:g} s: killed", err=True)
+            crashed = self._note_crash(server) or crashed
+        self.crashed_at_exit = crashed
 
     def _note_crash(self, server: TritonServer) -> bool:
         crashed = CRASH_MARKER in server.log_path.read_text(errors="replace")
@@ -134,13 +177,14 @@ class _Children:
 
 def run_serve(server: TritonServer, start_gateway: GatewayStarter | None, served_name: str, health_interval_s: float,
               startup_errors: tuple[type[Exception], ...] = (), stall_s: float = 60.0,
-              budget: RestartBudget | None = None) -> int:  # fmt: skip
+              budget: RestartBudget | None = None, standby: ServerConfig | None = None) -> int:  # fmt: skip
     """Returns the exit code. `startup_errors`: the gateway's start-up failures, reported like the server's;
-    `stall_s`: how long a model may show no progress with work unfinished before it is restarted."""
+    `stall_s`: how long a model may show no progress with work unfinished before it is restarted; `standby`: a
+    warm spare's tritonserver (its own ports), started once `server` is ready."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    children, budget = _Children(server, start_gateway, served_name), budget or RestartBudget()
+    children, budget = _Children(server, start_gateway, served_name, standby), budget or RestartBudget()
     errors: tuple[type[Exception], ...] = (ServerError, *startup_errors)
     try:
         click.echo(f"starting tritonserver (log: {server.log_path}) ...", err=True)
@@ -156,12 +200,12 @@ def run_serve(server: TritonServer, start_gateway: GatewayStarter | None, served
     if failure is not None:
         click.echo(f"Error: {failure.child} failed {budget.recent} times within {budget.window_s:g} s; last: "
                    f"{failure.reason}\nstopping: the server cannot serve", err=True)  # fmt: skip
-        children.server.kill()
+        children.kill()
         children.stop()
         return EXIT_UNSERVABLE
     config = children.server.config
     click.echo(f"draining: new requests are refused; running ones have {config.drain_timeout_s:g} s", err=True)
-    result = Supervisor(children.server).drain(config.drain_timeout_s)
+    result = Supervisor(children.servers).drain(config.drain_timeout_s)
     children.stop()
     if children.crash_logs:
         logs = ", ".join(str(path) for path in children.crash_logs)
@@ -187,7 +231,7 @@ def _supervise(
     while True:
         if failure is None:
             supervisor = Supervisor(
-                children.server,
+                children.servers,
                 probe_interval_s=health_interval_s,
                 stall_s=stall_s,
                 report=lambda message: click.echo(f"warning: {message}", err=True),
@@ -196,6 +240,10 @@ def _supervise(
         while failure is not None:
             seen = time.monotonic()
             delay = budget.delay(seen)
+            if delay is None and failure.child == STANDBY:
+                children.drop_standby(failure.reason)
+                failure = None
+                break
             if delay is None:
                 return failure
             click.echo(f"Error: {failure.reason}\nrestarting {failure.child} in {delay:g} s", err=True)
@@ -222,5 +270,9 @@ def _print_endpoints(children: _Children, served_name: str) -> None:
                f"  HTTP     http://{triton}/v2/models/{MODEL_NAME}/generate (and generate_stream)\n"
                f"  gRPC     {config.host}:{config.grpc_port}\n"
                f"  metrics  http://{config.host}:{config.metrics_port}/metrics")  # fmt: skip
+    if (standby := children.servers.get(STANDBY)) is not None:
+        spare = standby.config
+        click.echo(f"  standby  gRPC {spare.host}:{spare.grpc_port}, HTTP {spare.host}:{spare.http_port} (a warm "
+                   "spare: the OpenAI gateway's while tritonserver cannot serve)")  # fmt: skip
     if children.gateway is not None:
         click.echo(f"  OpenAI   {children.gateway.url}/v1 (model '{served_name}'; log: {children.gateway.log_path})")

@@ -2,16 +2,17 @@
 
 Triton keeps answering "ready" after the `llm` stub process dies (every request then fails with "Stub
 process is not healthy", in-flight ones never end), so readiness cannot come from Triton: every
-`probe_interval_s` the supervisor sends the model a health probe through Triton's HTTP generate endpoint
-and reads the model's heartbeat (engine_format/serving.py); runtime.serve.liveness tells a dead model from
-a busy one. `watch()` returns the first child that cannot serve (tritonserver, its model, or
-another child such as the gateway) and why; the caller restarts it (runtime.serve.serve_loop). A reload
+`probe_interval_s` the supervisor sends each tritonserver's model (the serving one, and a warm spare's) a
+health probe through Triton's HTTP generate endpoint and reads the model's heartbeat
+(engine_format/serving.py); runtime.serve.liveness tells a dead model from a busy one. `watch()` returns the
+first child that cannot serve (a tritonserver, its model, or another child such as the gateway) and why; the
+caller restarts it (runtime.serve.serve_loop). A reload
 through Triton's model-control API was not chosen: unloading the dead model waits for its in-flight
 requests, which a dead stub never finishes; a new tritonserver starts in seconds.
 
-`drain()` is the shutdown: new requests are refused at once, running ones go on until the drain
-deadline, the rest are cut with a final error; only then is Triton stopped, well inside its own exit
-timeout, and its shared-memory regions removed.
+`drain()` is the shutdown: new requests are refused at once (by every tritonserver's model), running ones
+go on until the drain deadline, the rest are cut with a final error; only then is Triton stopped, well
+inside its own exit timeout, and its shared-memory regions removed.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from runtime.serve.liveness import Liveness
 STOP_TIMEOUT_S = 15.0  # Triton's own shutdown once nothing is in flight
 REPORT_GRACE_S = 10.0  # how long past the deadline the model may take to report its last request done
 TRITON = "tritonserver"  # Failure.child for tritonserver and its model
+STANDBY = "the standby tritonserver"  # Failure.child for the warm spare (`trtserve serve --standby`) and its model
 
 
 class Child(Protocol):
@@ -49,7 +51,7 @@ class Child(Protocol):
 
 @dataclass(frozen=True)
 class Failure:
-    child: str  # TRITON, or the name of another child
+    child: str  # TRITON, STANDBY, or the name of another child
     reason: str
 
 
@@ -64,18 +66,19 @@ class DrainResult:
 
 
 class Supervisor:
-    def __init__(self, server: TritonServer, probe_interval_s: float = 2.0, probe_timeout_s: float = 5.0,
+    def __init__(self, servers: Mapping[str, TritonServer], probe_interval_s: float = 2.0, probe_timeout_s: float = 5.0,
                  max_failures: int = 3, stall_s: float = 60.0, clock: Callable[[], float] = time.time,
                  report: Callable[[str], None] = lambda message: None) -> None:  # fmt: skip
-        """`stall_s`: how long the model may show no progress with work unfinished (runtime.serve.liveness);
-        `report`: told when probes fail but the model is busy, not dead (once per episode)."""
-        self.server = server
+        """`servers`: the tritonservers by child name (TRITON, STANDBY); `stall_s`: how long a model may show no
+        progress with work unfinished (runtime.serve.liveness); `report`: told when probes fail but a model is
+        busy, not dead (once per episode)."""
+        self.servers = servers
         self.probe_interval_s, self.probe_timeout_s = probe_interval_s, probe_timeout_s
         self.max_failures, self.stall_s, self.clock, self.report = max_failures, stall_s, clock, report
 
-    def probe(self) -> str | None:
-        """None when the model answered the health probe, else what went wrong."""
-        url = f"{self.server.config.http_url}/v2/models/{MODEL_NAME}/generate"
+    def probe(self, server: TritonServer) -> str | None:
+        """None when `server`'s model answered the health probe, else what went wrong."""
+        url = f"{server.config.http_url}/v2/models/{MODEL_NAME}/generate"
         body = json.dumps({"parameters": {HEALTH_PARAMETER: True}}).encode()
         request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
         try:
@@ -88,33 +91,40 @@ class Supervisor:
         return None if answer.get("text_output") == HEALTH_ANSWER else f"unexpected answer {answer!r}"
 
     def watch(self, stop: threading.Event, others: Mapping[str, Child] | None = None) -> Failure | None:
-        """Until `stop` is set (None) or a child cannot serve: tritonserver or another child (`others`:
-        name -> process) exited, or the model is dead (runtime.serve.liveness)."""
-        liveness = Liveness(self.max_failures, self.stall_s)
-        reported = ""
+        """Until `stop` is set (None) or a child cannot serve: a tritonserver or another child (`others`:
+        name -> process) exited, or a model is dead (runtime.serve.liveness)."""
+        liveness = {name: Liveness(self.max_failures, self.stall_s) for name in self.servers}
+        reported = dict.fromkeys(self.servers, "")
         while not stop.wait(self.probe_interval_s):
-            if (code := self.server.process.poll()) is not None:
-                return Failure(TRITON, f"tritonserver exited (code {code}):\n{self.server.log_tail()}")
+            for name, server in self.servers.items():
+                if (code := server.process.poll()) is not None:
+                    return Failure(name, f"{name} exited (code {code}):\n{server.log_tail()}")
             for name, child in (others or {}).items():
                 if (code := child.poll()) is not None:
                     return Failure(name, f"{name} exited (code {code})")
-            verdict = liveness.observe(self.probe(), read_heartbeat(self.server.model_dir), self.clock())
-            if verdict.dead and not stop.is_set():
-                return Failure(TRITON, verdict.reason)
-            if verdict.reason and not reported:
-                self.report(verdict.reason)
-            reported = verdict.reason
+            for name, server in self.servers.items():
+                verdict = liveness[name].observe(self.probe(server), read_heartbeat(server.model_dir), self.clock())
+                if verdict.dead and not stop.is_set():
+                    return Failure(name, verdict.reason)
+                if verdict.reason and not reported[name]:
+                    self.report(verdict.reason if name == TRITON else f"{name}: {verdict.reason}")
+                reported[name] = verdict.reason
         return None
 
     def drain(self, timeout_s: float) -> DrainResult:
-        """Refuse new requests, let running ones go on for `timeout_s`, cut the rest; returns once the
-        model reports nothing in flight (or it stopped reporting, or tritonserver died)."""
-        request_drain(self.server.model_dir, time.time() + timeout_s)
+        """Refuse new requests, let running ones go on for `timeout_s`, cut the rest; returns once every
+        model reports nothing in flight (or one stopped reporting, or its tritonserver died)."""
+        deadline = time.time() + timeout_s
+        for server in self.servers.values():
+            request_drain(server.model_dir, deadline)
         give_up = time.monotonic() + timeout_s + REPORT_GRACE_S
-        state = None
-        while time.monotonic() < give_up and self.server.process.poll() is None:
-            state = drain_state(self.server.model_dir)
-            if state is not None and state["in_flight"] == 0:
-                return DrainResult(state["cut"], complete=True)
+        states: dict[str, dict[str, int] | None] = dict.fromkeys(self.servers)
+        while time.monotonic() < give_up:
+            running = {name: s for name, s in self.servers.items() if s.process.poll() is None}
+            states.update({name: drain_state(server.model_dir) for name, server in running.items()})
+            if len(running) < len(self.servers):  # a tritonserver died: its requests were cut with it
+                break
+            if all(state is not None and state["in_flight"] == 0 for state in states.values()):
+                return DrainResult(sum(state["cut"] for state in states.values() if state), complete=True)
             time.sleep(0.1)
-        return DrainResult(state["cut"] if state else 0, complete=False)
+        return DrainResult(sum(state["cut"] for state in states.values() if state), complete=False)
