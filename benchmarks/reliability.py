@@ -1,7 +1,7 @@
 """`python -m benchmarks.reliability soak|chaos|burst`: does `trtserve serve` lose requests, crash or leak?
 
     python -m benchmarks.reliability soak --engine DIR [--backend cpu|cpu-bf16] [--rate R] [--duration-s S]
-    python -m benchmarks.reliability chaos --engine DIR [--kills stub,tritonserver,gateway] [--standby]
+    python -m benchmarks.reliability chaos --engine DIR [--kills stub,tritonserver,gateway[,hang]] [--standby]
     python -m benchmarks.reliability burst --engine TINY --streams 2000
 
 Each mode starts `trtserve serve --engine DIR --max-num-seqs 32 --num-kv-blocks 1024` as a user would (a
@@ -41,6 +41,7 @@ from benchmarks.reliability_workload import Job, Mix, Prompts, jobs
 from engine_format import EngineConfig
 
 KILLS = ("stub", "tritonserver", "gateway")
+HANG = "hang"  # not a kill: the model's stub SIGSTOPped (a hung process, found by the heartbeat), --kills ...,hang
 RECOVERY_WAIT_S = 180.0  # a kill not recovered from by then is reported as such, and the next one goes on
 
 
@@ -107,14 +108,14 @@ async def chaos(serve: Serve, load: Load, run: Run) -> list[dict]:
     await asyncio.sleep(max(0.0, run.warmup_s - load.now()))
     kills = []
     for target in run.kills:
-        pid = serve.model_stub() if target == "stub" else serve.child(target)
+        pid = serve.model_stub() if target in ("stub", HANG) else serve.child(target)
         if pid is None:
             kills.append({"target": target, "pid": None, "t_kill": load.now(), "restart": None})
             continue
         before = len(serve.restarts())
         t_kill = load.now()
-        os.kill(pid, signal.SIGKILL)
-        log(f"killed {target} (pid {pid}) at {t_kill:.1f} s")
+        os.kill(pid, signal.SIGSTOP if target == HANG else signal.SIGKILL)
+        log(f"{'stopped the stub' if target == HANG else f'killed {target}'} (pid {pid}) at {t_kill:.1f} s")
         while load.now() - t_kill < RECOVERY_WAIT_S and (
             len(serve.restarts()) <= before or first_served_after(load.results, t_kill) is None
         ):
@@ -264,7 +265,12 @@ def soak(engine: Path, backend: str | None, seed: int, label: str | None, drain_
 @main.command(name="chaos")
 @common
 @traffic
-@click.option("--kills", default=",".join(KILLS), show_default=True, help="What to SIGKILL, in order.")
+@click.option(
+    "--kills",
+    default=",".join(KILLS),
+    show_default=True,
+    help=f"What to SIGKILL, in order; `{HANG}`: SIGSTOP the model's stub.",
+)
 @click.option("--warmup-s", default=60.0, show_default=True, help="Seconds of traffic before the first kill.")
 @click.option("--settle-s", default=30.0, show_default=True, help="Seconds of traffic after each recovery.")
 @click.option("--standby", is_flag=True, help="Serve with `--standby`: a warm spare the gateway fails over to.")
@@ -272,8 +278,8 @@ def chaos_command(engine: Path, backend: str | None, seed: int, label: str | Non
                   kills: str, warmup_s: float, settle_s: float, standby: bool) -> None:  # fmt: skip
     """The soak's traffic while the model's stub, tritonserver and the gateway are killed in turn."""
     chosen = tuple(k for k in kills.split(",") if k)
-    if unknown := set(chosen) - set(KILLS):
-        raise click.BadParameter(f"unknown {sorted(unknown)}; choose from {KILLS}", param_hint="--kills")
+    if unknown := set(chosen) - {*KILLS, HANG}:
+        raise click.BadParameter(f"unknown {sorted(unknown)}; choose from {(*KILLS, HANG)}", param_hint="--kills")
     execute(Run("chaos", engine, backend, rate, 0.0, seed, label, drain_wait_s, kills=chosen, warmup_s=warmup_s,
                 settle_s=settle_s, standby=standby))  # fmt: skip
 

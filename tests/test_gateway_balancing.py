@@ -233,7 +233,7 @@ def test_a_replica_that_went_down_is_skipped_and_forgets_its_prefixes():
 
 
 @pytest.mark.parametrize("policy", ["prefix", "round_robin", "least_loaded"])
-def test_a_standby_is_picked_only_while_no_other_replica_can_serve(policy: str):
+def test_a_standby_is_picked_only_while_no_other_replica_can_serve_and_keeps_what_it_took_over(policy: str):
     p = pool(policy, urls=(A, B), standby=(B,))
     request = chat(SYSTEM, "q")
     for _ in range(4):  # however loaded A gets, and whatever B's index holds
@@ -244,6 +244,8 @@ def test_a_standby_is_picked_only_while_no_other_replica_can_serve(policy: str):
     p.replicas[A].upstream.healthy = False  # A's model died
     assert route(p, request)[0] == B
     p.replicas[A].upstream.healthy = True  # restarted
+    assert route(p, request)[0] == B  # the spare serves on: two engines on one machine would thrash
+    p.replicas[B].in_flight = 0  # a quiet moment (its requests ended)
     assert route(p, request)[0] == A
     p.replicas[B].upstream.healthy = False
     p.replicas[A].upstream.healthy = False

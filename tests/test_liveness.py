@@ -67,6 +67,17 @@ def test_a_stale_heartbeat_is_dead_after_stall_s_even_if_probes_pass():
     assert verdict.dead and "heartbeat stopped 61 s ago" in verdict.reason
 
 
+def test_a_stale_heartbeat_with_failing_probes_is_frozen_after_10_s():
+    """A stopped stub (SIGSTOP) or one whose native call holds the GIL: its heartbeat thread and probes both fail."""
+    liveness = Liveness(max_failures=30, stall_s=60)
+    last = beat(100, steps=5, unfinished=3)
+    assert not liveness.observe(TIMEOUT, last, now=110).dead
+    verdict = liveness.observe(TIMEOUT, last, now=111)
+    assert verdict.dead and verdict.reason.startswith("the model is frozen: its heartbeat stopped 11 s ago")
+    assert Liveness(stall_s=5).observe(TIMEOUT, last, now=106).dead  # never later than the stall timeout
+    assert not Liveness(stall_s=60).observe(None, last, now=130).dead  # it answers: only its heartbeat stopped
+
+
 def test_a_wedged_event_loop_is_dead():
     liveness = Liveness(max_failures=3, stall_s=60)
     assert not liveness.observe(None, beat(160, 5, 0, loop_tick=100), now=160).dead

@@ -17,7 +17,10 @@ Load = max(requests this gateway has open to the replica, the engine's running +
 the gateway's count is exact and immediate, the scrape adds other clients' work (other gateways, direct
 traffic) and is ignored once older than 3 scrape intervals. Unhealthy replicas are never picked; one that
 goes down loses its index (it may come back restarted, with an empty KV cache). A standby replica (a warm
-spare) is picked only while no other is healthy (or all others were tried). While none is healthy,
+spare) is picked only while no other is healthy (or all others were tried); once it has taken over, it keeps
+the traffic until it has no request open: a spare shares its replica's machine (`trtserve serve --standby`),
+where two engines stepping at once thrash the cores (OpenMP teams spinning against each other), so traffic
+returns to the restarted replica at a quiet moment, not while the spare still serves. While none is healthy,
 `wait_healthy` lets a request wait for one to come back (the monitor's probes find it).
 """
 
@@ -174,10 +177,12 @@ class ReplicaPool:
 
     def pick(self, hashes: Sequence[bytes], exclude: frozenset[str] = frozenset(), lora: str | None = None) -> Pick:
         """A healthy replica not in `exclude` for a prompt with these chunk hashes (and LoRA adapter: without a
-        prefix match, a replica that has it in a slot, unless overloaded); a standby only when no other is left;
-        503 if there is none."""
+        prefix match, a replica that has it in a slot, unless overloaded); a standby only when no other is left,
+        or while it has requests open (see the module); 503 if there is none."""
         healthy = [r for r in self.healthy if r.url not in exclude]
-        candidates = [r for r in healthy if not r.replica.standby] or healthy
+        spares = [r for r in healthy if r.replica.standby]
+        busy_spares = [r for r in spares if r.in_flight]
+        candidates = busy_spares or [r for r in healthy if not r.replica.standby] or spares
         if not candidates:
             tried = f" (tried: {', '.join(sorted(exclude))})" if exclude else ""
             raise GatewayError.unavailable(f"no healthy replica of backend {self.name!r}{tried}")

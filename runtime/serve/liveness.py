@@ -6,6 +6,10 @@ Stopping a busy server for that loses every request in it. So a failed probe alo
 model while its heartbeat (engine_format/serving.py, written every 0.2 s by the stub) shows it moving:
 
 - dead at once: Triton says the stub is not healthy (its process died), or the engine loop stopped;
+- dead after `frozen_s` (10 s, or `stall_s` if shorter): the heartbeat stopped and the probe fails too, so
+  the stub cannot run Python at all (a stopped process, a native call holding the GIL): the heartbeat's
+  thread needs nothing else (the engine's kernels release the GIL), and the probe rules out a heartbeat
+  thread that alone died;
 - dead after `stall_s`: the heartbeat stopped (the stub froze or died), the model's event loop ran no
   callback, or requests are unfinished and the engine ran no step;
 - dead after `max_failures` failed probes in a row, when the heartbeat does not vouch for the model
@@ -25,6 +29,7 @@ from engine_format.serving import ENGINE_STOPPED, Heartbeat
 # when its engine loop has stopped: no later probe can succeed, so no need to wait for more failures.
 STUB_DEAD = "is not healthy"
 FATAL_ANSWERS = (STUB_DEAD, ENGINE_STOPPED)
+FROZEN_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class Verdict:
 class Liveness:
     def __init__(self, max_failures: int = 3, stall_s: float = 60.0) -> None:
         self.max_failures, self.stall_s = max_failures, stall_s
+        self.frozen_s = min(FROZEN_S, stall_s)
         self.failures = 0
         self._steps: int | None = None
         self._steps_changed_at = 0.0
@@ -46,6 +52,9 @@ class Liveness:
         self.failures = self.failures + 1 if probe_problem else 0
         if probe_problem and any(answer in probe_problem for answer in FATAL_ANSWERS):
             return Verdict(True, f"the model cannot serve: {probe_problem}")
+        if probe_problem and heartbeat is not None and now - heartbeat.time > self.frozen_s:
+            return Verdict(True, f"the model is frozen: its heartbeat stopped {now - heartbeat.time:.0f} s ago and "
+                                 f"the health probe failed ({probe_problem})")  # fmt: skip
         stalled = self._stalled(heartbeat, now)
         if stalled:
             return Verdict(True, stalled)
