@@ -1,7 +1,7 @@
 """`python -m benchmarks.reliability soak|chaos|burst`: does `trtserve serve` lose requests, crash or leak?
 
     python -m benchmarks.reliability soak --engine DIR [--backend cpu|cpu-bf16] [--rate R] [--duration-s S]
-    python -m benchmarks.reliability chaos --engine DIR [--kills stub,tritonserver,gateway[,hang]] [--standby]
+    python -m benchmarks.reliability chaos --engine DIR [--kills stub,tritonserver,gateway[,hang]] [--serve-args ARGS]
     python -m benchmarks.reliability burst --engine TINY --streams 2000
 
 Each mode starts `trtserve serve --engine DIR --max-num-seqs 32 --num-kv-blocks 1024` as a user would (a
@@ -64,7 +64,7 @@ class Run:
     warmup_s: float = 60.0
     settle_s: float = 30.0
     streams: int = 2000
-    standby: bool = False  # trtserve serve --standby: a warm spare the gateway fails over to
+    serve_args: tuple[str, ...] = ()  # more `trtserve serve` options (e.g. --standby, --kv-disk-cache DIR)
 
     @property
     def name(self) -> str:
@@ -167,7 +167,7 @@ def measure(run: Run, command: str, log_fn: Callable[[str], None] = log) -> tupl
     prompts = Prompts(load_tokenizer(run.engine), mix, max_seq_len, model, run.seed)
     started, since, busy0, client0 = time.monotonic(), uptime_s(), machine_busy_s(), time.process_time()
     quiet_before = report.cpu_busy_fraction()
-    serve = Serve(run.engine, run.backend, log_dir / "serve.log", ("--standby",) if run.standby else ())
+    serve = Serve(run.engine, run.backend, log_dir / "serve.log", run.serve_args)
     try:
         ready_s = serve.wait_ready()
         log_fn(f"serve ready after {ready_s} s: {serve.openai_url}")
@@ -273,15 +273,15 @@ def soak(engine: Path, backend: str | None, seed: int, label: str | None, drain_
 )
 @click.option("--warmup-s", default=60.0, show_default=True, help="Seconds of traffic before the first kill.")
 @click.option("--settle-s", default=30.0, show_default=True, help="Seconds of traffic after each recovery.")
-@click.option("--standby", is_flag=True, help="Serve with `--standby`: a warm spare the gateway fails over to.")
+@click.option("--serve-args", default="", help="More `trtserve serve` options, e.g. '--standby --kv-disk-cache DIR'.")
 def chaos_command(engine: Path, backend: str | None, seed: int, label: str | None, drain_wait_s: float, rate: float,
-                  kills: str, warmup_s: float, settle_s: float, standby: bool) -> None:  # fmt: skip
+                  kills: str, warmup_s: float, settle_s: float, serve_args: str) -> None:  # fmt: skip
     """The soak's traffic while the model's stub, tritonserver and the gateway are killed in turn."""
     chosen = tuple(k for k in kills.split(",") if k)
     if unknown := set(chosen) - {*KILLS, HANG}:
         raise click.BadParameter(f"unknown {sorted(unknown)}; choose from {(*KILLS, HANG)}", param_hint="--kills")
     execute(Run("chaos", engine, backend, rate, 0.0, seed, label, drain_wait_s, kills=chosen, warmup_s=warmup_s,
-                settle_s=settle_s, standby=standby))  # fmt: skip
+                settle_s=settle_s, serve_args=tuple(shlex.split(serve_args))))  # fmt: skip
 
 
 @main.command()

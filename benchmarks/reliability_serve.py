@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.cpu import session_pids
+from benchmarks.cpu import session_cpu_s, session_pids
 from runtime.serve.launcher import free_port
 from runtime.serve.serve_loop import CRASH_MARKER
 
@@ -122,11 +122,18 @@ class Serve:
         return [pid for pid in _children(self.process.pid) if marker in _cmdline(pid)]
 
     def child(self, name: str) -> int | None:
-        """The pid of serve's `name` child ("tritonserver": the serving one, not a warm spare; or "gateway") now."""
-        serving = f"--grpc-port={self.ports['grpc']} "
-        return next((pid for pid in self.children(name) if name == "gateway" or serving in _cmdline(pid)), None)
+        """The pid of serve's `name` child now: "gateway", or "tritonserver": the one serving, which with a warm
+        spare (--standby) is the one whose processes used the most CPU over the last second (the gateway keeps
+        one of the two busy, and the other idle)."""
+        pids = self.children(name)
+        if len(pids) < 2:
+            return pids[0] if pids else None
+        before = {pid: session_cpu_s(pid) for pid in pids}
+        time.sleep(1.0)
+        return max(pids, key=lambda pid: session_cpu_s(pid) - before[pid])
 
     def model_stub(self) -> int | None:
+        """The `llm` stub of the tritonserver serving now."""
         triton = self.child("tritonserver")
         if triton is None:
             return None
