@@ -76,10 +76,15 @@ def overlapping(results: Sequence[Result], start: float, end: float) -> list[Res
     return [r for r in results if r.start <= end and r.end >= start]
 
 
+def answered_after(results: Sequence[Result], t: float) -> list[Result]:
+    """Requests whose answer began after `t`. A whole (not streamed) answer begins with its one delta, so only one
+    asked for after `t` counts: one asked before may have been computed before `t` and delivered just after it."""
+    return [r for r in results if r.first_delta is not None and r.first_delta > t and (r.stream or r.start > t)]
+
+
 def first_served_after(results: Sequence[Result], t: float) -> float | None:
     """When the first request whose answer began after `t` completed: the server answered again."""
-    ends = [r.end for r in results if r.outcome == COMPLETED and r.first_delta is not None and r.first_delta > t]
-    return min(ends, default=None)
+    return min((r.end for r in answered_after(results, t) if r.outcome == COMPLETED), default=None)
 
 
 def kill_report(target: str, pid: int, t_kill: float, results: Sequence[Result], restart: dict | None,
@@ -88,8 +93,7 @@ def kill_report(target: str, pid: int, t_kill: float, results: Sequence[Result],
     it affected: in flight between the kill and that recovery (or `until` without one), and ended before `until`
     (the next kill, or the run's end: a request that lived through two kills counts for the one that ended it)."""
     served = first_served_after(results, t_kill)
-    first_token = min((r.first_delta for r in results if r.first_delta is not None and r.first_delta > t_kill),
-                      default=None)  # fmt: skip
+    first_token = min((r.first_delta for r in answered_after(results, t_kill) if r.first_delta), default=None)
     window = overlapping(results, t_kill, served if served is not None else until)
     affected = [r for r in window if r.end < until]
     counts = Counter(r.outcome for r in affected)
@@ -210,7 +214,8 @@ def _kills(p: dict) -> list[str]:
         return []
     out = ["## Kills", "",
            "Recovery: from the SIGKILL (hang: the stub's SIGSTOP) to the first completed request whose answer "
-           "began after it (first token: to the first answer's first delta after it). Affected: requests in flight "
+           "began after it (a stream's first delta, or a whole answer asked for after it; first token: to the first "
+           "answer's first delta after it). Affected: requests in flight "
            "between the kill and that recovery.", "", _row(KILL_COLUMNS), "|" + "---|" * len(KILL_COLUMNS)]  # fmt: skip
     for k in p["kills"]:
         said, o = k["serve_said"], k["outcomes"]

@@ -103,7 +103,8 @@ from runtime.serve.serve_loop import ADMIN_KEY_ENV
     is_flag=True,
     help="Keep a warm spare: a second tritonserver with the engine loaded (twice the engine's memory), on free "
     "loopback ports, which the OpenAI gateway uses while the first cannot serve; a dead model's requests and "
-    "streams then go on there at once instead of after its restart. Left out, with a warning, if it cannot start.",
+    "streams then go on there at once instead of after its restart. Left out, with a warning, if it cannot start. "
+    "With --kv-disk-cache the spare reads the KV the dead engine wrote instead of computing it again.",
 )
 @engine_options(served_settings())
 def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_port: int, metrics_port: int,
@@ -145,16 +146,30 @@ def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_po
         raise click.ClickException(str(exc)) from None
     served_name = engine_dir.resolve().name
 
-    def start_gateway(grpc_address: str, http_address: str, standby_address: str | None,
-                      triton_alive: Callable[[], bool]) -> GatewayProcess:  # fmt: skip
-        return start_beside_triton(grpc_address, served_name, host, openai_port, api_key, http_address, tenants_path,
-                                   triton_alive, standby_address)  # fmt: skip
+    def start_gateway(
+        grpc_address: str, http_address: str, standby_address: str | None, triton_alive: Callable[[], bool]
+    ) -> GatewayProcess:
+        return start_beside_triton(
+            grpc_address,
+            served_name,
+            host,
+            openai_port,
+            api_key,
+            http_address,
+            tenants_path,
+            triton_alive,
+            standby_address,
+        )
 
     starter = None if no_openai else start_gateway
     budget = RestartBudget(max_per_window=max_restarts)
     spare = None
+    if standby and engine_args.kv_disk_cache is None:
+        note = "note: --standby without --kv-disk-cache: the spare computes a resumed stream's KV again"
+        click.echo(f"{note} (with a shared disk tier it reads what the dead engine wrote)", err=True)
     if standby:  # on loopback whatever --triton-host says: only the gateway reaches it
-        spare = dataclasses.replace(config, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
-                                    metrics_port=free_port())  # fmt: skip
+        spare = dataclasses.replace(
+            config, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(), metrics_port=free_port()
+        )
     sys.exit(run_serve(server, starter, served_name, health_interval_s, (GatewayProcessError,), stall_timeout_s,
                        budget, spare))  # fmt: skip

@@ -42,8 +42,13 @@ def test_a_dead_models_stream_and_new_requests_go_on_on_the_warm_spare(engines_d
         primary_url, spare_url = f"127.0.0.1:{serve.ports['grpc']}", f"127.0.0.1:{spare.group(1)}"
         gateway = SimpleNamespace(url=f"http://127.0.0.1:{serve.ports['openai']}")
         sdk = client(gateway.url)
-        chat = {"model": engine.name, "messages": [{"role": "user", "content": "Go on."}], "logprobs": True,
-                "top_logprobs": 2, **LONG}  # fmt: skip
+        chat = {
+            "model": engine.name,
+            "messages": [{"role": "user", "content": "Go on."}],
+            "logprobs": True,
+            "top_logprobs": 2,
+            **LONG,
+        }
         with ThreadPoolExecutor(1) as pool:
             chunks = iter(sdk.chat.completions.create(**chat, stream=True))
             first = next(chunks).choices[0]
@@ -51,8 +56,9 @@ def test_a_dead_models_stream_and_new_requests_go_on_on_the_warm_spare(engines_d
             streamed = pool.submit(lambda: [*first.logprobs.content, *rest])
 
             os.kill(stub_of_triton(serve, serve.ports["grpc"]), signal.SIGKILL)
-            answer = sdk.completions.create(model=engine.name, prompt="Meanwhile?", max_tokens=4, temperature=0,
-                                            extra_body={"ignore_eos": True})  # fmt: skip
+            answer = sdk.completions.create(
+                model=engine.name, prompt="Meanwhile?", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+            )
             assert answer.usage.completion_tokens == 4
             tokens = streamed.result(timeout=300)
         metrics = gateway_metrics(gateway)  # type: ignore[arg-type]

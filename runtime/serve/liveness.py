@@ -53,8 +53,11 @@ class Liveness:
         if probe_problem and any(answer in probe_problem for answer in FATAL_ANSWERS):
             return Verdict(True, f"the model cannot serve: {probe_problem}")
         if probe_problem and heartbeat is not None and now - heartbeat.time > self.frozen_s:
-            return Verdict(True, f"the model is frozen: its heartbeat stopped {now - heartbeat.time:.0f} s ago and "
-                                 f"the health probe failed ({probe_problem})")  # fmt: skip
+            return Verdict(
+                True,
+                f"the model is frozen: its heartbeat stopped {now - heartbeat.time:.0f} s ago and "
+                f"the health probe failed ({probe_problem})",
+            )
         stalled = self._stalled(heartbeat, now)
         if stalled:
             return Verdict(True, stalled)

@@ -63,8 +63,13 @@ GatewayStarter = Callable[[str, str, str | None, Callable[[], bool]], Gateway]
 class _Children:
     """The running tritonservers (the serving one, and a warm spare) and gateway, replaced when they die."""
 
-    def __init__(self, server: TritonServer, start_gateway: GatewayStarter | None, served_name: str,
-                 standby: ServerConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        server: TritonServer,
+        start_gateway: GatewayStarter | None,
+        served_name: str,
+        standby: ServerConfig | None = None,
+    ) -> None:
         self.servers: dict[str, TritonServer] = {TRITON: server}  # by Failure.child name; STANDBY once it serves
         self.start_gateway, self.served_name, self.standby_config = start_gateway, served_name, standby
         self.gateway: Gateway | None = None
@@ -114,11 +119,13 @@ class _Children:
         if self.standby_config is None:
             return
         click.echo("starting the standby tritonserver (a warm spare) ...", err=True)
-        standby = TritonServer(self.standby_config)
+        standby = None
         try:
+            standby = TritonServer(self.standby_config)
             standby.wait_ready()
         except ServerError as exc:
-            standby.stop(timeout_s=0)
+            if standby is not None:
+                standby.stop(timeout_s=0)
             click.echo(f"warning: serving without a warm spare, which could not start: {exc}", err=True)
             return
         self.servers[STANDBY] = standby
@@ -272,7 +279,9 @@ def _print_endpoints(children: _Children, served_name: str) -> None:
                f"  metrics  http://{config.host}:{config.metrics_port}/metrics")  # fmt: skip
     if (standby := children.servers.get(STANDBY)) is not None:
         spare = standby.config
-        click.echo(f"  standby  gRPC {spare.host}:{spare.grpc_port}, HTTP {spare.host}:{spare.http_port} (a warm "
-                   "spare: the OpenAI gateway's while tritonserver cannot serve)")  # fmt: skip
+        click.echo(
+            f"  standby  gRPC {spare.host}:{spare.grpc_port}, HTTP {spare.host}:{spare.http_port} (a warm "
+            "spare: the OpenAI gateway's while tritonserver cannot serve)"
+        )
     if children.gateway is not None:
         click.echo(f"  OpenAI   {children.gateway.url}/v1 (model '{served_name}'; log: {children.gateway.log_path})")
