@@ -4,6 +4,7 @@ evidence allows."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ import pytest
 from engine_format.serving import HEARTBEAT_FILE, Heartbeat, read_heartbeat
 from runtime.serve.liveness import Liveness, Verdict
 from runtime.serve.restarts import RestartBudget
+from runtime.serve.serve_loop import _supervise
+from runtime.serve.supervisor import STANDBY, TRITON, Failure
 
 TIMEOUT = "TimeoutError: timed out"
 STUB_DEAD = 'HTTP 400: {"error":"Stub process \'llm_0_0\' is not healthy."}'
@@ -123,3 +126,29 @@ def test_restart_budget_backs_off_and_caps_restarts_per_window():
 
 def test_a_zero_budget_never_restarts():
     assert RestartBudget(max_per_window=0).delay(0.0) is None
+
+
+class SpareGivenUp:
+    """What serve_loop._supervise needs of its children once the budget is spent: nothing runs any more."""
+
+    def __init__(self) -> None:
+        self.servers: dict = {}
+        self.dropped: list[str] = []
+
+    def others(self) -> dict:
+        return {}
+
+    def drop_standby(self, reason: str) -> None:
+        self.dropped.append(reason)
+
+
+def test_past_the_budget_a_failing_spare_is_dropped_but_a_failing_server_stops_serve():
+    stop = threading.Event()
+    stop.set()  # the watch that follows returns at once
+    children = SpareGivenUp()
+    spare = Failure(STANDBY, "the standby tritonserver exited (code -9)")
+    assert _supervise(children, stop, RestartBudget(max_per_window=0), (), 0.01, 60.0, spare) is None  # type: ignore[arg-type]
+    assert children.dropped == [spare.reason]
+    served = Failure(TRITON, "tritonserver exited (code -9)")
+    assert _supervise(children, stop, RestartBudget(max_per_window=0), (), 0.01, 60.0, served) is served  # type: ignore[arg-type]
+    assert children.dropped == [spare.reason]

@@ -6,9 +6,8 @@ one closes its connections, so in-flight requests end with an error at once and 
 that had produced nothing, and resumes the streams); a dead gateway is started again on its port. With a
 warm spare (`--standby`: a second tritonserver with the engine loaded, on ports of its own, which the gateway
 picks only while the first cannot serve) those requests go on at once instead of after the restart; a dead
-spare is restarted the same way. Restarts back off and are
-capped per minute (runtime.serve.restarts); past the cap the server stops with EXIT_UNSERVABLE for an
-orchestrator to decide.
+spare is restarted the same way. Restarts back off and are capped per minute (runtime.serve.restarts); past
+the cap the server stops with EXIT_UNSERVABLE for an orchestrator to decide (a spare is dropped instead).
 
 Exit codes: 0 after a clean shutdown; 1 when the server could not start; EXIT_UNSERVABLE when a child kept
 failing past the restart budget; EXIT_CUT when the shutdown had to cut requests at the drain deadline;
@@ -137,10 +136,7 @@ class _Children:
 
     def restart(self, child: str) -> None:
         if child in self.servers:
-            dead = self.servers[child]
-            dead.kill()  # a dead model never finishes its requests: closing the connections ends them now
-            self._note_crash(dead)
-            dead.stop(timeout_s=0)
+            dead = self._discard(self.servers[child])
             self.servers[child] = TritonServer(dead.config)  # the same ports: the gateway finds it there again
             self.servers[child].wait_ready()
         if self.start_gateway is not None and (child == GATEWAY or self.gateway is None):  # (None: it never started)
@@ -150,11 +146,14 @@ class _Children:
 
     def drop_standby(self, reason: str) -> None:
         """Serve on without the warm spare (it kept failing: the restart budget is for what serves)."""
-        standby = self.servers.pop(STANDBY)
-        standby.kill()
-        self._note_crash(standby)
-        standby.stop(timeout_s=0)
+        self._discard(self.servers.pop(STANDBY))
         click.echo(f"warning: serving on without the warm spare, which kept failing; last: {reason}", err=True)
+
+    def _discard(self, dead: TritonServer) -> TritonServer:
+        dead.kill()  # a dead model never finishes its requests: closing the connections ends them now
+        self._note_crash(dead)
+        dead.stop(timeout_s=0)
+        return dead
 
     def kill(self) -> None:
         for server in self.servers.values():
