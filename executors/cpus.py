@@ -57,6 +57,13 @@ def amx_bf16() -> bool:
     return "amx_bf16" in cpu_flags()
 
 
+def bf16_matmul() -> bool:
+    """Whether torch's oneDNN multiplies bfloat16 on this CPU (the cpu-bf16 backend's dense layers): it needs
+    AVX-512 BW/VL/DQ or AVX-NE-CONVERT, and refuses elsewhere (e.g. AVX2-only CPUs)."""
+    flags = cpu_flags()
+    return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+
+
 def vnni_int8() -> bool:
     """Whether this CPU multiplies int8 on AVX512-VNNI (Ice Lake and later Xeons, Zen 4), where the cpu-int8
     backend's dense layers run ~3x faster than float32's (benchmarks/results/decode_profile.md). Read from the flags,

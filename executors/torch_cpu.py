@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine_format import EngineConfig, EngineLoadError, ceil_div
-from executors.cpus import spin_openmp_workers, usable_cpus
+from executors.cpus import bf16_matmul, spin_openmp_workers, usable_cpus
 from executors.flat_step import FlatStep, FlatStepBackend
 from executors.kv_pool import KVPool
 from executors.lora import TARGETS, LoraRows, LoraSlots
@@ -97,6 +97,11 @@ class TorchCpuBackend(FlatStepBackend):
             )
         if not torch.backends.mkldnn.is_available():
             raise EngineLoadError("the cpu-bf16 backend needs torch built with oneDNN (mkldnn)")
+        if not bf16_matmul():
+            raise EngineLoadError(
+                "the cpu-bf16 backend needs a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT for oneDNN's bfloat16 "
+                "matmul; this one has neither: use --backend cpu"
+            )
         spec = config.model
         self.config = config
         self.threads = threads or usable_cpus()

@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
+import pytest
 import torch
+
+from executors.cpus import bf16_matmul
+
+# The cpu-bf16 backend's dense layers are oneDNN bfloat16 matmuls, which refuse CPUs without them (AVX2-only ones).
+NEEDS_BF16_MATMUL = pytest.mark.skipif(
+    not bf16_matmul(), reason="this CPU has no oneDNN bfloat16 matmul (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): cpu-bf16"
+)
 
 if TYPE_CHECKING:
     from runtime import LLMEngine

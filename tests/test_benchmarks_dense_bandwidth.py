@@ -8,6 +8,7 @@ import torch
 
 from benchmarks import dense_bandwidth
 from engine_format import EngineConfig
+from tests.helpers import NEEDS_BF16_MATMUL
 
 ROWS = 4
 
@@ -20,7 +21,9 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 TOLERANCE = {"bf16": 0.01, "int8": 0.02, "int4": 0.15}
 
 
-@pytest.mark.parametrize("name", list(dense_bandwidth.formats(ROWS)))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=NEEDS_BF16_MATMUL) if "cpu-bf16" in n else n for n in dense_bandwidth.formats(ROWS)]
+)
 def test_every_format_computes_the_matmul_and_the_check_catches_a_wrong_weight(name):
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(128, 96, generator=generator) * 0.05
@@ -33,6 +36,7 @@ def test_every_format_computes_the_matmul_and_the_check_catches_a_wrong_weight(n
     assert relative_error(run(x, pack(other)), want) > 1.0  # independent weights: ~sqrt(2)
 
 
+@NEEDS_BF16_MATMUL  # (one of the formats is cpu-bf16's)
 def test_chain_times_every_format_from_memory_and_cached_and_the_report_shows_them(llama_engine):
     config = EngineConfig.load(llama_engine)
     chain = dense_bandwidth.chain_ms(config, rows=ROWS, repeats=1)

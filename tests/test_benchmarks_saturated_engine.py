@@ -4,10 +4,12 @@ and report what they emitted; the report compares them to the first configuratio
 from __future__ import annotations
 
 from benchmarks.saturated_engine import render, run_config
+from tests.helpers import NEEDS_BF16_MATMUL
 
 SHORT = {"system_len": 40, "turn_mean": 16, "answer_range": (8, 24)}
 
 
+@NEEDS_BF16_MATMUL
 def test_off_and_ngram_run_saturated_and_are_reported(llama_engine):
     off = run_config(llama_engine, "cpu-bf16", 0, outstanding=10, warmup=2, steps=12, **SHORT)
     ngram = run_config(llama_engine, "cpu-bf16", 3, outstanding=10, warmup=2, steps=12, **SHORT)

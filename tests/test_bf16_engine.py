@@ -24,6 +24,9 @@ from executors import create_backend, cuda_present, default_backend
 from executors.torch.weights import load_weights
 from runtime import LLM, SamplingParams
 from tests.conftest import TINY_BLOCK_SIZE, TINY_MAX_SEQ_LEN
+from tests.helpers import NEEDS_BF16_MATMUL
+
+pytestmark = NEEDS_BF16_MATMUL  # a bfloat16 engine is verified and served on cpu-bf16
 
 OPTIONS = dict(model="tiny-llama", max_batch_size=4, max_seq_len=TINY_MAX_SEQ_LEN, block_size=TINY_BLOCK_SIZE)
 

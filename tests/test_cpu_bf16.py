@@ -22,7 +22,9 @@ from engine_format import EngineConfig, EngineLoadError
 from executors import create_backend
 from executors.base import SequenceChunk
 from runtime import LLM, SamplingParams
-from tests.helpers import hf_logits, random_prompts
+from tests.helpers import NEEDS_BF16_MATMUL, hf_logits, random_prompts
+
+pytestmark = NEEDS_BF16_MATMUL
 
 BF16_HEADROOM = 1.5
 

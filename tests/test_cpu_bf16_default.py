@@ -11,9 +11,10 @@ import builder.verify
 import executors.factory
 from builder.errors import BuildError
 from builder.verify import VERIFY_TOLERANCE, verify_engine
-from engine_format import EngineConfig
+from engine_format import EngineConfig, EngineLoadError
 from executors import default_backend
 from runtime import LLM, SamplingParams
+from tests.helpers import NEEDS_BF16_MATMUL
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,7 @@ def on_cpu(monkeypatch):
     monkeypatch.setattr(executors.factory, "cuda_present", lambda: False)
 
 
+@NEEDS_BF16_MATMUL
 def test_on_amx_a_float32_engine_is_also_verified_on_cpu_bf16_at_bf16s_bound(llama_engine, hf_model, monkeypatch):
     monkeypatch.setattr(builder.verify, "amx_bf16", lambda: True)
     record = verify_engine(EngineConfig.load(llama_engine), hf_model)
@@ -54,6 +56,7 @@ def test_without_amx_the_build_does_not_verify_cpu_bf16(llama_engine, hf_model, 
     assert list(record["backends"]) == ["graph", "plugin", "cpu"] and "hf_bfloat16_max_abs_error" not in record
 
 
+@NEEDS_BF16_MATMUL
 def test_the_bf16_bound_is_checked_on_cpu_bf16(llama_engine, hf_model, monkeypatch):
     """The check can fail: at float32's bound, cpu-bf16's bfloat16 arithmetic is refused, and the error names it."""
     monkeypatch.setattr(builder.verify, "amx_bf16", lambda: True)
@@ -96,3 +99,12 @@ def test_serving_defaults_to_cpu_bf16_on_amx_and_cpu_on_request(llama_engine, on
     float32 = LLM(llama_engine, max_num_batched_tokens=16, backend="cpu")
     assert type(float32.engine.backend).__name__ == "OrtCpuBackend"
     assert len(default.generate(prompt, params)[0].token_ids) == 6 == len(float32.generate(prompt, params)[0].token_ids)
+
+
+def test_without_onednn_bfloat16_the_backend_refuses_naming_the_cpu_and_the_way_out(llama_engine, monkeypatch):
+    """An AVX2-only CPU: oneDNN would fail deep in the first matmul; the backend refuses at load instead."""
+    import executors.torch_cpu
+
+    monkeypatch.setattr(executors.torch_cpu, "bf16_matmul", lambda: False)
+    with pytest.raises(EngineLoadError, match=r"AVX-512 \(BW, VL, DQ\) or AVX-NE-CONVERT.*use --backend cpu"):
+        executors.factory.create_backend(EngineConfig.load(llama_engine), num_blocks=8, kind="cpu-bf16")

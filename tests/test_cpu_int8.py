@@ -24,7 +24,7 @@ from engine_format.files import ACTIVATION_RANGES_FILE
 from executors import create_backend, default_backend
 from executors.base import SequenceChunk
 from executors.cpus import vnni_int8
-from tests.helpers import hf_logits, random_prompts
+from tests.helpers import NEEDS_BF16_MATMUL, hf_logits, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +108,7 @@ def hf_model():
     return load_checkpoint(resolve_model("tiny-llama"))[0]
 
 
+@NEEDS_BF16_MATMUL  # (its last check verifies on cpu-bf16)
 def test_on_vnni_a_float32_engine_is_verified_on_cpu_int8_at_its_bound(llama_engine, hf_model, monkeypatch):
     monkeypatch.setattr(builder.verify, "vnni_int8", lambda: True)
     monkeypatch.setattr(builder.verify, "amx_bf16", lambda: False)

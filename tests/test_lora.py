@@ -18,7 +18,7 @@ from executors.lora import AdapterError, load_adapter
 from runtime import LLM, LLMEngine, SamplingParams
 from runtime.engine.engine_args import EngineArgs
 from runtime.engine.errors import InvalidRequest
-from tests.helpers import hf_greedy, hf_logits, make_lora_adapter, random_prompts, with_lora
+from tests.helpers import NEEDS_BF16_MATMUL, hf_greedy, hf_logits, make_lora_adapter, random_prompts, with_lora
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -78,7 +78,7 @@ def test_a_swapped_adapter_is_caught(llama_engine, hf_model, adapters):
     assert output.token_ids != hf_greedy(with_lora(hf_model, adapters["qv"]), prompt, NEW_TOKENS, (10**9,))
 
 
-@pytest.mark.parametrize("kind", ["cpu", "cpu-bf16"])
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cpu-bf16", marks=NEEDS_BF16_MATMUL)])
 def test_backend_logits_per_slot(llama_engine, hf_model, adapters, kind):
     """One step of chunks under different slots (prefill chunks and a base chunk between them) against HF
     float32 + PEFT. cpu: float32, to 1e-4. cpu-bf16: no further from float32 than HF's own bfloat16 forward
@@ -109,6 +109,7 @@ def test_backend_logits_per_slot(llama_engine, hf_model, adapters, kind):
             assert np.abs(got - ref).max() <= 1.5 * np.abs(ref16 - ref).max() + 1e-3, names[slot] if slot else None
 
 
+@NEEDS_BF16_MATMUL
 def test_an_adapter_of_every_projection_runs_on_cpu_bf16_and_is_refused_on_cpu(llama_engine, hf_model, adapters):
     """An adapter of every projection runs on cpu-bf16; on `cpu`, whose segments fuse the MLP, it is refused
     naming the targets and the backend that serves them."""

@@ -20,7 +20,7 @@ from executors.base import SequenceChunk
 from executors.greedy import greedy_generate
 from runtime import LLM, SamplingParams
 from runtime.engine.tokenizer import encode_prompt, stop_token_ids
-from tests.helpers import FLOAT32_BACKEND, hf_greedy, hf_logits
+from tests.helpers import FLOAT32_BACKEND, NEEDS_BF16_MATMUL, hf_greedy, hf_logits
 
 pytestmark = pytest.mark.slow
 ATOL = 1e-3
@@ -96,6 +96,7 @@ def test_engine_greedy_tokens_identical_to_hf_generate(setup, smollm2_engine):
     assert outs[1].text == "The capital of France is Paris."
 
 
+@NEEDS_BF16_MATMUL
 def test_cpu_bf16_logits_are_as_close_to_float32_as_hf_bfloat16(setup):
     """The bfloat16 backend keeps RoPE, attention and the KV cache in float32, so its logits are at least
     about as close to HF float32's as HF's own bfloat16 forward: the worst |difference| at each prompt's
