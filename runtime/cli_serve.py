@@ -164,10 +164,10 @@ def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_po
     starter = None if no_openai else start_gateway
     budget = RestartBudget(max_per_window=max_restarts)
     spare = None
-    if standby and engine_args.kv_disk_cache is None:
-        note = "note: --standby without --kv-disk-cache: the spare computes a resumed stream's KV again"
-        click.echo(f"{note} (with a shared disk tier it reads what the dead engine wrote)", err=True)
     if standby:  # on loopback whatever --triton-host says: only the gateway reaches it
+        if engine_args.kv_disk_cache is None:
+            note = "note: --standby without --kv-disk-cache: the spare computes a resumed stream's KV again"
+            click.echo(f"{note} (with a shared disk tier it reads what the dead engine wrote)", err=True)
         spare = dataclasses.replace(
             config, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(), metrics_port=free_port()
         )
