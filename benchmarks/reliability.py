@@ -3,12 +3,14 @@
     python -m benchmarks.reliability soak --engine DIR [--backend cpu|cpu-bf16] [--rate R] [--duration-s S]
     python -m benchmarks.reliability chaos --engine DIR [--kills stub,tritonserver,gateway[,hang]] [--serve-args ARGS]
     python -m benchmarks.reliability burst --engine TINY --streams 2000
+    python -m benchmarks.reliability burst --engine TINY --tenants heavy:4000:2000,light-a:500,light-b:500
 
 Each mode starts `trtserve serve --engine DIR --max-num-seqs 32 --num-kv-blocks 1024` as a user would (a
 subprocess on free ports; benchmarks.reliability_serve watches it) and sends traffic through its OpenAI door
 (benchmarks.reliability_workload, _client). soak: mixed traffic for --duration-s. chaos: the same traffic; after
 --warmup-s it SIGKILLs the model's stub, then (serving again) tritonserver, then the gateway, each once the
-previous kill is recovered from and --settle-s passed. burst: --streams streaming requests at once. Then the
+previous kill is recovered from and --settle-s passed. burst: --streams streaming requests at once (or each
+--tenants tenant's, with its API key: benchmarks.reliability_tenants). Then the
 load stops, requests in flight are waited for, serve gets SIGTERM. Results: results/reliability-<mode>[-<label>]
 .{json,md} (benchmarks.reliability_report); each request's record, serve's output and the Triton and gateway
 logs in results/logs/reliability-<mode>[-<label>]/.
@@ -24,7 +26,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,6 +39,7 @@ from benchmarks.reliability_client import Load, Result
 from benchmarks.reliability_plot import timeline
 from benchmarks.reliability_report import first_served_after, kill_report, render, summary, targets
 from benchmarks.reliability_serve import Serve, Watch, uptime_s
+from benchmarks.reliability_tenants import TenantLoad, parse, tenant_summary, write_tenants_file
 from benchmarks.reliability_workload import Job, Mix, Prompts, jobs
 from engine_format import EngineConfig
 
@@ -65,15 +68,25 @@ class Run:
     settle_s: float = 30.0
     streams: int = 2000
     serve_args: tuple[str, ...] = ()  # more `trtserve serve` options (e.g. --standby, --kv-disk-cache DIR)
+    tenants: tuple[TenantLoad, ...] = ()  # burst: whose streams (in place of --streams)
+    tenant_keys: bool = True  # False: the tenants' traffic without keys, to an open gateway
 
     @property
     def name(self) -> str:
         return f"reliability-{self.mode}" + (f"-{self.label}" if self.label else "")
 
+    @property
+    def total_streams(self) -> int:
+        return sum(t.streams for t in self.tenants) if self.tenants else self.streams
+
     def describe(self, mix: Mix) -> str:
         if self.mode == "burst":
-            return f"{self.streams} streaming requests sent at once, answers of {mix.answer_tokens[0]}-" \
-                   f"{mix.answer_tokens[1]} tokens"  # fmt: skip
+            who = ", ".join(f"{t.name} {t.streams}" for t in self.tenants)
+            return (
+                f"{self.total_streams} streaming requests sent at once"
+                + (f" ({who})" if who else "")
+                + f", answers of {mix.answer_tokens[0]}-{mix.answer_tokens[1]} tokens"
+            )
         low, high = self.rate * 2 / 3, self.rate * 4 / 3
         length = f"{self.duration_s:g} s" if self.mode == "soak" else "until the kills are done + settle"
         return (f"Poisson arrivals, mean {self.rate:g} req/s ({low:.2f} and {high:.2f} req/s in alternating "
@@ -95,11 +108,15 @@ def workload(mix: Mix, mode: str) -> str:
     )
 
 
-def burst_jobs(count: int, mix: Mix, seed: int) -> list[Job]:
-    """`count` streams at t=0, RAG and one-shot alternating, answers spread over the mix's range."""
+def burst_jobs(count: int, mix: Mix, seed: int, tenants: Sequence[TenantLoad] = ()) -> list[Job]:
+    """`count` streams at t=0 (or each tenant's, in their order), RAG and one-shot alternating, answers spread over
+    the mix's range."""
+    owners = [t.name for t in tenants for _ in range(t.streams)] if tenants else [None] * count
     low, high = mix.answer_tokens
-    return [Job(i, 0.0, "rag" if i % 2 else "oneshot", True, low + (i * 7919 + seed) % (high - low + 1), None, i)
-            for i in range(count)]  # fmt: skip
+    return [
+        Job(i, 0.0, "rag" if i % 2 else "oneshot", True, low + (i * 7919 + seed) % (high - low + 1), None, i, owner)
+        for i, owner in enumerate(owners)
+    ]
 
 
 async def chaos(serve: Serve, load: Load, run: Run) -> list[dict]:
@@ -135,7 +152,8 @@ async def chaos(serve: Serve, load: Load, run: Run) -> list[dict]:
 async def drive(serve: Serve, load: Load, run: Run, mix: Mix) -> tuple[float, list[dict]]:
     """The mode's traffic (and kills): (when the last request was sent, the kills)."""
     if run.mode == "burst":
-        return await load.run(iter(burst_jobs(run.streams, mix, run.seed)), lambda job: False, run.drain_wait_s), []
+        planned = burst_jobs(run.streams, mix, run.seed, run.tenants)
+        return await load.run(iter(planned), lambda job: False, run.drain_wait_s), []
     if run.mode == "soak":
         return await load.run(jobs(run.rate, mix, run.seed), lambda job: job.at >= run.duration_s, run.drain_wait_s), []
     done: list[float] = []
@@ -167,11 +185,13 @@ def measure(run: Run, command: str, log_fn: Callable[[str], None] = log) -> tupl
     prompts = Prompts(load_tokenizer(run.engine), mix, max_seq_len, model, run.seed)
     started, since, busy0, client0 = time.monotonic(), uptime_s(), machine_busy_s(), time.process_time()
     quiet_before = report.cpu_busy_fraction()
-    serve = Serve(run.engine, run.backend, log_dir / "serve.log", run.serve_args)
+    keyed = bool(run.tenants) and run.tenant_keys
+    tenants_args = ("--tenants", str(write_tenants_file(run.tenants, log_dir / "tenants.yaml"))) if keyed else ()
+    serve = Serve(run.engine, run.backend, log_dir / "serve.log", (*run.serve_args, *tenants_args))
     try:
         ready_s = serve.wait_ready()
         log_fn(f"serve ready after {ready_s} s: {serve.openai_url}")
-        load = Load(serve.openai_url, prompts)
+        load = Load(serve.openai_url, prompts, {t.name: t.api_key for t in run.tenants} if keyed else {})
         watch = Watch(serve, 0.5 if run.mode == "burst" else 1.0).start(load.t0)
         last, kills = asyncio.run(drive(serve, load, run, mix))
         arrivals_s = last
@@ -198,6 +218,7 @@ def measure(run: Run, command: str, log_fn: Callable[[str], None] = log) -> tupl
         "load": {"arrivals_s": round(arrivals_s, 1), "retry_window_s": load.retry_window_s,
                  "read_timeout_s": load.read_timeout_s},
         "summary": summary(load.results),
+        "tenants": tenant_summary(load.results, run.tenants) if run.tenants else None, "tenant_keys": keyed,
         "kills": kill_reports(kills, load.results, window_end),
         "server": {
             "ready_s": ready_s, "restarts": restarts, "exit_code": exit_code, "exit_s": exit_s,
@@ -287,10 +308,36 @@ def chaos_command(engine: Path, backend: str | None, seed: int, label: str | Non
 @main.command()
 @common
 @click.option("--streams", default=2000, show_default=True, type=click.IntRange(1))
-def burst(engine: Path, backend: str | None, seed: int, label: str | None, drain_wait_s: float, streams: int) -> None:
+@click.option(
+    "--tenants",
+    "tenants_spec",
+    default="",
+    help="name:streams[:max_queued],... in place of --streams: each tenant's streams with its own API key "
+    "(and, with a third field, its own queue bound).",
+)
+@click.option(
+    "--tenant-keys/--no-tenant-keys",
+    default=True,
+    show_default=True,
+    help="--no-tenant-keys: the same tenants' traffic without keys, to an open gateway (the baseline).",
+)
+def burst(
+    engine: Path,
+    backend: str | None,
+    seed: int,
+    label: str | None,
+    drain_wait_s: float,
+    streams: int,
+    tenants_spec: str,
+    tenant_keys: bool,
+) -> None:
     """--streams streaming requests at once: each completed or refused with a reason; KV all free after."""
+    try:
+        tenants = parse(tenants_spec)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--tenants") from None
     execute(Run("burst", engine, backend, seed=seed, label=label, drain_wait_s=drain_wait_s, streams=streams,
-                mix=Mix(answer_tokens=(16, 64))))  # fmt: skip
+                mix=Mix(answer_tokens=(16, 64)), tenants=tenants, tenant_keys=tenant_keys))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -21,9 +21,10 @@ reason "client timeout" -- an overloaded server that queues without bound loses 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 
 import aiohttp
@@ -55,6 +56,8 @@ class Result:
     finished: bool = False  # a finish reason, and for streams [DONE]
     cancelled: bool = False  # the client cancelled it mid-stream
     attempts: int = 1
+    tenant: str | None = None
+    retry_after_s: float | None = None  # a refusal's Retry-After (retry-after-ms where given)
     text: str = field(default="", repr=False)
 
     @property
@@ -84,17 +87,19 @@ class NoResponse(Exception):
 
 
 def new_result(job: Job, body: dict, t0: float) -> Result:
-    return Result(job.index, job.kind, job.stream, body["max_tokens"], job.cancel_after, time.monotonic() - t0)
+    return Result(
+        job.index, job.kind, job.stream, body["max_tokens"], job.cancel_after, time.monotonic() - t0, tenant=job.tenant
+    )
 
 
 async def send(session: aiohttp.ClientSession, url: str, path: str, body: dict, r: Result, t0: float,
-               retry_window_s: float = 30.0) -> Result:  # fmt: skip
+               retry_window_s: float = 30.0, headers: Mapping[str, str] | None = None) -> Result:  # fmt: skip
     """Send `r`'s request through the gateway, again only while it gets no response at all (see the module
     doc); fills `r` in as it goes (a caller that gives up on it still has how far it got)."""
     delay, first_failure = 0.5, None
     while True:
         try:
-            await _attempt(session, url + path, body, r, t0)
+            await _attempt(session, url + path, body, r, t0, headers)
             break
         except NoResponse as exc:
             r.reason = str(exc)[:300]
@@ -108,9 +113,11 @@ async def send(session: aiohttp.ClientSession, url: str, path: str, body: dict, 
     return r
 
 
-async def _attempt(session: aiohttp.ClientSession, url: str, body: dict, r: Result, t0: float) -> None:
+async def _attempt(
+    session: aiohttp.ClientSession, url: str, body: dict, r: Result, t0: float, headers: Mapping[str, str] | None
+) -> None:
     try:
-        response = await session.post(url, json=body)
+        response = await session.post(url, json=body, headers=headers)
     except aiohttp.ConnectionTimeoutError as exc:  # not connected: nothing was sent
         raise NoResponse(f"{type(exc).__name__}: {exc}") from None
     except asyncio.TimeoutError:  # before OSError: TimeoutError is one
@@ -121,6 +128,7 @@ async def _attempt(session: aiohttp.ClientSession, url: str, body: dict, r: Resu
     r.status = response.status
     try:
         if response.status != 200:
+            r.retry_after_s = retry_after_s(response.headers)
             _refusal(r, await response.text())
         elif r.stream:
             await _read_stream(response, r, t0)
@@ -130,6 +138,14 @@ async def _attempt(session: aiohttp.ClientSession, url: str, body: dict, r: Resu
         r.reason = f"{type(exc).__name__}: {exc}"[:300] or type(exc).__name__
     finally:
         response.close()  # a cancelled stream's connection closes: the server sees the client leave
+
+
+def retry_after_s(headers: Mapping[str, str]) -> float | None:
+    """The wait a refusal asks for: retry-after-ms (the openai SDK's first choice), else Retry-After seconds."""
+    for name, scale in (("retry-after-ms", 1e-3), ("Retry-After", 1.0)):
+        with contextlib.suppress(KeyError, ValueError):
+            return float(headers[name]) * scale
+    return None
 
 
 def _refusal(r: Result, text: str) -> None:
@@ -183,6 +199,7 @@ class Load:
 
     url: str
     prompts: Prompts
+    api_keys: Mapping[str, str] = field(default_factory=dict)  # tenant -> its key; a job of no tenant sends none
     read_timeout_s: float = 600.0  # the openai SDK's default: the longest a client waits for the next bytes
     connect_timeout_s: float = 5.0  # the openai SDK's default
     retry_window_s: float = 30.0
@@ -224,7 +241,9 @@ class Load:
         result = new_result(job, body, self.t0)
         self.in_flight += 1
         try:
-            await send(session, self.url, path, body, result, self.t0, self.retry_window_s)
+            key = self.api_keys.get(job.tenant) if job.tenant is not None else None
+            headers = {"Authorization": f"Bearer {key}"} if key else None
+            await send(session, self.url, path, body, result, self.t0, self.retry_window_s, headers)
         except asyncio.CancelledError:  # past the drain wait
             result.reason, result.end = "still running when the client stopped waiting", self.now()
         finally:

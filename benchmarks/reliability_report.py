@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from benchmarks.metrics import percentiles
 from benchmarks.reliability_client import CANCELLED, COMPLETED, CUT, FAILED, LOST, OUTCOMES, REFUSED, Result
+from benchmarks.reliability_tenants import render as render_tenants
 
 # Seconds from a chaos kill to the first completed request (issue 52): a killed stub and a killed tritonserver have
 # their own; a hung stub (SIGSTOP) is to be replaced within serve's --stall-timeout.
@@ -168,7 +169,10 @@ def render(p: dict) -> str:
         *(f"| {t['name']} | {t['value']} | {t['target']} | {'yes' if t['met'] else '**no**'} |" for t in p["targets"]),
         "",
     ]
-    lines += _outcomes(p) + _refusals(p["summary"]) + _kills(p) + _server(p) + _problems(p["summary"])
+    lines += _outcomes(p) + _refusals(p["summary"])
+    if p.get("tenants"):
+        lines += render_tenants(p["tenants"], p["tenant_keys"])
+    lines += _kills(p) + _server(p) + _problems(p["summary"])
     return "\n".join(lines) + "\n"
 
 
@@ -241,6 +245,7 @@ def _server(p: dict) -> list[str]:
         f"{rss['tritonserver']} + Python-backend stubs {rss['stubs']} + gateway {rss['gateway']} MiB (each part's own "
         "peak; the stubs' RSS includes the shared memory they map).",
         "",
+        *_growth(p),
         f'Restarts (serve\'s "restarted" lines): {len(server["restarts"])}'
         + "".join(
             f"; {r['child']} at {r['t_s']} s, serving again {r['serving_again_s']:g} s after the failure was seen"
@@ -265,6 +270,21 @@ def _server(p: dict) -> list[str]:
     if server["serve_errors"]:
         out += ["serve's error and warning lines:", "", "```", *server["serve_errors"][:30], "```", ""]
     return out
+
+
+def _growth(p: dict) -> list[str]:
+    """A burst's memory per stream: each part's growth from the first RSS sample to its peak."""
+    timeline, streams = p["server"].get("rss_timeline_mib") or [], p["summary"]["requests"]
+    if p["mode"] != "burst" or len(timeline) < 2 or not streams:
+        return []
+    first = timeline[0]
+    stubs, gateway = (max(row[i] for row in timeline) - first[i] for i in (2, 3))
+    return [
+        f"Memory per stream: the gateway grew {gateway} MiB from its first sample ({first[0]:g} s) to its peak with "
+        f"{streams} streams open ({gateway * 1024 / streams:.0f} KiB each; it holds the waiting ones), the stubs "
+        f"{stubs} MiB (they see only the requests the gateway lets upstream, --max-concurrent at most).",
+        "",
+    ]
 
 
 def _cpu(c: dict | None) -> str:

@@ -59,6 +59,7 @@ class Job:
     max_tokens: int
     cancel_after: int | None  # deltas after which the client cancels (streams only)
     pick: int  # which document / question
+    tenant: str | None = None  # whose API key it is sent with (benchmarks.reliability_tenants)
 
 
 def rate_at(t: float, rate: float, period_s: float) -> float:

@@ -125,6 +125,10 @@ def test_targets_and_markdown():
     assert "Stream removed / x" in md and "**no**" in md and "serving again 3.5 s" in md
     assert "not counted: 1" in md  # another process's segfault is shown, not counted
     assert "**no**" in render(payload(rs, exit_code=4))
+    assert "Memory per stream" not in md
+    burst = render(payload(rs, mode="burst", rss_timeline_mib=[[0.5, 40, 400, 100], [1.0, 40, 410, 130], [2, 1, 1, 1]]))
+    assert "the gateway grew 30 MiB from its first sample (0.5 s) to its peak with 2 streams open (15360 KiB" in burst
+    assert "the stubs 10 MiB" in burst
 
 
 # --- traffic ---
@@ -204,7 +208,11 @@ def sse(*events: object) -> bytes:
 async def fake_gateway(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     if body["prompt"] == "refuse":
-        return web.json_response({"error": {"message": "overloaded: queue full", "code": "overloaded"}}, status=429)
+        error = {"error": {"message": "overloaded: queue full", "code": "overloaded"}}
+        return web.json_response(error, status=429, headers={"Retry-After": "3", "retry-after-ms": "2500"})
+    if body["prompt"] == "whose":  # answers with the key it was sent
+        error = {"error": {"message": request.headers.get("Authorization", "none"), "code": "who"}}
+        return web.json_response(error, status=503, headers={"Retry-After": "7"})
     chunk = {"choices": [{"index": 0, "text": "a", "finish_reason": None}]}
     last = {"choices": [{"index": 0, "text": "b", "finish_reason": "length"}]}
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -226,15 +234,21 @@ def test_client_outcomes_against_a_fake_gateway():
                 job = Job(len(out), 0.0, "oneshot", True, 6, cancel_after, 0)
                 body = {"prompt": prompt, "max_tokens": 6, "stream": True}
                 out.append(await send(session, url, "/v1/completions", body, new_result(job, body, t0), t0))
+            body = {"prompt": "whose", "max_tokens": 6, "stream": True}
+            job = Job(len(out), 0.0, "oneshot", True, 6, None, 0, tenant="acme")
+            headers = {"Authorization": "Bearer sk-acme"}
+            out.append(await send(session, url, "/v1/completions", body, new_result(job, body, t0), t0, 1.0, headers))
             down = f"http://127.0.0.1:{free_port()}"  # nothing listens: no response, retried within the window
             r = new_result(Job(4, 0.0, "oneshot", False, 6, None, 0), {"max_tokens": 6}, t0)
             out.append(await send(session, down, "/v1/completions", {"prompt": "x"}, r, t0, retry_window_s=1.0))
             return out
 
-    ok, cancelled, refused, cut, down = asyncio.run(scenario())
+    ok, cancelled, refused, cut, keyed, down = asyncio.run(scenario())
     assert ok.outcome == COMPLETED and ok.deltas == 6 and ok.completion_tokens == 6 and ok.text == "aaaaab"
     assert cancelled.outcome == CANCELLED and cancelled.deltas == 2
     assert refused.outcome == REFUSED and refused.reason == "overloaded: queue full" and refused.code == "overloaded"
+    assert refused.retry_after_s == 2.5 and ok.retry_after_s is None  # retry-after-ms first, as the openai SDK
+    assert (keyed.tenant, keyed.reason, keyed.retry_after_s) == ("acme", "Bearer sk-acme", 7.0)
     assert cut.outcome == CUT and cut.error_event and cut.reason == "unreachable"
     assert down.outcome == FAILED and down.status is None and down.attempts >= 2 and "Connect" in down.reason
 

@@ -231,6 +231,29 @@ def test_queue_full_rejects_at_exactly_max_queued() -> None:
     run(scenario)
 
 
+def test_a_tenant_over_its_own_queue_bound_is_told_when_its_own_backlog_drains() -> None:
+    """A key refused for its own max_queued: Retry-After from its waiters and the slots it holds, not the whole
+    queue's (here 3 of its own ahead through its 2 slots, while 9 wait for the 8 slots in all)."""
+
+    async def scenario() -> None:
+        q = FairQueue(max_queued=100, max_concurrent=8, per_key_concurrency=2, key_limits={"t": KeyLimits(2, 3)})
+        h = Harness(q.slot)
+        for i in range(5):
+            h.submit("t", f"T{i}")
+        for key in "abcd":
+            for i in range(3):
+                h.submit(key, f"{key}{i}")
+        await until(lambda: q.depth == 3 + 1 + 1 + 1 + 3)  # a, b, c hold 2 slots each; d none
+        error = await refused(q, "t")
+        assert (error.key, error.depth) == ("t", 3)
+        assert error.retry_after_s == pytest.approx(DEFAULT_SERVICE_S * (3 + 1) / 2)
+        assert "your tenant's request queue is full (3 waiting)" in str(error)
+        assert q.retry_after_s == pytest.approx(DEFAULT_SERVICE_S * (9 + 1) / 8)  # the global estimate differs
+        await h.drain(len(h.tasks))
+
+    run(scenario)
+
+
 def test_zero_max_queued_refuses_whenever_no_slot_is_free() -> None:
     async def scenario() -> None:
         q = FairQueue(max_queued=0, max_concurrent=1, per_key_concurrency=1, clock=FakeClock())

@@ -34,8 +34,9 @@ RETRY_AFTER_MAX_S = 60.0
 class QueueFull(Exception):
     """Raised by FairQueue.slot when max_queued requests already wait (the gateway answers 429)."""
 
-    def __init__(self, key: str, depth: int, retry_after_s: float) -> None:
-        super().__init__(f"request queue is full ({depth} waiting); retry after {retry_after_s:.1f}s")
+    def __init__(self, key: str, depth: int, retry_after_s: float, own: bool = False) -> None:
+        whose = "your tenant's request queue" if own else "request queue"
+        super().__init__(f"{whose} is full ({depth} waiting); retry after {retry_after_s:.1f}s")
         self.key = key
         self.depth = depth
         self.retry_after_s = retry_after_s
@@ -161,9 +162,16 @@ class FairQueue:
         service time (an exponentially weighted average of slot hold times, DEFAULT_SERVICE_S before the first
         completes); clamped to [RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S].
         """
+        return self._drain_s(self._depth, self.max_concurrent)
+
+    def key_retry_after_s(self, key: str) -> float:
+        """How long a client refused for its own key's bound should wait: that key's waiters drain through the
+        slots it holds now (at least one), not the whole queue's."""
+        return self._drain_s(len(self._waiting.get(key, ())), max(1, self._per_key.get(key, 0)))
+
+    def _drain_s(self, waiting: int, slots: int) -> float:
         service = self._service_s if self._service_s is not None else DEFAULT_SERVICE_S
-        estimate = service * (self._depth + 1) / self.max_concurrent
-        return min(max(estimate, RETRY_AFTER_MIN_S), RETRY_AFTER_MAX_S)
+        return min(max(service * (waiting + 1) / slots, RETRY_AFTER_MIN_S), RETRY_AFTER_MAX_S)
 
     def can_start(self, key: str) -> bool:
         """Whether `slot(key)` would be granted now, without waiting (nor raising QueueFull)."""
@@ -179,10 +187,12 @@ class FairQueue:
         arrived = self._clock()
         if self._eligible(key):
             self._grant(key)
-        elif self._depth >= self.max_queued or self._key_queue_full(key):
-            retry_after = self.retry_after_s
+        elif self._depth >= self.max_queued:
             self._metrics.rejections.labels(key).inc()
-            raise QueueFull(key, self._depth, retry_after)
+            raise QueueFull(key, self._depth, self.retry_after_s)
+        elif self._key_queue_full(key):
+            self._metrics.rejections.labels(key).inc()
+            raise QueueFull(key, len(self._waiting.get(key, ())), self.key_retry_after_s(key), own=True)
         else:
             await self._wait(key)
         granted_at = self._clock()
