@@ -21,7 +21,7 @@ token ids back instead of [batch, vocab] logits, sampled with the engine's own s
 
 from executors.base import EngineBackend, SequenceChunk
 from executors.device_sampling import DeviceSampling
-from executors.factory import BACKENDS, create_backend, cuda_present, default_backend
+from executors.factory import BACKENDS, create_backend, cuda_present, default_backend, prepare_backend
 from executors.sampling.state import DeviceSample
 
 __all__ = [
@@ -33,4 +33,5 @@ __all__ = [
     "create_backend",
     "cuda_present",
     "default_backend",
+    "prepare_backend",
 ]

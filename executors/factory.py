@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from engine_format import EngineConfig
@@ -61,7 +62,16 @@ def create_backend(
     """The backend `kind` (one of BACKENDS; default: default_backend) over `num_blocks` KV blocks.
     `max_num_batched_tokens`: the engine's step budget, checked against a TensorRT plan's profiles.
     `dtype`: the torch backend's compute dtype (default: the engine's); the other backends refuse another."""
+    return prepare_backend(config, num_blocks, threads, kind, max_num_batched_tokens, dtype)()
 
+
+def prepare_backend(
+    config: EngineConfig, num_blocks: int | None = None, threads: int | None = None, kind: str | None = None,
+    max_num_batched_tokens: int | None = None, dtype: str | None = None,
+) -> Callable[[], EngineBackend]:  # fmt: skip
+    """create_backend in two halves: this one checks the arguments and imports the backend's modules (which set
+    the CPU kernel's OpenMP policy); the callable it returns builds the backend (weights, kernels, KV pool). Work
+    that imports torch (transformers: the tokenizer) may run beside the second half, not before the first."""
     if kind is None:
         kind = default_backend(config)
         log.info("backend %s: the default for this engine on this machine (choose another with --backend)", kind)
@@ -75,27 +85,26 @@ def create_backend(
     if kind == "tensorrt":
         from executors.tensorrt import TrtBackend  # imports TensorRT and CUDA: GPU machines only
 
-        return TrtBackend(config, num_blocks, max_num_batched_tokens)
+        return lambda: TrtBackend(config, num_blocks, max_num_batched_tokens)
     if kind == "torch":
         from executors.torch import TorchBackend  # imports torch and the Triton kernels
 
-        return TorchBackend(config, num_blocks, dtype=dtype)
+        return lambda: TorchBackend(config, num_blocks, dtype=dtype)
     if kind == "cpu":
         from executors.ort_cpu import OrtCpuBackend  # loads the kernel, which sets the OpenMP policy
 
-        return OrtCpuBackend(config, num_blocks, threads)
+        return lambda: OrtCpuBackend(config, num_blocks, threads)
     if kind == "cpu-bf16":
         from executors.torch_cpu import TorchCpuBackend  # loads the kernel, then torch
 
-        return TorchCpuBackend(config, num_blocks, threads)
+        return lambda: TorchCpuBackend(config, num_blocks, threads)
     if kind == "cpu-int8":
         from executors.cpu_int8 import Int8CpuBackend  # sets the OpenMP spin policy, then loads the kernel
 
-        return Int8CpuBackend(config, num_blocks, threads)
+        return lambda: Int8CpuBackend(config, num_blocks, threads)
     if kind in ("graph", "plugin"):
         from executors.ort_graph import OrtGraphBackend
 
-        if kind == "plugin":
-            config = config.with_graph(PLUGIN_GRAPH_FILE)
-        return OrtGraphBackend(config, num_blocks, threads, cover_step=kind == "plugin")
+        graph = config.with_graph(PLUGIN_GRAPH_FILE) if kind == "plugin" else config
+        return lambda: OrtGraphBackend(graph, num_blocks, threads, cover_step=kind == "plugin")
     raise ValueError(f"backend must be one of {', '.join(BACKENDS)} (got {kind!r})")

@@ -187,16 +187,23 @@ def test_engine_is_built_on_the_thread_that_steps_it(llama_engine, monkeypatch):
     import runtime.engine.llm_engine as llm_engine
 
     built_on = []
-    real = llm_engine.create_backend
+    real = llm_engine.prepare_backend
 
     def recording(*args, **kwargs):
-        built_on.append(threading.current_thread().name)
-        return real(*args, **kwargs)
+        built_on.append(("prepared", threading.current_thread().name))
+        build = real(*args, **kwargs)
 
-    monkeypatch.setattr(llm_engine, "create_backend", recording)
+        def recorded_build():
+            built_on.append(("built", threading.current_thread().name))
+            return build()
+
+        return recorded_build
+
+    monkeypatch.setattr(llm_engine, "prepare_backend", recording)
     llm = AsyncLLM(llama_engine)
     try:
-        assert built_on == ["trtserve-engine"] and llm._thread.name == "trtserve-engine"
+        assert built_on == [("prepared", "trtserve-engine"), ("built", "trtserve-engine")]
+        assert llm._thread.name == "trtserve-engine"
     finally:
         llm.shutdown()
 

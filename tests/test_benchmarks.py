@@ -336,3 +336,20 @@ def test_backend_steps_report_has_a_row_per_shape_and_speedups_over_the_first_ba
     assert rows[0] == "| step | cpu ms | cpu-bf16 ms | cpu-bf16 speedup |"
     assert f"| {SHAPES[0][0]} | 11.0 (10.0–12.0) | 5.5 (5.0–6.0) | 2.00x |" in lines
     assert len([line for line in lines if "x |" in line]) == len(SHAPES)
+
+
+def test_restart_time_report():
+    from benchmarks.restart_time import render
+
+    p = {
+        "machine": {"cpu": "cpu", "cores": 2},
+        "date_utc": "2026-01-01",
+        "command": "python -m benchmarks.restart_time",
+        "serve_command": ["trtserve", "serve"],
+        "ready_s": 7.8,
+        "exit_code": 0,
+        "serving_again_s": [6.5, None, 7.1],
+    }
+    md = render(p)
+    assert "median (min-max) 6.8 (6.5-7.1); each kill: 6.5, None, 7.1." in md  # a kill never recovered shows as None
+    assert "median (min-max) -;" in render({**p, "serving_again_s": [None]})

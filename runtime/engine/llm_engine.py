@@ -15,12 +15,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from engine_format import EngineConfig
-from executors import DeviceSample, DeviceSampling, create_backend
+from executors import DeviceSample, DeviceSampling, prepare_backend
 from executors.base import EngineBackend, SequenceChunk
 from executors.device_sampling import PLACEHOLDER, OverlappedSampling
 from executors.lora import AdapterError, LoraAdapter
@@ -64,16 +65,18 @@ class LLMEngine:
         self.cost_model = cost_model or OnlineStepCost()
         self.itl_target_s = None if args.itl_target_ms is None else args.itl_target_ms / 1000
         self.config = config = EngineConfig.load(engine_dir, verify=True)  # serving: files against the manifest
-        # The backend before the tokenizer: the tokenizer loads transformers and with it torch's
-        # libgomp, which must come after the attention kernel sets its OpenMP wait policy.
-        self.backend = backend or create_backend(
-            config, args.num_kv_blocks, args.threads, args.backend, args.max_num_batched_tokens, args.dtype
-        )
-        warm_up = getattr(self.backend, "warm_up", None)  # GPU backends: compile and capture before serving
-        if warm_up is not None:
-            seconds = warm_up(args.max_num_seqs or config.max_batch_size, args.max_num_batched_tokens)
-            if seconds:
-                log.info("backend warmed up in %.1f s: no request waits for a kernel compile or graph capture", seconds)
+        # The backend's modules before the tokenizer: the tokenizer loads transformers and with it torch's
+        # libgomp, which must come after the attention kernel sets its OpenMP wait policy. Then the tokenizer
+        # loads on a thread while the backend builds (mostly native work, which releases the GIL).
+        if backend is None:
+            build = prepare_backend(
+                config, args.num_kv_blocks, args.threads, args.backend, args.max_num_batched_tokens, args.dtype
+            )
+        with ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load") as loader:
+            tokenizer = loader.submit(load_tokenizer, engine_dir)
+            self.backend = backend if backend is not None else build()
+            self._warm_up(args)
+        self.tokenizer = tokenizer.result()
         # The backend's own sampler, and its overlapped launches, if it has them (checked once: a runtime Protocol
         # check is slow).
         self.device_sampling: DeviceSampling | None = self.backend if isinstance(self.backend, DeviceSampling) else None
@@ -83,7 +86,6 @@ class LLMEngine:
         )
         self.overlap: OverlappedSampling | None = self.backend if can_overlap else None  # type: ignore[assignment]
         self._in_flight: InFlight | None = None
-        self.tokenizer = load_tokenizer(engine_dir)
         self.kv = KVCacheManager(self.backend.num_blocks, config.block_size, args.enable_prefix_caching)
         if args.enable_prefix_caching:  # the tiers keep what the prefix cache indexes
             self.kv.tiers = create_tiers(
@@ -124,6 +126,15 @@ class LLMEngine:
             self.kv.pool.num_blocks, config.block_size, self.kv.capacity_tokens, config.max_seq_len,
             self.kv.capacity_tokens / config.max_seq_len, max_num_seqs,
         )  # fmt: skip
+
+    def _warm_up(self, args: EngineArgs) -> None:
+        """GPU backends compile and capture before serving, so no request waits for a kernel compile."""
+        warm_up = getattr(self.backend, "warm_up", None)
+        if warm_up is None:
+            return
+        seconds = warm_up(args.max_num_seqs or self.config.max_batch_size, args.max_num_batched_tokens)
+        if seconds:
+            log.info("backend warmed up in %.1f s: no request waits for a kernel compile or graph capture", seconds)
 
     # ---- requests in and out -------------------------------------------------------------
 
