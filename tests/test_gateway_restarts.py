@@ -332,6 +332,35 @@ def test_the_wait_is_bounded_and_ends_in_a_503_with_retry_after():
     assert error.message == f"no replica of backend 'm' was ready again within 0.01 s (last failure: {DOWN.message})"
 
 
+def test_only_the_time_spent_waiting_counts_against_the_wait():
+    """A request waits (its replica restarting), is sent again once the replica is back, sits there for longer
+    than ready_wait_s, and the replica fails again: it waits again with what is left of its wait, instead of a
+    503 at once. The event loop's clock is the test's: time passes only where the test moves it."""
+    clock = [0.0]
+
+    class SlowSecondAttempt(ScriptedUpstream):
+        async def generate(self, request: GenerateRequest, stream: bool) -> AsyncIterator[Delta]:
+            if self.calls == 1:  # the attempt after the first restart: queued for 100 s, then its replica fails
+                clock[0] += 100.0
+            async for delta in super().generate(request, stream):
+                yield delta
+
+    async def scenario() -> list[str]:
+        asyncio.get_running_loop().time = lambda: clock[0]  # type: ignore[method-assign]
+        upstream = SlowSecondAttempt(A, [DOWN, DOWN, [Delta("Hi", "stop", 3, 1)]])
+        p = single_pool(upstream, ready_wait_s=30)
+        answer = asyncio.create_task(exchange_texts(p))
+        for calls in (1, 2):  # each failure: the request waits; 2 s later the replica is back
+            while not (p._recovery and upstream.calls == calls) and not answer.done():
+                await asyncio.sleep(0)
+            clock[0] += 2.0
+            upstream.healthy = True
+            p.publish_health()
+        return await answer
+
+    assert asyncio.run(scenario()) == ["Hi"]
+
+
 def test_a_backend_never_seen_serving_fails_at_once():
     async def scenario() -> GatewayError:
         upstream = ScriptedUpstream(A, [], healthy=False)

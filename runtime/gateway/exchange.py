@@ -16,8 +16,10 @@ is back, the client seeing a pause; any other failure after a delta is the clien
 event). Non-streaming generations produce their one delta at the end, so they are retried whenever their
 replica fails. When no replica is healthy at all and the backend has served before (a tritonserver
 restarting: `trtserve serve`'s supervisor brings it back on its address), a generation that has produced
-nothing (or a stream to resume) waits up to the routing's `ready_wait_s` (from its first such wait) for one to
-be ready again, then is tried again there (restarted replicas included); past it, a 503. A replica that
+nothing (or a stream to resume) waits for one to be ready again, then is tried again there (restarted replicas
+included): up to the routing's `ready_wait_s` in all its waits (a stream that passed a delta on since gets it
+afresh); past it, a 503. Only the time spent waiting counts: an attempt on a replica that came back may sit in
+its queue for long before that replica fails again, and that outage gets what is left. A replica that
 refused because it is shutting down (its drain) is not waited for: 503 at once.
 """
 
@@ -192,7 +194,7 @@ class Exchange:
         hashes = pool.prefix_key(request)
         tried: set[str] = set()
         failed: GatewayError | None = None
-        deadline: float | None = None  # of the wait for a replica to come back
+        wait_left: float | None = None  # seconds of ready_wait_s not yet spent waiting for a replica to come back
         answer: list[int] = []  # the token ids passed on (a resumable stream's)
         resumes = 0
         while True:
@@ -203,8 +205,11 @@ class Exchange:
                 if pool.healthy or not pool.ever_healthy or draining:  # the others were tried, or it never served
                     raise (failed or none_left) from None  # e.g. the failed one's own 429
                 loop = asyncio.get_running_loop()
-                deadline = loop.time() + pool.settings.ready_wait_s if deadline is None else deadline
-                if not await pool.wait_healthy(deadline - loop.time()):
+                wait_left = pool.settings.ready_wait_s if wait_left is None else wait_left
+                began = loop.time()
+                back = await pool.wait_healthy(wait_left)
+                wait_left -= loop.time() - began
+                if not back:
                     last = f" (last failure: {failed.message})" if failed is not None else ""
                     raise GatewayError.unavailable(f"no replica of backend {backend!r} was ready again within "
                                                    f"{pool.settings.ready_wait_s:g} s{last}") from None  # fmt: skip
@@ -226,7 +231,7 @@ class Exchange:
                 if resume:
                     resumes += 1
                     request = request.resumed(answer)
-                    failed, deadline = exc, None
+                    failed, wait_left = exc, None
                     pool.metrics.streams_resumed.labels(backend, pick.replica.url).inc()
                     log.warning(
                         "replica %s of %s failed mid-stream (%s); resuming after %d tokens",
