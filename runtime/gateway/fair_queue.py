@@ -181,7 +181,8 @@ class FairQueue:
     async def slot(self, key: str) -> AsyncIterator[float]:
         """Hold one upstream slot for `key`; yields the seconds spent waiting for it.
 
-        Raises QueueFull at once when max_queued requests already wait. The slot is released on any exit
+        Raises QueueFull at once when max_queued requests already wait, or its key's own max_queued do (then
+        with that key's own Retry-After estimate). The slot is released on any exit
         (normal, exception, cancellation); a waiter cancelled while queued leaves the queue.
         """
         arrived = self._clock()
