@@ -336,8 +336,20 @@ def burst(
         tenants = parse(tenants_spec)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--tenants") from None
-    execute(Run("burst", engine, backend, seed=seed, label=label, drain_wait_s=drain_wait_s, streams=streams,
-                mix=Mix(answer_tokens=(16, 64)), tenants=tenants, tenant_keys=tenant_keys))  # fmt: skip
+    execute(
+        Run(
+            "burst",
+            engine,
+            backend,
+            seed=seed,
+            label=label,
+            drain_wait_s=drain_wait_s,
+            streams=streams,
+            mix=Mix(answer_tokens=(16, 64)),
+            tenants=tenants,
+            tenant_keys=tenant_keys,
+        )
+    )
 
 
 if __name__ == "__main__":

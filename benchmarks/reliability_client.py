@@ -92,8 +92,16 @@ def new_result(job: Job, body: dict, t0: float) -> Result:
     )
 
 
-async def send(session: aiohttp.ClientSession, url: str, path: str, body: dict, r: Result, t0: float,
-               retry_window_s: float = 30.0, headers: Mapping[str, str] | None = None) -> Result:  # fmt: skip
+async def send(
+    session: aiohttp.ClientSession,
+    url: str,
+    path: str,
+    body: dict,
+    r: Result,
+    t0: float,
+    retry_window_s: float = 30.0,
+    headers: Mapping[str, str] | None = None,
+) -> Result:
     """Send `r`'s request through the gateway, again only while it gets no response at all (see the module
     doc); fills `r` in as it goes (a caller that gives up on it still has how far it got)."""
     delay, first_failure = 0.5, None

@@ -56,9 +56,13 @@ def default_backend(config: EngineConfig) -> str:
 
 
 def create_backend(
-    config: EngineConfig, num_blocks: int | None = None, threads: int | None = None, kind: str | None = None,
-    max_num_batched_tokens: int | None = None, dtype: str | None = None,
-) -> EngineBackend:  # fmt: skip
+    config: EngineConfig,
+    num_blocks: int | None = None,
+    threads: int | None = None,
+    kind: str | None = None,
+    max_num_batched_tokens: int | None = None,
+    dtype: str | None = None,
+) -> EngineBackend:
     """The backend `kind` (one of BACKENDS; default: default_backend) over `num_blocks` KV blocks.
     `max_num_batched_tokens`: the engine's step budget, checked against a TensorRT plan's profiles.
     `dtype`: the torch backend's compute dtype (default: the engine's); the other backends refuse another."""
@@ -66,9 +70,13 @@ def create_backend(
 
 
 def prepare_backend(
-    config: EngineConfig, num_blocks: int | None = None, threads: int | None = None, kind: str | None = None,
-    max_num_batched_tokens: int | None = None, dtype: str | None = None,
-) -> Callable[[], EngineBackend]:  # fmt: skip
+    config: EngineConfig,
+    num_blocks: int | None = None,
+    threads: int | None = None,
+    kind: str | None = None,
+    max_num_batched_tokens: int | None = None,
+    dtype: str | None = None,
+) -> Callable[[], EngineBackend]:
     """create_backend in two halves: this one checks the arguments and imports the backend's modules (which set
     the CPU kernel's OpenMP policy); the callable it returns builds the backend (weights, kernels, KV pool). Work
     that imports torch (transformers: the tokenizer) may run beside the second half, not before the first."""
