@@ -18,6 +18,7 @@ from executors.kv_pool import require_kv_support
 log = logging.getLogger(__name__)
 
 BACKENDS = ("cpu", "cpu-bf16", "cpu-int8", "graph", "plugin", "tensorrt", "torch")
+HOST_MEMORY_BACKENDS = frozenset({"cpu", "cpu-bf16", "cpu-int8", "graph", "plugin"})  # weights and KV in host memory
 
 
 def cuda_present() -> bool:

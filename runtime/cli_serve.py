@@ -14,6 +14,7 @@ from runtime.cli_options import engine_options
 from runtime.engine.engine_args import EngineArgs, served_settings, to_parameters
 from runtime.gateway.cli import API_KEY_ENV, DEFAULT_PORT
 from runtime.serve.serve_loop import ADMIN_KEY_ENV
+from runtime.serve.standby import STANDBY_ENV
 
 
 @click.command()
@@ -99,18 +100,36 @@ from runtime.serve.serve_loop import ADMIN_KEY_ENV
     "before tritonserver is restarted.",
 )
 @click.option(
-    "--standby",
-    is_flag=True,
-    help="Keep a warm spare: a second tritonserver with the engine loaded (twice the engine's memory), on free "
-    "loopback ports, which the OpenAI gateway uses while the first cannot serve; a dead model's requests and "
-    "streams then go on there at once instead of after its restart. Left out, with a warning, if it cannot start. "
-    "With --kv-disk-cache the spare reads the KV the dead engine wrote instead of computing it again.",
+    "--standby/--no-standby",
+    default=None,
+    envvar=STANDBY_ENV,
+    show_envvar=True,
+    help="A warm spare: a second tritonserver with the engine loaded, on free loopback ports, which the OpenAI "
+    "gateway uses while the first cannot serve; a dead model's requests and streams then go on there at once "
+    "instead of after its restart, and it reads the KV the dead engine wrote (a KV disk tier the two share: "
+    "--kv-disk-cache, else a temporary one). Default: on for CPU backends where the memory available holds the "
+    "engine twice over (runtime/serve/standby.py); --standby starts one anyway, --no-standby never.",
 )
 @engine_options(served_settings())
-def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_port: int, metrics_port: int,
-          openai_port: int, no_openai: bool, api_key: str | None, tenants_path: Path | None, admin_key: str | None,
-          drain_timeout_s: float, health_interval_s: float, stall_timeout_s: float, max_restarts: int, standby: bool,
-          engine_args: EngineArgs) -> None:  # fmt: skip
+def serve(
+    engine_dir: Path,
+    host: str,
+    triton_host: str,
+    http_port: int,
+    grpc_port: int,
+    metrics_port: int,
+    openai_port: int,
+    no_openai: bool,
+    api_key: str | None,
+    tenants_path: Path | None,
+    admin_key: str | None,
+    drain_timeout_s: float,
+    health_interval_s: float,
+    stall_timeout_s: float,
+    max_restarts: int,
+    standby: bool | None,
+    engine_args: EngineArgs,
+) -> None:
     """Serve an engine with NVIDIA Triton Inference Server (HTTP, gRPC, Prometheus metrics).
 
     Starts the real tritonserver with the trtserve `llm` model, waits until it is ready,
@@ -122,11 +141,13 @@ def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_po
     admitting requests, lets running ones finish within --drain-timeout, ends the rest with an
     error, and exits with code 4 if any had to be cut (5 if the model crashed while stopping).
     """
+    from runtime.cli_standby import plan_standby
     from runtime.engine.spec.draft import check_draft_vocabulary
     from runtime.gateway.process import GatewayProcess, GatewayProcessError, start_beside_triton
     from runtime.serve.launcher import ServerConfig, ServerError, TritonServer, free_port
     from runtime.serve.restarts import RestartBudget
     from runtime.serve.serve_loop import run_serve
+    from runtime.serve.standby import host_memory
 
     if api_key and tenants_path is not None:
         raise click.UsageError("--api-key and --tenants exclude each other: put the key in the tenants file")
@@ -136,14 +157,13 @@ def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_po
             check_draft_vocabulary(engine_args.draft_engine, target)
     except EngineLoadError as exc:
         raise click.ClickException(str(exc)) from None
-    config = ServerConfig(engine_dir, triton_host, http_port, grpc_port, metrics_port, to_parameters(engine_args),
+    plan = plan_standby(standby, target, engine_args, host_memory())
+    if plan.message:
+        click.echo(plan.message, err=True)
+    config = ServerConfig(engine_dir, triton_host, http_port, grpc_port, metrics_port, to_parameters(plan.engine_args),
                           drain_timeout_s=drain_timeout_s)  # fmt: skip
     if admin_key:
         config = dataclasses.replace(config, admin_key=admin_key)
-    try:
-        server = TritonServer(config)
-    except ServerError as exc:
-        raise click.ClickException(str(exc)) from None
     served_name = engine_dir.resolve().name
 
     def start_gateway(
@@ -164,12 +184,26 @@ def serve(engine_dir: Path, host: str, triton_host: str, http_port: int, grpc_po
     starter = None if no_openai else start_gateway
     budget = RestartBudget(max_per_window=max_restarts)
     spare = None
-    if standby:  # on loopback whatever --triton-host says: only the gateway reaches it
-        if engine_args.kv_disk_cache is None:
-            note = "note: --standby without --kv-disk-cache: the spare computes a resumed stream's KV again"
-            click.echo(f"{note} (with a shared disk tier it reads what the dead engine wrote)", err=True)
+    if plan.start:  # on loopback whatever --triton-host says: only the gateway reaches it
         spare = dataclasses.replace(
             config, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(), metrics_port=free_port()
         )
-    sys.exit(run_serve(server, starter, served_name, health_interval_s, (GatewayProcessError,), stall_timeout_s,
-                       budget, spare))  # fmt: skip
+    try:
+        try:
+            server = TritonServer(config)
+        except ServerError as exc:
+            raise click.ClickException(str(exc)) from None
+        code = run_serve(
+            server,
+            starter,
+            served_name,
+            health_interval_s,
+            (GatewayProcessError,),
+            stall_timeout_s,
+            budget,
+            spare,
+            plan.required,
+        )
+    finally:
+        plan.cleanup()
+    sys.exit(code)

@@ -20,6 +20,7 @@ if not Path("/proc/driver/nvidia/gpus").is_dir():
 from builder.build import BuildOptions, build_engine
 from builder.sources import load_checkpoint, resolve_model
 from builder.tiny import TINY_MODELS
+from runtime.serve.standby import STANDBY_ENV
 
 TINY_BLOCK_SIZE = 8
 TINY_MAX_SEQ_LEN = 256
@@ -28,6 +29,13 @@ TINY_MAX_SEQ_LEN = 256
 @pytest.fixture(scope="session", autouse=True)
 def _offline() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_warm_spare() -> None:
+    """`trtserve serve` started by a test keeps no warm spare unless the test asks for one (or deletes this): on a
+    2-core CI machine a second engine loading beside each served test's load slows them all."""
+    os.environ.setdefault(STANDBY_ENV, "0")
 
 
 @pytest.fixture(scope="session")

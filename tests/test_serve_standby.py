@@ -1,4 +1,4 @@
-"""`trtserve serve --standby`: a warm spare tritonserver that the OpenAI gateway fails over to.
+"""`trtserve serve`'s warm spare (on by default where memory holds it): a second tritonserver the gateway fails over to.
 
 Against the real tritonserver and gateway processes: when the serving model's stub is killed, a stream under
 way is resumed on the spare and a new request is answered there, without waiting for the restart; the
@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from runtime.serve.launcher import MODEL_NAME
+from runtime.serve.standby import STANDBY_ENV
 from tests.gateway_helpers import build_slow_engine, client, gateway_metrics
 from tests.test_gateway_restarts import LONG, assert_equal_up_to_a_near_tie
 from tests.test_gateway_serve import Serve
@@ -32,13 +33,17 @@ def stub_of_triton(serve: Serve, grpc_port: int) -> int:
     return stub
 
 
-def test_a_dead_models_stream_and_new_requests_go_on_on_the_warm_spare(engines_dir: Path):
+def test_a_dead_models_stream_and_new_requests_go_on_on_the_warm_spare(engines_dir: Path, monkeypatch):
     engine = build_slow_engine(engines_dir)
-    serve = Serve(engine, "--standby", "--health-interval", "0.5")
+    monkeypatch.delenv(STANDBY_ENV)  # the default: a spare where memory holds one (this machine's does)
+    serve = Serve(engine, "--health-interval", "0.5")
     try:
         ready = serve.output_until("OpenAI   http", timeout_s=300)
         spare = re.search(r"standby  gRPC 127\.0\.0\.1:(\d+), HTTP", ready)
         assert spare is not None, ready
+        disk_tier = re.search(r"the KV disk tier the two share: (\S+) ", ready)
+        assert disk_tier is not None and Path(disk_tier.group(1)).is_dir(), ready
+        serve.output_until("the standby tritonserver is ready", timeout_s=300)  # it loads once the first serves
         primary_url, spare_url = f"127.0.0.1:{serve.ports['grpc']}", f"127.0.0.1:{spare.group(1)}"
         gateway = SimpleNamespace(url=f"http://127.0.0.1:{serve.ports['openai']}")
         sdk = client(gateway.url)
@@ -80,6 +85,7 @@ def test_a_dead_models_stream_and_new_requests_go_on_on_the_warm_spare(engines_d
         assert serve.stop() == 0
         stopped = serve.output_until("stopping the standby tritonserver")
         assert "stopping tritonserver" in stopped
+        assert not Path(disk_tier.group(1)).exists()
     finally:
         if serve.process.poll() is None:
             serve.stop()

@@ -234,6 +234,7 @@ class TritonServer:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                         start_new_session=True)  # fmt: skip
+        self._terminated = False
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         """Until all models are ready; raises ServerError with the log's tail if the server dies."""
@@ -262,10 +263,17 @@ class TritonServer:
         self._log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
+    def terminate(self) -> None:
+        """SIGTERM (once): Triton unloads its models and exits; stop() waits for it. Several servers stop at once
+        so: each may take seconds."""
+        if self.process.poll() is None and not self._terminated:
+            self.process.send_signal(signal.SIGTERM)
+            self._terminated = True
+
     def stop(self, timeout_s: float = 60.0) -> int:
         """SIGTERM, SIGKILL after `timeout_s`; then the stubs and /dev/shm regions a crash leaves."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:

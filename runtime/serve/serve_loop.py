@@ -29,6 +29,7 @@ import click
 from engine_format.serving import MODEL_NAME
 from runtime.serve.launcher import ServerConfig, ServerError, TritonServer
 from runtime.serve.restarts import RestartBudget
+from runtime.serve.standby import host_memory, spare_fits
 from runtime.serve.supervisor import STANDBY, STOP_TIMEOUT_S, TRITON, Failure, Supervisor
 
 ADMIN_KEY_ENV = "TRTSERVE_ADMIN_KEY"
@@ -68,9 +69,13 @@ class _Children:
         start_gateway: GatewayStarter | None,
         served_name: str,
         standby: ServerConfig | None = None,
+        standby_required: bool = True,
     ) -> None:
         self.servers: dict[str, TritonServer] = {TRITON: server}  # by Failure.child name; STANDBY once it serves
         self.start_gateway, self.served_name, self.standby_config = start_gateway, served_name, standby
+        self.standby_required = standby_required  # else it starts only if memory holds a second engine
+        self.starting_standby: TritonServer | None = None  # until it is ready (then in `servers`)
+        self._standby_lock = threading.Lock()  # the thread that waits for it, against a stop meanwhile
         self.gateway: Gateway | None = None
         self.announced = False  # the endpoints are printed once everything first serves
         self.crash_logs: list[Path] = []  # logs of tritonservers whose stub crashed
@@ -82,9 +87,10 @@ class _Children:
 
     @property
     def gateway_addresses(self) -> tuple[str, str, str | None]:
-        """tritonserver's gRPC and HTTP addresses, and the spare's gRPC address (None without one)."""
-        config, standby = self.server.config, self.servers.get(STANDBY)
-        spare = f"{standby.config.host}:{standby.config.grpc_port}" if standby is not None else None
+        """tritonserver's gRPC and HTTP addresses, and the spare's gRPC address (None without one; the gateway
+        treats a spare that is still starting as an unhealthy replica)."""
+        config, standby = self.server.config, self.standby_config
+        spare = f"{standby.host}:{standby.grpc_port}" if standby is not None else None
         return f"{config.host}:{config.grpc_port}", f"{config.host}:{config.http_port}", spare
 
     def _triton_alive(self) -> bool:
@@ -113,21 +119,34 @@ class _Children:
         return None
 
     def _start_standby(self) -> None:
-        """The warm spare, once tritonserver is ready (started beside it, the two loads would share the CPU). One
-        that cannot start (too little memory for a second engine) is left out, with a warning."""
+        """The warm spare, once tritonserver is ready (started beside it, the two loads would share the CPU). It loads
+        while the gateway starts and the first requests are served (supervised once it is ready); left out, with a
+        note, when memory does not hold it (unless --standby asked for it) or it cannot start."""
         if self.standby_config is None:
             return
+        if not self.standby_required and (refused := spare_fits(self.server.process.pid, host_memory())):
+            click.echo(f"no warm spare: {refused} (--standby starts one anyway)", err=True)
+            self.standby_config = None
+            return
         click.echo("starting the standby tritonserver (a warm spare) ...", err=True)
-        standby = None
+        spare = self.starting_standby = TritonServer(self.standby_config)
+        threading.Thread(target=self._await_standby, args=(spare,), name="trtserve-standby", daemon=True).start()
+
+    def _await_standby(self, spare: TritonServer) -> None:
         try:
-            standby = TritonServer(self.standby_config)
-            standby.wait_ready()
+            spare.wait_ready()
         except ServerError as exc:
-            if standby is not None:
-                standby.stop(timeout_s=0)
+            with self._standby_lock:
+                if self.starting_standby is not spare:  # the server stops: it stopped the spare
+                    return
+                self.starting_standby = self.standby_config = None
+            spare.stop(timeout_s=0)
             click.echo(f"warning: serving without a warm spare, which could not start: {exc}", err=True)
             return
-        self.servers[STANDBY] = standby
+        with self._standby_lock:
+            if self.starting_standby is spare:
+                self.servers[STANDBY], self.starting_standby = spare, None
+                click.echo(f"the standby tritonserver is ready ({spare.config.http_url})", err=True)
 
     def announce(self) -> None:
         if not self.announced:
@@ -147,6 +166,7 @@ class _Children:
     def drop_standby(self, reason: str) -> None:
         """Serve on without the warm spare (it kept failing: the restart budget is for what serves)."""
         self._discard(self.servers.pop(STANDBY))
+        self.standby_config = None
         click.echo(f"warning: serving on without the warm spare, which kept failing; last: {reason}", err=True)
 
     def _discard(self, dead: TritonServer) -> TritonServer:
@@ -155,19 +175,32 @@ class _Children:
         dead.stop(timeout_s=0)
         return dead
 
+    def cancel_standby_start(self) -> None:
+        """Stop a spare that is still loading (the server stops): from now on `servers` does not change."""
+        with self._standby_lock:
+            spare, self.starting_standby = self.starting_standby, None
+        if spare is not None:
+            spare.stop(timeout_s=0)
+
     def kill(self) -> None:
-        for server in self.servers.values():
+        self.cancel_standby_start()
+        for server in list(self.servers.values()):
             server.kill()
 
     def stop(self) -> None:
+        self.cancel_standby_start()
         if self.gateway is not None:
             click.echo("stopping the OpenAI gateway ...", err=True)
             self.gateway.stop()
         crashed = False
-        for name, server in self.servers.items():
+        servers = list(self.servers.items())
+        running = {name for name, server in servers if server.process.poll() is None}
+        for _, server in servers:  # all at once: each takes seconds to unload
+            server.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for name, server in servers:
             click.echo(f"stopping {name} ...", err=True)
-            running = server.process.poll() is None
-            if server.stop(timeout_s=STOP_TIMEOUT_S) == -signal.SIGKILL and running:
+            if server.stop(timeout_s=max(deadline - time.monotonic(), 0)) == -signal.SIGKILL and name in running:
                 # Triton 2.51 can hang in shutdown (e.g. after a gRPC stream it rejected was cancelled); its shared
                 # memory regions are removed all the same.
                 click.echo(f"{name} did not exit within {STOP_TIMEOUT_S:g} s: killed", err=True)
@@ -181,16 +214,26 @@ class _Children:
         return crashed
 
 
-def run_serve(server: TritonServer, start_gateway: GatewayStarter | None, served_name: str, health_interval_s: float,
-              startup_errors: tuple[type[Exception], ...] = (), stall_s: float = 60.0,
-              budget: RestartBudget | None = None, standby: ServerConfig | None = None) -> int:  # fmt: skip
+def run_serve(
+    server: TritonServer,
+    start_gateway: GatewayStarter | None,
+    served_name: str,
+    health_interval_s: float,
+    startup_errors: tuple[type[Exception], ...] = (),
+    stall_s: float = 60.0,
+    budget: RestartBudget | None = None,
+    standby: ServerConfig | None = None,
+    standby_required: bool = True,
+) -> int:
     """Returns the exit code. `startup_errors`: the gateway's start-up failures, reported like the server's;
     `stall_s`: how long a model may show no progress with work unfinished before it is restarted; `standby`: a
-    warm spare's tritonserver (its own ports), started once `server` is ready."""
+    warm spare's tritonserver (its own ports), started once `server` is ready (`standby_required`: whatever the
+    memory left; else only where it holds a second engine the size of the first)."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    children, budget = _Children(server, start_gateway, served_name, standby), budget or RestartBudget()
+    children = _Children(server, start_gateway, served_name, standby, standby_required)
+    budget = budget or RestartBudget()
     errors: tuple[type[Exception], ...] = (ServerError, *startup_errors)
     try:
         click.echo(f"starting tritonserver (log: {server.log_path}) ...", err=True)
@@ -209,6 +252,7 @@ def run_serve(server: TritonServer, start_gateway: GatewayStarter | None, served
         children.kill()
         children.stop()
         return EXIT_UNSERVABLE
+    children.cancel_standby_start()
     config = children.server.config
     click.echo(f"draining: new requests are refused; running ones have {config.drain_timeout_s:g} s", err=True)
     result = Supervisor(children.servers).drain(config.drain_timeout_s)
@@ -276,8 +320,7 @@ def _print_endpoints(children: _Children, served_name: str) -> None:
                f"  HTTP     http://{triton}/v2/models/{MODEL_NAME}/generate (and generate_stream)\n"
                f"  gRPC     {config.host}:{config.grpc_port}\n"
                f"  metrics  http://{config.host}:{config.metrics_port}/metrics")  # fmt: skip
-    if (standby := children.servers.get(STANDBY)) is not None:
-        spare = standby.config
+    if (spare := children.standby_config) is not None:
         click.echo(
             f"  standby  gRPC {spare.host}:{spare.grpc_port}, HTTP {spare.host}:{spare.http_port} (a warm "
             "spare: the OpenAI gateway's while tritonserver cannot serve)"

@@ -93,20 +93,22 @@ class Supervisor:
     def watch(self, stop: threading.Event, others: Mapping[str, Child] | None = None) -> Failure | None:
         """Until `stop` is set (None) or a child cannot serve: a tritonserver or another child (`others`:
         name -> process) exited, or a model is dead (runtime.serve.liveness)."""
-        liveness = {name: Liveness(self.max_failures, self.stall_s) for name in self.servers}
-        reported = dict.fromkeys(self.servers, "")
+        liveness: dict[str, Liveness] = {}
+        reported: dict[str, str] = {}
         while not stop.wait(self.probe_interval_s):
-            for name, server in self.servers.items():
+            servers = list(self.servers.items())  # a warm spare joins once it is ready (another thread adds it)
+            for name, server in servers:
                 if (code := server.process.poll()) is not None:
                     return Failure(name, f"{name} exited (code {code}):\n{server.log_tail()}")
             for name, child in (others or {}).items():
                 if (code := child.poll()) is not None:
                     return Failure(name, f"{name} exited (code {code})")
-            for name, server in self.servers.items():
-                verdict = liveness[name].observe(self.probe(server), read_heartbeat(server.model_dir), self.clock())
+            for name, server in servers:
+                watched = liveness.setdefault(name, Liveness(self.max_failures, self.stall_s))
+                verdict = watched.observe(self.probe(server), read_heartbeat(server.model_dir), self.clock())
                 if verdict.dead and not stop.is_set():
                     return Failure(name, verdict.reason)
-                if verdict.reason and not reported[name]:
+                if verdict.reason and not reported.get(name):
                     self.report(verdict.reason if name == TRITON else f"{name}: {verdict.reason}")
                 reported[name] = verdict.reason
         return None
