@@ -47,6 +47,7 @@ class Heartbeat:
     steps: int
     unfinished: int
     problem: str | None = None  # why the engine loop stopped (starts with ENGINE_STOPPED)
+    pid: int | None = None  # the stub's process (Triton's "stub is not healthy" can be a missed check)
 
 
 def write_json(path: Path, value: dict[str, Any]) -> None:
@@ -74,8 +75,15 @@ def read_heartbeat(model_dir: Path) -> Heartbeat | None:
     if value is None:
         return None
     try:
-        return Heartbeat(float(value["time"]), float(value["loop_tick"]), int(value["steps"]),
-                         int(value["unfinished"]), value.get("problem"))  # fmt: skip
+        pid = value.get("pid")
+        return Heartbeat(
+            float(value["time"]),
+            float(value["loop_tick"]),
+            int(value["steps"]),
+            int(value["unfinished"]),
+            value.get("problem"),
+            int(pid) if pid is not None else None,
+        )
     except (KeyError, TypeError, ValueError):
         return None
 

@@ -52,12 +52,11 @@ def plan_standby(choice: bool | None, config: EngineConfig, args: EngineArgs, me
     """--standby (True), --no-standby (False) or neither (None: where memory allows, for a CPU backend)."""
     if choice is False:
         return StandbyPlan(False, False, "", args)
-    if choice is None:
-        refused = _refusal(config, args, memory)
-        if refused:
-            return StandbyPlan(False, False, f"no warm spare: {refused} (--standby starts one anyway)", args)
+    backend = args.backend or default_backend(config)
+    if choice is None and (refused := _refusal(backend, config, args, memory)):
+        return StandbyPlan(False, False, f"no warm spare: {refused} (--standby starts one anyway)", args)
     message = "a warm spare will start once the engine serves (--no-standby: none)"
-    if args.kv_disk_cache is not None:
+    if args.kv_disk_cache is not None or backend not in HOST_MEMORY_BACKENDS:  # (a tier the user set up, if any)
         return StandbyPlan(True, choice is True, message, args)
     directory = Path(tempfile.mkdtemp(prefix="trtserve-kv-"))
     gb = min(DEFAULT_KV_DISK_CACHE_GB, shutil.disk_usage(directory).free * DISK_SHARE / GiB)
@@ -66,8 +65,7 @@ def plan_standby(choice: bool | None, config: EngineConfig, args: EngineArgs, me
     return StandbyPlan(True, choice is True, message, shared, directory)
 
 
-def _refusal(config: EngineConfig, args: EngineArgs, memory: Memory) -> str | None:
-    backend = args.backend or default_backend(config)
+def _refusal(backend: str, config: EngineConfig, args: EngineArgs, memory: Memory) -> str | None:
     if backend not in HOST_MEMORY_BACKENDS:
         return f"the {backend} backend's engine is in a GPU's memory"
     need = 2 * engine_bytes(config, args) + memory.reserve

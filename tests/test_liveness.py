@@ -4,7 +4,12 @@ evidence allows."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,7 +18,7 @@ from engine_format.serving import HEARTBEAT_FILE, Heartbeat, read_heartbeat
 from runtime.serve.liveness import Liveness, Verdict
 from runtime.serve.restarts import RestartBudget
 from runtime.serve.serve_loop import _supervise
-from runtime.serve.supervisor import STANDBY, TRITON, Failure
+from runtime.serve.supervisor import STANDBY, TRITON, Failure, stub_running
 
 TIMEOUT = "TimeoutError: timed out"
 STUB_DEAD = 'HTTP 400: {"error":"Stub process \'llm_0_0\' is not healthy."}'
@@ -55,6 +60,48 @@ def test_a_probe_answer_resets_the_failure_count():
 def test_a_dead_stub_or_engine_loop_is_dead_at_the_first_probe(answer):
     verdict = Liveness(max_failures=3, stall_s=60).observe(answer, beat(0, steps=1, unfinished=1), now=0)
     assert verdict.dead and answer in verdict.reason
+
+
+def test_a_stub_triton_calls_unhealthy_while_it_runs_is_a_failed_probe_not_a_death():
+    # Triton's one-second check of the stub's health timed out on a loaded machine: the stub still steps.
+    liveness = Liveness(max_failures=3, stall_s=60)
+    verdicts = [
+        liveness.observe(STUB_DEAD, beat(t, steps=t, unfinished=16), now=t, stub_running=True) for t in range(5)
+    ]
+    assert [v.dead for v in verdicts] == [False] * 5 and verdicts[-1].reason.startswith("slow: 5 health probes")
+    idle = Liveness(max_failures=3, stall_s=60)  # the same answers with nothing to step: dead after max_failures
+    dead = [idle.observe(STUB_DEAD, beat(t, 3, 0), now=t, stub_running=True).dead for t in range(3)]
+    assert dead == [False, False, True]
+
+
+def test_stub_running_tells_a_live_stub_from_a_stopped_exited_or_other_process(tmp_path: Path):
+    model_dir = tmp_path / "models" / "llm"
+    script = "import time; time.sleep(60)"
+    stub = subprocess.Popen([sys.executable, "-c", script, f"{model_dir}/1/model.py"])
+    other = subprocess.Popen([sys.executable, "-c", script, f"{model_dir}_infer/1/model.py"])
+    try:
+        assert stub_running(stub.pid, model_dir) and not stub_running(other.pid, model_dir)
+        stub.send_signal(signal.SIGSTOP)
+        assert wait_for(lambda: not stub_running(stub.pid, model_dir))  # stopped: it cannot run
+        stub.send_signal(signal.SIGCONT)
+        assert wait_for(lambda: stub_running(stub.pid, model_dir))
+        stub.kill()  # not reaped yet: a zombie
+        assert wait_for(lambda: not stub_running(stub.pid, model_dir))
+    finally:
+        for process in (stub, other):
+            process.kill()
+            process.wait()
+    assert not stub_running(stub.pid, model_dir)  # reaped: no such process
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Polls a process state the kernel changes asynchronously (a signal's delivery), bounded."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_a_heartbeat_reporting_a_stopped_engine_is_dead():
@@ -107,6 +154,8 @@ def test_heartbeat_file_round_trip_and_malformed_files(tmp_path: Path):
     assert read_heartbeat(tmp_path) is None
     (tmp_path / HEARTBEAT_FILE).write_text('{"time": 1.5, "loop_tick": 1.0, "steps": 3, "unfinished": 2}')
     assert read_heartbeat(tmp_path) == Heartbeat(1.5, 1.0, 3, 2, None)
+    (tmp_path / HEARTBEAT_FILE).write_text('{"time": 1, "loop_tick": 1, "steps": 3, "unfinished": 2, "pid": 42}')
+    assert read_heartbeat(tmp_path) == Heartbeat(1.0, 1.0, 3, 2, None, 42)
     for bad in ("{", "[]", '{"time": 1}', '{"time": "x", "loop_tick": 1, "steps": 1, "unfinished": 0}'):
         (tmp_path / HEARTBEAT_FILE).write_text(bad)
         assert read_heartbeat(tmp_path) is None, bad

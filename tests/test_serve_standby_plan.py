@@ -62,6 +62,8 @@ def test_too_little_memory_means_no_spare_unless_asked_for(config: EngineConfig)
 def test_a_gpu_backend_gets_no_spare_by_default_and_no_flag_means_none(config: EngineConfig):
     plan = plan_standby(None, config, EngineArgs(backend="torch"), PLENTY)
     assert not plan.start and "the torch backend's engine is in a GPU's memory" in plan.message
+    asked = plan_standby(True, config, EngineArgs(backend="torch"), PLENTY)
+    assert asked.start and asked.disk_dir is None  # a GPU pool's tier is the user's to set up
     off = plan_standby(False, config, EngineArgs(), PLENTY)
     assert not off.start and off.message == "" and off.disk_dir is None
 

@@ -5,7 +5,9 @@ proves the model serves; but under load it waits behind work and times out altho
 Stopping a busy server for that loses every request in it. So a failed probe alone never condemns the
 model while its heartbeat (engine_format/serving.py, written every 0.2 s by the stub) shows it moving:
 
-- dead at once: Triton says the stub is not healthy (its process died), or the engine loop stopped;
+- dead at once: Triton says the stub is not healthy and its process is gone (Triton says so too when its own
+  one-second check of a live stub times out, as on a loaded 2-core machine: that is a failed probe), or the
+  engine loop stopped;
 - dead after `frozen_s` (10 s, or `stall_s` if shorter): the heartbeat stopped and the probe fails too, so
   the stub cannot run Python at all (a stopped process, a native call holding the GIL): the heartbeat's
   thread needs nothing else (the engine's kernels release the GIL), and the probe rules out a heartbeat
@@ -25,10 +27,9 @@ from dataclasses import dataclass
 
 from engine_format.serving import ENGINE_STOPPED, Heartbeat
 
-# What Triton answers for a model whose stub process died (python_backend), and what the model answers
-# when its engine loop has stopped: no later probe can succeed, so no need to wait for more failures.
+# What Triton answers for a model whose stub process died (python_backend) or missed its health check, and
+# what the model answers when its engine loop has stopped (no later probe can succeed).
 STUB_DEAD = "is not healthy"
-FATAL_ANSWERS = (STUB_DEAD, ENGINE_STOPPED)
 FROZEN_S = 10.0
 
 
@@ -46,11 +47,15 @@ class Liveness:
         self._steps: int | None = None
         self._steps_changed_at = 0.0
 
-    def observe(self, probe_problem: str | None, heartbeat: Heartbeat | None, now: float) -> Verdict:
+    def observe(
+        self, probe_problem: str | None, heartbeat: Heartbeat | None, now: float, stub_running: bool = False
+    ) -> Verdict:
         """One round: the probe's failure (None: it answered) and the last heartbeat, at `now`
-        (time.time() seconds, the clock the heartbeat is written with)."""
+        (time.time() seconds, the clock the heartbeat is written with); `stub_running`: the process that wrote
+        the heartbeat still runs."""
         self.failures = self.failures + 1 if probe_problem else 0
-        if probe_problem and any(answer in probe_problem for answer in FATAL_ANSWERS):
+        fatal = ENGINE_STOPPED in (probe_problem or "") or (STUB_DEAD in (probe_problem or "") and not stub_running)
+        if fatal:
             return Verdict(True, f"the model cannot serve: {probe_problem}")
         if probe_problem and heartbeat is not None and now - heartbeat.time > self.frozen_s:
             return Verdict(

@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from engine_format.serving import (
@@ -63,6 +64,18 @@ class DrainResult:
     @property
     def clean(self) -> bool:
         return self.complete and self.cut == 0
+
+
+def stub_running(pid: int, model_dir: Path) -> bool:
+    """Whether process `pid` is the stub of the model in `model_dir` and can run: not exited (a zombie has, and
+    tritonserver has yet to reap it) nor stopped."""
+    proc = Path(f"/proc/{pid}")
+    try:
+        state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
+        command = (proc / "cmdline").read_bytes().decode(errors="replace")
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X", "T", "t") and f"{model_dir}/" in command
 
 
 class Supervisor:
@@ -105,7 +118,13 @@ class Supervisor:
                     return Failure(name, f"{name} exited (code {code})")
             for name, server in servers:
                 watched = liveness.setdefault(name, Liveness(self.max_failures, self.stall_s))
-                verdict = watched.observe(self.probe(server), read_heartbeat(server.model_dir), self.clock())
+                heartbeat = read_heartbeat(server.model_dir)
+                running = (
+                    heartbeat is not None
+                    and heartbeat.pid is not None
+                    and stub_running(heartbeat.pid, server.model_dir)
+                )
+                verdict = watched.observe(self.probe(server), heartbeat, self.clock(), running)
                 if verdict.dead and not stop.is_set():
                     return Failure(name, verdict.reason)
                 if verdict.reason and not reported.get(name):

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import os
 import threading
 import time
 import weakref
@@ -32,6 +33,7 @@ class ModelLifecycle:
         self.requested = threading.Event()
         self.cut = 0
         self.loop_tick = time.time()
+        self.pid = os.getpid()  # the stub's, in each heartbeat
         self._cancelled: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
         self._stopping = threading.Event()
         self._collected = False  # once per drain, when nothing is left in flight
@@ -68,8 +70,8 @@ class ModelLifecycle:
 
     def _beat(self) -> None:
         progress = self.progress()
-        write_heartbeat(self.model_dir, Heartbeat(time.time(), self.loop_tick, progress.steps, progress.unfinished,
-                                                  progress.problem))  # fmt: skip
+        beat = Heartbeat(time.time(), self.loop_tick, progress.steps, progress.unfinished, progress.problem, self.pid)
+        write_heartbeat(self.model_dir, beat)
         if not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self._tick)
 
