@@ -108,7 +108,7 @@ from runtime.serve.standby import STANDBY_ENV
     "gateway uses while the first cannot serve; a dead model's requests and streams then go on there at once "
     "instead of after its restart, and it reads the KV the dead engine wrote (a KV disk tier the two share: "
     "--kv-disk-cache, else a temporary one). Default: on for CPU backends where the memory available holds the "
-    "engine twice over (runtime/serve/standby.py); --standby starts one anyway, --no-standby never.",
+    "engine twice over (runtime/cli_standby.py); --standby starts one anyway, --no-standby never.",
 )
 @engine_options(served_settings())
 def serve(

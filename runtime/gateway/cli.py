@@ -30,8 +30,8 @@ API_KEY_ENV = "TRTSERVE_API_KEY"
     "--standby-url",
     "standby_urls",
     multiple=True,
-    help="gRPC address of a warm spare tritonserver (`trtserve serve --standby` starts one): a replica picked only "
-    "while no --triton-url replica is healthy, and kept while it has requests open; repeat for more.",
+    help="gRPC address of a warm spare tritonserver (`trtserve serve` starts one where memory allows): a replica "
+    "picked only while no --triton-url replica is healthy, and kept while it has requests open; repeat for more.",
 )
 @click.option(
     "--prefill-url",

@@ -20,8 +20,9 @@ REPLICA_POLICIES: tuple[str, ...] = get_args(ReplicaPolicy)
 class Replica:
     url: str  # tritonserver's gRPC host:port
     metrics_url: str | None = None  # its Prometheus endpoint (Triton: http://host:8002/metrics); None: no load scrape
-    # A warm spare (`trtserve serve --standby`): picked only while no other replica of its backend is healthy, so
-    # a dead model's requests go on at once, on an engine already loaded, while that model is restarted.
+    # A warm spare (`trtserve serve` keeps one where memory allows): picked only while no other replica of its
+    # backend is healthy, so a dead model's requests go on at once, on an engine already loaded, while that model is
+    # restarted.
     standby: bool = False
 
 

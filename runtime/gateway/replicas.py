@@ -18,7 +18,7 @@ the gateway's count is exact and immediate, the scrape adds other clients' work 
 traffic) and is ignored once older than 3 scrape intervals. Unhealthy replicas are never picked; one that
 goes down loses its index (it may come back restarted, with an empty KV cache). A standby replica (a warm
 spare) is picked only while no other is healthy (or all others were tried); once it has taken over, it keeps
-the traffic until it has no request open: a spare shares its replica's machine (`trtserve serve --standby`),
+the traffic until it has no request open: a spare shares its replica's machine (`trtserve serve`'s),
 where two engines stepping at once thrash the cores (OpenMP teams spinning against each other), so traffic
 returns to the restarted replica at a quiet moment, not while the spare still serves. While none is healthy,
 `wait_healthy` lets a request wait for one to come back (the monitor's probes find it).

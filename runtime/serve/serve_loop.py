@@ -4,10 +4,11 @@ A child that cannot serve is restarted, not the whole server stopped: a dead or 
 tritonserver) means a new tritonserver on the same ports with the engine loaded again (killing the old
 one closes its connections, so in-flight requests end with an error at once and the gateway retries those
 that had produced nothing, and resumes the streams); a dead gateway is started again on its port. With a
-warm spare (`--standby`: a second tritonserver with the engine loaded, on ports of its own, which the gateway
-picks only while the first cannot serve) those requests go on at once instead of after the restart; a dead
-spare is restarted the same way. Restarts back off and are capped per minute (runtime.serve.restarts); past
-the cap the server stops with EXIT_UNSERVABLE for an orchestrator to decide (a spare is dropped instead).
+warm spare (a second tritonserver with the engine loaded, on ports of its own, which the gateway picks only
+while the first cannot serve; by default where memory allows, runtime/cli_standby.py) those requests go on at
+once instead of after the restart; a dead spare is restarted the same way. Restarts back off and are capped per
+minute (runtime.serve.restarts); past the cap the server stops with EXIT_UNSERVABLE for an orchestrator to
+decide (a spare is dropped instead).
 
 Exit codes: 0 after a clean shutdown; 1 when the server could not start; EXIT_UNSERVABLE when a child kept
 failing past the restart budget; EXIT_CUT when the shutdown had to cut requests at the drain deadline;
@@ -129,7 +130,12 @@ class _Children:
             self.standby_config = None
             return
         click.echo("starting the standby tritonserver (a warm spare) ...", err=True)
-        spare = self.starting_standby = TritonServer(self.standby_config)
+        try:
+            spare = self.starting_standby = TritonServer(self.standby_config)
+        except ServerError as exc:
+            click.echo(f"warning: serving without a warm spare, which could not start: {exc}", err=True)
+            self.standby_config = None
+            return
         threading.Thread(target=self._await_standby, args=(spare,), name="trtserve-standby", daemon=True).start()
 
     def _await_standby(self, spare: TritonServer) -> None:

@@ -41,7 +41,7 @@ from runtime.serve.liveness import Liveness
 STOP_TIMEOUT_S = 15.0  # Triton's own shutdown once nothing is in flight
 REPORT_GRACE_S = 10.0  # how long past the deadline the model may take to report its last request done
 TRITON = "tritonserver"  # Failure.child for tritonserver and its model
-STANDBY = "the standby tritonserver"  # Failure.child for the warm spare (`trtserve serve --standby`) and its model
+STANDBY = "the standby tritonserver"  # Failure.child for the warm spare and its model
 
 
 class Child(Protocol):
