@@ -21,6 +21,7 @@ fails the targets and exits 1. Server logs: results/logs/<name>/.
     build-engine --model smollm2-135m --output engines/smollm2-135m-b32 --max-batch-size 32 --max-seq-len 2048
     python -m benchmarks.decode_chat --engine engines/smollm2-135m-b32      # ~25 min on 2 cores (3 reps, vLLM fp32)
     python -m benchmarks.decode_chat --engine DIR --no-vllm --repetitions 1  # trtserve alone, ~3 min
+    python -m benchmarks.decode_chat --engine DIR --no-vllm --serve-args '--no-standby'  # more serve options
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class Config:
     single_stream_tokens: int = 128
     warmup: int = 4
     backend: str | None = None  # passed to trtserve serve; None: its default
+    serve_args: tuple[str, ...] = ()  # more `trtserve serve` options
     vllm: bool = True
     quiet_wait_s: float = 90.0  # wait up to this long for other work to stop before each phase (0: never)
     name: str = "decode_chat"
@@ -184,7 +186,7 @@ def measure(cfg: Config, endpoint: client.Endpoint, work: dict[str, list[ChatReq
 
 def run_trtserve(cfg: Config, work: dict, rep: int, log: Callable[[str], None]) -> tuple[dict, dict]:
     """(the repetition's results, what the server was) for trtserve serve, started and stopped here."""
-    serve = Serve(cfg.engine, cfg.backend, cfg.logs / f"trtserve-rep{rep}.log", args=SERVE_ARGS)
+    serve = Serve(cfg.engine, cfg.backend, cfg.logs / f"trtserve-rep{rep}.log", args=(*SERVE_ARGS, *cfg.serve_args))
     info: dict = {"command": shlex.join(serve.command)}
     try:
         info["ready_s"] = serve.wait_ready()
@@ -432,16 +434,41 @@ def benchmark(cfg: Config, command: str, log: Callable[[str], None]) -> tuple[Pa
 @click.option("--single-stream-prompts", default=8, show_default=True, type=click.IntRange(0))
 @click.option("--single-stream-tokens", default=128, show_default=True, type=click.IntRange(1))
 @click.option("--backend", default=None, help="trtserve serve's --backend (default: its own choice).")
+@click.option(
+    "--serve-args", default="", help="More `trtserve serve` options, e.g. '--no-standby --kv-disk-cache DIR'."
+)
 @click.option("--no-vllm", is_flag=True, help="trtserve alone (no vLLM rows, no targets).")
 @click.option("--quiet-wait-s", default=90.0, show_default=True, type=click.FloatRange(0),
               help="Wait up to this long for other work to stop before each phase (0: never).")  # fmt: skip
 @click.option("--name", default="decode_chat", show_default=True, help="results/<name>.{json,md,png}.")
-def main(engine: Path, repetitions: int, prompts: int, concurrency: int, max_tokens: int,
-         single_stream_prompts: int, single_stream_tokens: int, backend: str | None, no_vllm: bool,
-         quiet_wait_s: float, name: str) -> None:  # fmt: skip
-    cfg = Config(engine, repetitions, prompts, concurrency, max_tokens, single_stream_prompts=single_stream_prompts,
-                 single_stream_tokens=single_stream_tokens, backend=backend, vllm=not no_vllm,
-                 quiet_wait_s=quiet_wait_s, name=name)  # fmt: skip
+def main(
+    engine: Path,
+    repetitions: int,
+    prompts: int,
+    concurrency: int,
+    max_tokens: int,
+    single_stream_prompts: int,
+    single_stream_tokens: int,
+    backend: str | None,
+    serve_args: str,
+    no_vllm: bool,
+    quiet_wait_s: float,
+    name: str,
+) -> None:
+    cfg = Config(
+        engine,
+        repetitions,
+        prompts,
+        concurrency,
+        max_tokens,
+        single_stream_prompts=single_stream_prompts,
+        single_stream_tokens=single_stream_tokens,
+        backend=backend,
+        serve_args=tuple(shlex.split(serve_args)),
+        vllm=not no_vllm,
+        quiet_wait_s=quiet_wait_s,
+        name=name,
+    )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the servers too
     log = lambda s: click.echo(f"[{time.strftime('%H:%M:%S')}] {s}", err=True)  # noqa: E731
     md, full = benchmark(cfg, "python -m benchmarks.decode_chat " + shlex.join(sys.argv[1:]), log)
