@@ -277,8 +277,9 @@ class TritonServer:
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+                # Its stubs too, at once: a stub outliving it aborts on the IPC (boost's lock_exception), and its
+                # faulthandler's "Fatal Python error" in the log would read as a crash of the model.
+                self.kill()
         with contextlib.suppress(ProcessLookupError):  # Python-backend stubs left by a crash
             os.killpg(self.process.pid, signal.SIGKILL)
         remove_shm_regions(self.shm_prefix)
