@@ -1,14 +1,15 @@
 """Whether `trtserve serve` keeps a warm spare: on by default where the host's memory holds a second engine.
 
-A spare (a second tritonserver with the engine loaded) turns a dead model's outage into a failover: its
-requests and streams go on there at once, and with a KV disk tier the two share, the spare reads the KV the
-dead engine wrote instead of computing it again (benchmarks/results/HISTORY.md: the first new answer 2-3 s
-after a stub's death instead of ~21 s). It costs a second engine's memory, and the disk tier's writes (each full
-block once, on a thread of its own: ~4% of decode-heavy throughput on a 2-core VM); an idle spare uses no CPU. So
-it is started wherever that memory is there: for engines whose backend runs on the CPU (a GPU's memory is the
-engine's KV cache: a second engine there would halve it), when the memory available holds the engine twice
-over plus a reserve. The estimate decides here, before the first engine starts (the disk tier both must share
-is set then); the first engine's measured size decides again before the spare starts (runtime/serve/standby.py).
+A spare (a second tritonserver with the engine loaded) turns a dead model's outage into a failover: its requests and
+streams go on there at once, and with a KV disk tier the two share, the spare reads the KV the dead engine wrote
+instead of computing it again (benchmarks/results/HISTORY.md: the first new answer 2-3 s after a stub's death
+instead of ~21 s). It costs a second engine's memory and, on a 2-core VM, some speed: the disk tier's writes (each
+full block once, on a thread of its own) ~5% of decode-heavy throughput, the idle spare's heartbeat and probes ~7%
+of a single stream's TPOT. So it is started wherever that memory is there: for engines whose backend runs on the CPU
+(a GPU's memory is the engine's KV cache: a second engine there would halve it), when the memory available holds the
+engine twice over plus a reserve. The estimate decides here, before the first engine starts (the disk tier both must
+share is set then); the first engine's measured size decides again before the spare starts
+(runtime/serve/standby.py).
 """
 
 from __future__ import annotations
