@@ -141,13 +141,12 @@ def serve(
     admitting requests, lets running ones finish within --drain-timeout, ends the rest with an
     error, and exits with code 4 if any had to be cut (5 if the model crashed while stopping).
     """
-    from runtime.cli_standby import plan_standby
+    from runtime.cli_standby import host_memory, plan_standby
     from runtime.engine.spec.draft import check_draft_vocabulary
     from runtime.gateway.process import GatewayProcess, GatewayProcessError, start_beside_triton
     from runtime.serve.launcher import ServerConfig, ServerError, TritonServer, free_port
     from runtime.serve.restarts import RestartBudget
     from runtime.serve.serve_loop import run_serve
-    from runtime.serve.standby import host_memory
 
     if api_key and tenants_path is not None:
         raise click.UsageError("--api-key and --tenants exclude each other: put the key in the tenants file")
@@ -202,7 +201,7 @@ def serve(
             stall_timeout_s,
             budget,
             spare,
-            plan.required,
+            None if plan.required else host_memory,
         )
     finally:
         plan.cleanup()

@@ -15,6 +15,7 @@ share is set then); the first engine's measured size decides again before the sp
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -22,12 +23,19 @@ from pathlib import Path
 
 from engine_format import EngineConfig
 from executors.factory import HOST_MEMORY_BACKENDS, default_backend
-from executors.kv_pool import pool_bytes
+from executors.kv_pool import available_memory, pool_bytes
 from runtime.engine.engine_args import DEFAULT_KV_DISK_CACHE_GB, EngineArgs
 from runtime.serve.standby import GiB, Memory
 
 RUNTIME_BYTES = int(1.5 * GiB)  # an engine's process beyond weights and KV: Python, torch, ONNX Runtime, Triton
 DISK_SHARE = 0.25  # of the free space where the default disk tier goes
+
+
+def host_memory() -> Memory:
+    """What the KV pool's own check reads (MemAvailable, lowered to a cgroup's headroom; 0 where unknown), and the
+    machine's memory."""
+    available = available_memory()
+    return Memory(available[0] if available else 0, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def engine_bytes(config: EngineConfig, args: EngineArgs) -> int:

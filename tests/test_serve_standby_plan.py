@@ -11,9 +11,9 @@ import pytest
 
 from engine_format import EngineConfig
 from executors.kv_pool import pool_bytes
-from runtime.cli_standby import RUNTIME_BYTES, engine_bytes, plan_standby
+from runtime.cli_standby import RUNTIME_BYTES, engine_bytes, host_memory, plan_standby
 from runtime.engine.engine_args import EngineArgs
-from runtime.serve.standby import GiB, Memory, group_rss, host_memory, spare_fits
+from runtime.serve.standby import GiB, Memory, group_rss, spare_fits
 
 PLENTY = Memory(available=64 * GiB, total=80 * GiB)
 

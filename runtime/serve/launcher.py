@@ -102,6 +102,11 @@ def _ephemeral_low() -> int:
         return 0  # unknown: bind(0) picks
 
 
+def process_stat(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command: state, ppid, pgrp, ...; OSError once the process is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+
+
 def pytriton_paths() -> tuple[Path, Path]:
     """(tritonserver dir inside the pytriton package, its bundled shared libraries)."""
     spec = importlib.util.find_spec("pytriton")

@@ -30,7 +30,7 @@ import click
 from engine_format.serving import MODEL_NAME
 from runtime.serve.launcher import ServerConfig, ServerError, TritonServer
 from runtime.serve.restarts import RestartBudget
-from runtime.serve.standby import host_memory, spare_fits
+from runtime.serve.standby import Memory, spare_fits
 from runtime.serve.supervisor import STANDBY, STOP_TIMEOUT_S, TRITON, Failure, Supervisor
 
 ADMIN_KEY_ENV = "TRTSERVE_ADMIN_KEY"
@@ -70,11 +70,11 @@ class _Children:
         start_gateway: GatewayStarter | None,
         served_name: str,
         standby: ServerConfig | None = None,
-        standby_required: bool = True,
+        standby_memory: Callable[[], Memory] | None = None,
     ) -> None:
         self.servers: dict[str, TritonServer] = {TRITON: server}  # by Failure.child name; STANDBY once it serves
         self.start_gateway, self.served_name, self.standby_config = start_gateway, served_name, standby
-        self.standby_required = standby_required  # else it starts only if memory holds a second engine
+        self.standby_memory = standby_memory  # read before the spare starts (None: it starts whatever memory says)
         self.starting_standby: TritonServer | None = None  # until it is ready (then in `servers`)
         self._standby_lock = threading.Lock()  # the thread that waits for it, against a stop meanwhile
         self.gateway: Gateway | None = None
@@ -125,7 +125,7 @@ class _Children:
         note, when memory does not hold it (unless --standby asked for it) or it cannot start."""
         if self.standby_config is None:
             return
-        if not self.standby_required and (refused := spare_fits(self.server.process.pid, host_memory())):
+        if self.standby_memory and (refused := spare_fits(self.server.process.pid, self.standby_memory())):
             click.echo(f"no warm spare: {refused} (--standby starts one anyway)", err=True)
             self.standby_config = None
             return
@@ -229,16 +229,16 @@ def run_serve(
     stall_s: float = 60.0,
     budget: RestartBudget | None = None,
     standby: ServerConfig | None = None,
-    standby_required: bool = True,
+    standby_memory: Callable[[], Memory] | None = None,
 ) -> int:
     """Returns the exit code. `startup_errors`: the gateway's start-up failures, reported like the server's;
     `stall_s`: how long a model may show no progress with work unfinished before it is restarted; `standby`: a
-    warm spare's tritonserver (its own ports), started once `server` is ready (`standby_required`: whatever the
-    memory left; else only where it holds a second engine the size of the first)."""
+    warm spare's tritonserver (its own ports), started once `server` is ready where `standby_memory()` holds a
+    second engine the size of the first (None: whatever the memory)."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    children = _Children(server, start_gateway, served_name, standby, standby_required)
+    children = _Children(server, start_gateway, served_name, standby, standby_memory)
     budget = budget or RestartBudget()
     errors: tuple[type[Exception], ...] = (ServerError, *startup_errors)
     try:

@@ -35,8 +35,8 @@ from engine_format.serving import (
     read_heartbeat,
     request_drain,
 )
-from runtime.serve.launcher import TritonServer
-from runtime.serve.liveness import Liveness
+from runtime.serve.launcher import TritonServer, process_stat
+from runtime.serve.liveness import STUB_DEAD, Liveness
 
 STOP_TIMEOUT_S = 15.0  # Triton's own shutdown once nothing is in flight
 REPORT_GRACE_S = 10.0  # how long past the deadline the model may take to report its last request done
@@ -69,10 +69,9 @@ class DrainResult:
 def stub_running(pid: int, model_dir: Path) -> bool:
     """Whether process `pid` is the stub of the model in `model_dir` and can run: not exited (a zombie has, and
     tritonserver has yet to reap it) nor stopped."""
-    proc = Path(f"/proc/{pid}")
     try:
-        state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
-        command = (proc / "cmdline").read_bytes().decode(errors="replace")
+        state = process_stat(pid)[0]
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except (OSError, IndexError):
         return False
     return state not in ("Z", "X", "T", "t") and f"{model_dir}/" in command
@@ -118,13 +117,11 @@ class Supervisor:
                     return Failure(name, f"{name} exited (code {code})")
             for name, server in servers:
                 watched = liveness.setdefault(name, Liveness(self.max_failures, self.stall_s))
-                heartbeat = read_heartbeat(server.model_dir)
-                running = (
-                    heartbeat is not None
-                    and heartbeat.pid is not None
-                    and stub_running(heartbeat.pid, server.model_dir)
-                )
-                verdict = watched.observe(self.probe(server), heartbeat, self.clock(), running)
+                problem, heartbeat = self.probe(server), read_heartbeat(server.model_dir)
+                pid = heartbeat.pid if heartbeat is not None else None
+                # The stub's process is looked up only for the answer it decides.
+                running = STUB_DEAD in (problem or "") and pid is not None and stub_running(pid, server.model_dir)
+                verdict = watched.observe(problem, heartbeat, self.clock(), running)
                 if verdict.dead and not stop.is_set():
                     return Failure(name, verdict.reason)
                 if verdict.reason and not reported.get(name):
