@@ -31,7 +31,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import executors._paged_attention as _paged_attention  # noqa: E402 - after the policy is set
 
-KERNEL_ABI = 8  # the call interface this file speaks (the C module's ABI constant)
+KERNEL_ABI = 9  # the call interface this file speaks (the C module's ABI constant)
 if getattr(_paged_attention, "ABI", 1) != KERNEL_ABI:
     raise ImportError(
         f"{_paged_attention.__file__} is a stale build of executors/kernels/paged_attention.c "

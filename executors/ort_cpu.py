@@ -100,19 +100,18 @@ class OrtCpuBackend(FlatStepBackend):
     def _run(self, flat: FlatStep, logit_rows: np.ndarray) -> np.ndarray:
         spec = self.config.model
         hidden, q, k, v = self.segments[0].run(None, {"input_ids": flat.input_ids, "positions": flat.positions})
-        lora = self.lora if flat.loras else None
+        lora = self._lora_inputs.for_step(self.lora, flat) if self.lora is not None and flat.loras else None
         for layer in range(spec.num_layers):
             if lora is not None:
-                self._lora_inputs.update_qkv(lora, flat, layer, hidden[:, 0], (q[:, 0], k[:, 0], v[:, 0]))
+                lora.add_qkv(layer, hidden[:, 0], q[:, 0], k[:, 0], v[:, 0])
             self.kv.write(layer, flat.slots, k[:, 0], v[:, 0])
             attn = paged_attention(
                 q[:, 0], self.pool[layer, 0], self.pool[layer, 1], flat.block_tables, flat.seq_of_token,
                 flat.positions[:, 0], self.shape, window=spec.sliding_windows[layer], threads=self.threads,
                 quant=self.kv.quant(layer),
             )[:, None]  # fmt: skip
-            if lora is not None and lora.updates_group(flat.loras, layer, "o_proj"):
-                # o_proj's update goes into the residual stream the next segment adds to
-                lora.delta(flat.loras, layer, "o_proj", attn[:, 0], add_to=hidden[:, 0])
+            if lora is not None:
+                lora.add_o_proj(layer, attn[:, 0], hidden[:, 0])
             feeds = {"hidden": hidden, "attn": attn}
             if layer + 1 < spec.num_layers:
                 hidden, q, k, v = self.segments[layer + 1].run(None, {**feeds, "positions": flat.positions})

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine_format import ModelSpec
-from executors.lora import LoraAdapter, LoraModule, LoraRows, LoraSlots
+from executors.lora import LoraAdapter, LoraModule, LoraRows, LoraSlots, Rope
 from executors.lora.adapter import module_shape
 
 SPEC = ModelSpec(
@@ -74,9 +74,10 @@ ADAPTERS = [
 @pytest.mark.parametrize("group", ["qkv", "gate_up", "down"])
 def test_each_row_gets_its_own_adapters_update(half, group):
     slots = LoraSlots(SPEC, 4, "test", half=half)
+    slots.threads = 2  # 64 rows or more: tiles on two threads
     for slot, ad in enumerate(ADAPTERS):  # slot 3 stays empty
         slots.load(slot, ad)
-    lengths = np.array([3, 1, 21, 2, 1, 6, 1])  # prefill chunks (one past a 16-row tile) and decodes, base between
+    lengths = np.array([3, 1, 53, 2, 1, 6, 1])  # prefill chunks (one past 16-row tiles) and decodes, base between
     chunk_slots = [0, None, 1, 2, 0, None, 1]
     rows = LoraRows.of(chunk_slots, lengths)
     fan_in = module_shape(SPEC, GROUP_TARGETS[group][0])[0]
@@ -142,10 +143,60 @@ def test_updates_added_in_place_to_their_rows_only():
     held = {0: ADAPTERS[0], 2: ADAPTERS[1]}
     for r, s in zip(rows.rows, rows.slots, strict=True):
         expected[r] += reference(held[s], 1, "qkv", x[[r]])[0]
-    slots.delta(rows, 1, "qkv", x, add_to=out)
+    slots.add(rows, 1, "qkv", x, (out,))
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)  # rows 0, 2, 3 unchanged
     assert slots.groups(rows) == {(layer, "qkv") for layer in range(SPEC.num_layers)}
+    with pytest.raises(ValueError, match="parts as wide as the projection"):
+        slots.add(rows, 1, "qkv", x, (np.zeros((6, 64), np.float32),))  # another width
+    with pytest.raises(ValueError, match="out_rows within every part"):
+        slots.add(rows, 1, "qkv", x, (out[:3],))  # rows 4 and 5 are past its end
     with pytest.raises(ValueError, match="C-contiguous float32"):
-        slots.delta(rows, 1, "qkv", x, add_to=np.zeros((6, 64), np.float32))  # another width
-    with pytest.raises(ValueError, match="out_rows within out"):
-        slots.delta(rows, 1, "qkv", x, add_to=out[:3])  # rows 4 and 5 are past its end
+        slots.add(rows, 1, "qkv", x, (out.astype(np.float64),))
+
+
+def rotate(x: np.ndarray, position: int, head_dim: int, heads: int) -> np.ndarray:
+    """float64 RoPE (HF's rotate-half, base 10000) of the first `heads` heads of row x."""
+    out = x.astype(np.float64).copy()
+    half = head_dim // 2
+    angle = position / 10000.0 ** (np.arange(half) / half)
+    cos, sin = np.cos(angle), np.sin(angle)
+    for h in range(heads):
+        x1, x2 = x[h * head_dim : h * head_dim + half], x[h * head_dim + half : (h + 1) * head_dim]
+        out[h * head_dim : h * head_dim + half] = x1 * cos - x2 * sin
+        out[h * head_dim + half : (h + 1) * head_dim] = x2 * cos + x1 * sin
+    return out
+
+
+def rope_tables(max_positions: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's rotate-half tables: [cos, cos] and [-sin, sin] per position."""
+    half = head_dim // 2
+    angle = np.arange(max_positions)[:, None] / 10000.0 ** (np.arange(half) / half)
+    cos, sin = np.cos(angle), np.sin(angle)
+    return np.concatenate([cos, cos], 1).astype(np.float32), np.concatenate([-sin, sin], 1).astype(np.float32)
+
+
+def test_updates_rotated_and_split_over_q_k_v():
+    """The `cpu` backend's form: q and k updates rotated at each token's position, added to three arrays."""
+    slots = LoraSlots(SPEC, 2, "test")
+    slots.load(0, ADAPTERS[1])
+    slots.load(1, ADAPTERS[0])
+    rows = LoraRows(np.array([0, 2, 3]), np.array([0, 1, 0], np.int32))
+    x = np.random.default_rng(10).standard_normal((4, SPEC.hidden_size)).astype(np.float32)
+    positions = np.array([5, 0, 17, 30])
+    cos, sin = rope_tables(SPEC.max_position_embeddings, SPEC.head_dim)
+    rotated = (SPEC.num_heads + SPEC.num_kv_heads) * SPEC.head_dim
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((4, w)).astype(np.float32) for w in (40, 8, 8))
+    expected = np.concatenate([q, k, v], 1).astype(np.float64)
+    unrotated = expected.copy()
+    held = {0: ADAPTERS[1], 1: ADAPTERS[0]}
+    for r, s in zip(rows.rows, rows.slots, strict=True):
+        update = reference(held[s], 1, "qkv", x[[r]])[0]
+        expected[r] += rotate(update, positions[r], SPEC.head_dim, SPEC.num_heads + SPEC.num_kv_heads)
+        unrotated[r] += update
+    slots.add(rows, 1, "qkv", x, (q, k, v), rope=Rope(cos, sin, positions, rotated))
+    got = np.concatenate([q, k, v], 1)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert np.abs(got - unrotated).max() > 0.1  # the check catches an update added unrotated
+    with pytest.raises(ValueError, match="a position in the tables"):
+        slots.add(rows, 1, "qkv", x, (q, k, v), rope=Rope(cos, sin, np.array([5, 0, 17, 64]), rotated))

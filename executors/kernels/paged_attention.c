@@ -496,8 +496,8 @@ static PyMethodDef methods[] = {
      "see executors/int8_ops.py"},
     {"int8_vnni", int8_vnni, METH_NOARGS, "int8_vnni(): whether int8_linear runs on AVX512-VNNI here"},
     {"lora_sgmv", lora_sgmv, METH_VARARGS,
-     "lora_sgmv(x, stride, in, rows, slots, norm, eps, a_ptrs, ranks, b_ptrs, b_ranks, b_cols, b_widths, out, "
-     "out_rows, width, threads, half): see executors/lora/slots.py"},
+     "lora_sgmv(x, stride, in, rows, slots, norm, eps, a_ptrs, ranks, b_ptrs, b_ranks, b_cols, b_widths, width, "
+     "threads, half, parts, out_rows, positions, cos, sin, head_dim, rotated): see executors/lora/slots.py"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_paged_attention", NULL, -1, methods};
@@ -506,8 +506,9 @@ PyMODINIT_FUNC PyInit__paged_attention(void) {
     PyObject *m = PyModule_Create(&module);
     /* The call's interface version (cpu_attention.py refuses an older build of this file). 2: kv_kind + scales;
      * 3: simd flag, write_kv; 4: rms_norm_bf16, rope_split_bf16; 5: amx flag, amx_available; 6: the int8
-     * dense layers (int8_linear.h) and rope_split_f32; 7: lora_sgmv (lora_ops.h); 8: its out_rows. */
-    if (m && PyModule_AddIntConstant(m, "ABI", 8) < 0) {
+     * dense layers (int8_linear.h) and rope_split_f32; 7: lora_sgmv (lora_ops.h); 8: its out_rows; 9: its
+     * output parts and RoPE. */
+    if (m && PyModule_AddIntConstant(m, "ABI", 9) < 0) {
         Py_DECREF(m);
         return NULL;
     }

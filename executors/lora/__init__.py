@@ -2,7 +2,7 @@
 adapters resident in a backend, applied per token in a mixed batch (slots.py)."""
 
 from executors.lora.adapter import ATTENTION_TARGETS, TARGETS, AdapterError, LoraAdapter, LoraModule, load_adapter
-from executors.lora.slots import GROUPS, NO_ROWS, GroupUpdate, LoraRows, LoraSlots
+from executors.lora.slots import GROUPS, NO_ROWS, GroupUpdate, LoraRows, LoraSlots, Rope
 
 __all__ = [
     "ATTENTION_TARGETS",
@@ -15,5 +15,6 @@ __all__ = [
     "LoraModule",
     "LoraRows",
     "LoraSlots",
+    "Rope",
     "load_adapter",
 ]

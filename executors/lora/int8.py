@@ -43,7 +43,7 @@ class StepLora:
         """Add the adapters' update of `group` to the LoRA rows of `out` [T, width]; its input is those rows of
         `x` (x_rows of it, if given), RMS-normalized with `norm` if given."""
         if up_divisor is None:  # added by the kernel, in place
-            self.slots.delta(self.tokens, layer, group, x, norm, self.norms.eps, x_rows, add_to=out)
+            self.slots.add(self.tokens, layer, group, x, (out,), norm, self.norms.eps, x_rows)
             return
         delta = self.slots.delta(self.tokens, layer, group, x, norm, self.norms.eps, x_rows)
         delta[:, delta.shape[1] // 2 :] /= up_divisor

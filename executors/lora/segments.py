@@ -17,9 +17,8 @@ import numpy as np
 from engine_format import EngineConfig
 from executors.engine_weights import WeightReader
 from executors.flat_step import FlatStep
-from executors.int8_ops import rope_split
 from executors.lora.norms import NormWeights
-from executors.lora.slots import LoraSlots
+from executors.lora.slots import LoraSlots, Rope
 
 
 @dataclass(frozen=True)
@@ -44,14 +43,30 @@ class LoraInputs:
             kv_heads=spec.num_kv_heads,
         )
 
-    def update_qkv(
-        self, lora: LoraSlots, flat: FlatStep, layer: int, hidden: np.ndarray, qkv: tuple[np.ndarray, ...]
-    ) -> None:
-        """Add the adapters' rotated q/k/v updates, in place, to a segment's q, k, v [T, width] (views)."""
-        if not lora.updates_group(flat.loras, layer, "qkv"):
-            return
-        rows = flat.loras.rows
-        delta = lora.delta(flat.loras, layer, "qkv", hidden, self.norms.input_norms[layer], self.norms.eps)
-        rotated = rope_split(delta, self.heads, self.kv_heads, self.cos, self.sin, flat.positions[rows, 0])
-        for out, part in zip(qkv, rotated, strict=True):
-            out[rows] += part
+    def for_step(self, slots: LoraSlots, flat: FlatStep) -> SegmentLora:
+        return SegmentLora(self, slots, flat)
+
+
+class SegmentLora:
+    """A step's adapters between the segments: what they update (looked up once a step) and RoPE at the step's
+    positions. One kernel call a projection and layer: between the segments, whose runs evict the caches, each
+    numpy call costs tens of microseconds."""
+
+    def __init__(self, inputs: LoraInputs, slots: LoraSlots, flat: FlatStep) -> None:
+        self.inputs, self.slots, self.tokens = inputs, slots, flat.loras
+        self.groups = slots.groups(flat.loras)
+        rotated = (inputs.heads + inputs.kv_heads) * inputs.cos.shape[1]  # q's and k's columns of q|k|v
+        self.rope = Rope(inputs.cos, inputs.sin, np.ascontiguousarray(flat.positions[:, 0], np.int64), rotated)
+
+    def add_qkv(self, layer: int, hidden: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Add the rotated q/k/v updates, in place, to a segment's q, k, v [T, width] (C-contiguous views)."""
+        if (layer, "qkv") in self.groups:
+            norms = self.inputs.norms
+            self.slots.add(
+                self.tokens, layer, "qkv", hidden, (q, k, v), norms.input_norms[layer], norms.eps, rope=self.rope
+            )
+
+    def add_o_proj(self, layer: int, attn: np.ndarray, hidden: np.ndarray) -> None:
+        """Add the o_proj update to the residual stream `hidden` the next segment adds o_proj(attn) to."""
+        if (layer, "o_proj") in self.groups:
+            self.slots.add(self.tokens, layer, "o_proj", attn, (hidden,))

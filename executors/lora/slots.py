@@ -76,6 +76,17 @@ def group_updates(adapter: LoraAdapter, spec: ModelSpec) -> dict[tuple[int, str]
 
 
 @dataclass(frozen=True)
+class Rope:
+    """RoPE on an update's first `columns` columns, head by head, at each row of x's position: the `cpu` backend
+    adds the q and k updates to q and k its segments already rotated (RoPE is linear)."""
+
+    cos: np.ndarray  # float32 [max_positions, head_dim], the rotate-half form: x * cos + [x2, x1] * sin
+    sin: np.ndarray  # its first half negated
+    positions: np.ndarray  # int64 [T]: each row of x's position
+    columns: int
+
+
+@dataclass(frozen=True)
 class LoraRows:
     """A step's tokens that run under an adapter: their flat rows (ascending) and each one's slot."""
 
@@ -96,7 +107,8 @@ class LoraRows:
 NO_ROWS = LoraRows(np.zeros(0, np.int64), np.zeros(0, np.int32))
 
 
-_NO_NORM, _NO_ROWS = np.zeros(0, np.float32), np.zeros(0, np.int64)  # the kernel's "none" for norm and out_rows
+_NO_NORM = np.zeros(0, np.float32)  # the kernel's "no norm"
+_NO_ROPE = (np.zeros(0, np.int64), _NO_NORM, _NO_NORM, 0, 0)  # and its "no RoPE": no positions
 MODULES = 3  # blocks per fused projection at most (q, k, v): executors/kernels/lora_ops.h's LORA_MODULES
 
 
@@ -181,24 +193,34 @@ class LoraSlots:
         norm: np.ndarray | None = None,
         eps: float = 0.0,
         x_rows: np.ndarray | None = None,
-        add_to: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Each LoRA row's update of this projection [n, width] float32 (zeros where its adapter has none), in one
-        kernel call for every slot of the step. The projection's input is row rows.rows[i] (or x_rows[i]) of `x`
-        (float32 [T, in], read in place), RMS-normalized with `norm` and `eps` first when `norm` is given.
-        `add_to` (float32 [T, width], C-contiguous: the projection's output, or the residual stream for o_proj and
-        down): the updates are added in place to its rows rows.rows instead, and it is returned."""
+        """Each LoRA row's update of this projection [n, width] float32 (zeros where its adapter has none); the
+        arguments are add()'s."""
+        out = np.zeros((rows.slots.size, self._tables[layer, group].width), np.float32)
+        self.add(rows, layer, group, x, (out,), norm, eps, x_rows, out_rows=np.arange(rows.slots.size))
+        return out
+
+    def add(
+        self,
+        rows: LoraRows,
+        layer: int,
+        group: str,
+        x: np.ndarray,
+        outputs: tuple[np.ndarray, ...],
+        norm: np.ndarray | None = None,
+        eps: float = 0.0,
+        x_rows: np.ndarray | None = None,
+        rope: Rope | None = None,
+        out_rows: np.ndarray | None = None,
+    ) -> None:
+        """Add each LoRA row's update of this projection, in one kernel call for every slot of the step, to its
+        row rows.rows[i] (or out_rows[i]) of the projection's output: `outputs`, C-contiguous float32 [T, w] arrays
+        side by side in column order (one [T, width], or the `cpu` backend's q, k and v), or the residual stream
+        for o_proj and down. The input is row rows.rows[i] (or x_rows[i]) of `x` (float32 [T, in], read in place),
+        RMS-normalized with `norm` and `eps` first when `norm` is given; `rope` rotates the update first."""
         from executors.cpu_attention import kernel_module  # loaded by the backend by now, under its OpenMP policy
 
         t = self._tables[layer, group]
-        if add_to is None:
-            out, out_rows = np.empty((rows.slots.size, t.width), np.float32), _NO_ROWS
-        elif add_to.dtype == np.float32 and add_to.flags.c_contiguous and add_to.shape[1:] == (t.width,):
-            out, out_rows = add_to, rows.rows
-        else:
-            raise ValueError(
-                f"delta: add_to must be C-contiguous float32 [T, {t.width}], not {add_to.dtype} {add_to.shape}"
-            )
         x = np.ascontiguousarray(x, np.float32)
         weight = _NO_NORM if norm is None else np.ascontiguousarray(norm, np.float32)
         kernel_module().lora_sgmv(
@@ -210,13 +232,13 @@ class LoraSlots:
             weight,
             eps,
             *t.kernel_args,
-            out,
-            out_rows,
             t.width,
             self.threads,
             int(self.half),
+            outputs,
+            rows.rows if out_rows is None else out_rows,
+            *(_NO_ROPE if rope is None else (rope.positions, rope.cos, rope.sin, rope.cos.shape[1], rope.columns)),
         )
-        return out
 
     def _set(self, slot: int, updates: dict[tuple[int, str], GroupUpdate]) -> None:
         """A slot's contents, and its column of every group's table (the arrays stay referenced by _updates)."""
