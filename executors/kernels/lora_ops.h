@@ -21,8 +21,8 @@
  * float32). A decode step has few rows per slot: their tiles keep several vectors of each row in registers, so
  * the multiply-adds do not wait on each other (a 16-row step over 8 adapters: 2.7 ms more than the base model,
  * 9.1 with one vector a row). Tiles go to OpenMP threads (their rows are disjoint) when the step is big enough to
- * pay for waking them. The tiles write each row's update to a scratch row; adding it to the output is a second,
- * cheap pass.
+ * pay for waking them. A tile writes its rows' updates to a scratch of its own (rows 0..count), then rotates and
+ * adds each to the output.
  */
 #ifndef TRTSERVE_LORA_OPS_H
 #define TRTSERVE_LORA_OPS_H
@@ -391,12 +391,11 @@ static void *lora_scratch(void **buf, size_t *size, size_t bytes) {
 static int lora_sgmv_rows(const float *x, int64_t stride, const int64_t *rows, int64_t n, int64_t in,
                           const int32_t *slots, const float *norm, float eps, int64_t num_slots, const LoraTable *t,
                           int64_t width, const LoraOut *out, int threads) {
-    static __thread void *delta_buf, *tiles_buf;
-    static __thread size_t delta_size, tiles_size;
-    float *delta = lora_scratch(&delta_buf, &delta_size, (size_t)(n * width + 1) * sizeof(float)); /* row updates */
+    static __thread void *tiles_buf;
+    static __thread size_t tiles_size;
+    static const int64_t tile_rows[LORA_TILE] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     LoraWork *tiles = lora_scratch(&tiles_buf, &tiles_size, sizeof(LoraWork) * (size_t)(n + 1));
-    if (!delta || !tiles) return -1;
-    memset(delta, 0, (size_t)(n * width) * sizeof(float));
+    if (!tiles) return -1;
     const int64_t ntiles = lora_plan(slots, n, num_slots, t, tiles);
     int failed = 0;
     /* ~64K multiply-adds a row: a decode step's rows take one thread less time than waking the others between the
@@ -404,24 +403,24 @@ static int lora_sgmv_rows(const float *x, int64_t stride, const int64_t *rows, i
      * thread, 66-69 with two); a prefill chunk's take two. */
 #pragma omp parallel num_threads(threads) if (n >= 64 && ntiles > 1 && threads > 1)
     {
-        static __thread void *xs_buf;
-        static __thread size_t xs_size;
+        static __thread void *xs_buf, *delta_buf;
+        static __thread size_t xs_size, delta_size;
         float *xs = lora_scratch(&xs_buf, &xs_size, (size_t)(LORA_TILE * in) * sizeof(float));
-        if (!xs) {
+        float *delta = lora_scratch(&delta_buf, &delta_size, (size_t)(LORA_TILE * width) * sizeof(float));
+        if (!xs || !delta) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic)
         for (int64_t k = 0; k < ntiles; k++) {
-            if (!xs) continue;
+            if (!xs || !delta) continue;
             const LoraWork *tile = &tiles[k];
             for (int j = 0; j < tile->count; j++) lora_input(x, stride, rows[tile->idx[j]], in, norm, eps, xs + j * in);
-            lora_tile(xs, in, t, tile->slot, tile->idx, tile->count, delta, width);
+            memset(delta, 0, (size_t)(tile->count * width) * sizeof(float)); /* columns of modules it lacks */
+            lora_tile(xs, in, t, tile->slot, tile_rows, tile->count, delta, width);
+            for (int j = 0; j < tile->count; j++)
+                lora_store(delta + j * width, tile->idx[j], rows[tile->idx[j]], out);
         }
-#pragma omp for schedule(static)
-        for (int64_t row = 0; row < n; row++)
-            if (slots[row] >= 0 && slots[row] < num_slots && t->ranks[slots[row]])
-                lora_store(delta + row * width, row, rows[row], out);
     }
     return failed ? -1 : 0;
 }
