@@ -25,7 +25,7 @@ from executors.cpus import usable_cpus
 from executors.flat_step import FlatStep, FlatStepBackend
 from executors.kv_pool import KVPool
 from executors.lora import ATTENTION_TARGETS, LoraSlots
-from executors.lora.segments import LoraInputs
+from executors.lora.segments import LoraInputs, SegmentLora
 from executors.ort_graph import OrtGraphBackend, graph_pool_dtype
 from executors.ort_session import create_session
 
@@ -100,7 +100,7 @@ class OrtCpuBackend(FlatStepBackend):
     def _run(self, flat: FlatStep, logit_rows: np.ndarray) -> np.ndarray:
         spec = self.config.model
         hidden, q, k, v = self.segments[0].run(None, {"input_ids": flat.input_ids, "positions": flat.positions})
-        lora = self._lora_inputs.for_step(self.lora, flat) if self.lora is not None and flat.loras else None
+        lora = SegmentLora(self._lora_inputs, self.lora, flat) if self.lora is not None and flat.loras else None
         for layer in range(spec.num_layers):
             if lora is not None:
                 lora.add_qkv(layer, hidden[:, 0], q[:, 0], k[:, 0], v[:, 0])

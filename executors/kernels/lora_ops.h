@@ -10,7 +10,7 @@
  * The updates are then added to row out_rows[t] of the output, which may be split by columns into several arrays
  * (`parts`: the `cpu` backend's q, k and v segment outputs), after RoPE at the row's position where the caller
  * asks for it (RoPE is linear: RoPE(q + dq) = RoPE(q) + RoPE(dq)). One call a projection and layer does it all:
- * between the ONNX segments, whose runs evict the caches, each further numpy or C call costs tens of us.
+ * between the ONNX segments, whose runs evict the caches, each further numpy or C call costs tens of microseconds.
  * x_t is row rows[t] of `x` (the step's activations, read in place), RMS-normalized with `norm` first when one is
  * given (the projection's input is RMSNorm(hidden): the CPU backends keep hidden, not their quantized or fused
  * normalized rows).
@@ -31,7 +31,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)) || (defined(__AVX2__) && defined(__FMA__))
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)) ||                                    \
+    (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -166,7 +167,7 @@ static inline __m256 lora_load8(const void *w, int64_t i, int64_t n, int half) {
 }
 
 /* The shrink of rows 0..count) of xs [count, in] by A [in, rank]: columns c .. c + 8 nv of tmp. count and nv are
- * constants once inlined (lora_shrink_of's switch), so the count x nv accumulators stay in registers. */
+ * constants once inlined (LORA_COUNT_CASES' switch), so the count x nv accumulators stay in registers. */
 static inline __attribute__((always_inline)) void lora_shrink(const float *xs, int64_t in, const char *a, int64_t rank,
                                                               int half, int64_t c, const int count, const int nv,
                                                               float tmp[][LORA_MAX_RANK]) {

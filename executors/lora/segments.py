@@ -43,9 +43,6 @@ class LoraInputs:
             kv_heads=spec.num_kv_heads,
         )
 
-    def for_step(self, slots: LoraSlots, flat: FlatStep) -> SegmentLora:
-        return SegmentLora(self, slots, flat)
-
 
 class SegmentLora:
     """A step's adapters between the segments: what they update (looked up once a step) and RoPE at the step's
