@@ -77,12 +77,12 @@ static inline __m512 lora_load16(const void *w, int64_t i, int64_t n, int half) 
     return _mm512_maskz_loadu_ps(m, (const float *)w + i);
 }
 
-/* Rows idx[0..count) of the output, all of slot s; xs: their inputs [count, in]. Inlined with `count` a constant
+/* Rows 0..count) of out [count, width], all of slot s; xs: their inputs [count, in]. Inlined with `count` a constant
  * (lora_tile's switch), so the count x NV accumulators stay in registers: NV vectors of 16 columns per row at a
  * time (4 for up to 4 rows, whose chains of dependent multiply-adds would otherwise leave the FMA units idle). The
  * shrink reads each of A's rows once per NV vectors for every row of the tile, the expand each of B's. */
 static inline __attribute__((always_inline)) void lora_tile_rows(const float *xs, int64_t in, const LoraTable *t,
-                                                                 int64_t s, const int64_t *idx, const int count,
+                                                                 int64_t s, const int count,
                                                                  float *out, int64_t width) {
     enum { NV_MAX = 4 };
     const int nv = count <= 4 ? 4 : count <= 8 ? 2 : 1;
@@ -122,7 +122,7 @@ static inline __attribute__((always_inline)) void lora_tile_rows(const float *xs
                 }
             }
             for (int j = 0; j < count; j++) {
-                float *dst = out + idx[j] * width + col + c;
+                float *dst = out + j * width + col + c;
                 for (int v = 0; v < nv; v++) _mm512_mask_storeu_ps(dst + 16 * v, lora_mask(c + 16 * v, w), acc[j][v]);
             }
         }
@@ -130,12 +130,12 @@ static inline __attribute__((always_inline)) void lora_tile_rows(const float *xs
     }
 }
 
-static void lora_tile(const float *xs, int64_t in, const LoraTable *t, int64_t s, const int64_t *idx, int count,
+static void lora_tile(const float *xs, int64_t in, const LoraTable *t, int64_t s, int count,
                       float *out, int64_t width) {
     switch (count) {
 #define LORA_TILE_OF(n)                                                                                               \
     case n:                                                                                                           \
-        lora_tile_rows(xs, in, t, s, idx, n, out, width);                                                             \
+        lora_tile_rows(xs, in, t, s, n, out, width);                                                                  \
         break;
         LORA_TILE_OF(1) LORA_TILE_OF(2) LORA_TILE_OF(3) LORA_TILE_OF(4) LORA_TILE_OF(5) LORA_TILE_OF(6)
         LORA_TILE_OF(7) LORA_TILE_OF(8) LORA_TILE_OF(9) LORA_TILE_OF(10) LORA_TILE_OF(11) LORA_TILE_OF(12)
@@ -187,12 +187,12 @@ static inline __attribute__((always_inline)) void lora_shrink(const float *xs, i
         for (int v = 0; v < nv; v++) _mm256_maskstore_ps(tmp[j] + c + 8 * v, lora_mask8(c + 8 * v, rank), acc[j][v]);
 }
 
-/* The expand of tmp's rows first .. first + rm by B [rm, w] into columns c .. c + 8 nv of the block: rows idx[j]
- * of out [*, width], from column col. */
+/* The expand of tmp's rows first .. first + rm by B [rm, w] into columns c .. c + 8 nv of the block: rows
+ * 0..count) of out [count, width], from column col. */
 static inline __attribute__((always_inline)) void lora_expand(float tmp[][LORA_MAX_RANK], int64_t first, const char *b,
                                                               int64_t rm, int64_t w, int half, int64_t c,
                                                               const int count, const int nv, float *out,
-                                                              const int64_t *idx, int64_t width, int64_t col) {
+                                                              int64_t width, int64_t col) {
     const int64_t elem = half ? 2 : 4;
     __m256 acc[LORA_ROWS8][6];
     for (int j = 0; j < count; j++)
@@ -206,7 +206,7 @@ static inline __attribute__((always_inline)) void lora_expand(float tmp[][LORA_M
         }
     }
     for (int j = 0; j < count; j++) {
-        float *dst = out + idx[j] * width + col + c;
+        float *dst = out + j * width + col + c;
         for (int v = 0; v < nv; v++) _mm256_maskstore_ps(dst + 8 * v, lora_mask8(c + 8 * v, w), acc[j][v]);
     }
 }
@@ -236,8 +236,8 @@ static inline int lora_vectors(int count, int64_t columns_left) {
     default: LORA_NV_CASES(call, 4) break;                                                                            \
     }
 
-/* Rows idx[0..count) of the output (count <= LORA_ROWS8), all of slot s; xs: their inputs [count, in]. */
-static void lora_tile_rows(const float *xs, int64_t in, const LoraTable *t, int64_t s, const int64_t *idx, int count,
+/* Rows 0..count) of out [count, width] (count <= LORA_ROWS8), all of slot s; xs: their inputs [count, in]. */
+static void lora_tile_rows(const float *xs, int64_t in, const LoraTable *t, int64_t s, int count,
                            float *out, int64_t width) {
     static __thread float tmp[LORA_ROWS8][LORA_MAX_RANK];
     const int64_t rank = t->ranks[s];
@@ -256,7 +256,7 @@ static void lora_tile_rows(const float *xs, int64_t in, const LoraTable *t, int6
         const char *b = (const char *)(intptr_t)t->b_ptrs[k];
         for (int64_t c = 0; c < w;) {
             const int nv = lora_vectors(count, w - c);
-#define LORA_EXPAND(n, v) lora_expand(tmp, first, b, rm, w, t->half, c, n, v, out, idx, width, col)
+#define LORA_EXPAND(n, v) lora_expand(tmp, first, b, rm, w, t->half, c, n, v, out, width, col)
             LORA_COUNT_CASES(LORA_EXPAND)
 #undef LORA_EXPAND
             c += 8 * nv;
@@ -265,11 +265,11 @@ static void lora_tile_rows(const float *xs, int64_t in, const LoraTable *t, int6
     }
 }
 
-static void lora_tile(const float *xs, int64_t in, const LoraTable *t, int64_t s, const int64_t *idx, int count,
+static void lora_tile(const float *xs, int64_t in, const LoraTable *t, int64_t s, int count,
                       float *out, int64_t width) {
     for (int j = 0; j < count; j += LORA_ROWS8) {
         const int rows = count - j < LORA_ROWS8 ? count - j : LORA_ROWS8;
-        lora_tile_rows(xs + j * in, in, t, s, idx + j, rows, out, width);
+        lora_tile_rows(xs + j * in, in, t, s, rows, out + j * width, width);
     }
 }
 #else /* without AVX-512 (BW, VL) or AVX2 (FMA, F16C) */
@@ -278,7 +278,7 @@ static inline float lora_weight(const void *w, int64_t i, int half) {
 }
 
 /* The portable loops: the same sums, row by row of A and B (out's rows zero on the way in). */
-static void lora_tile(const float *xs, int64_t in, const LoraTable *t, int64_t s, const int64_t *idx, int count,
+static void lora_tile(const float *xs, int64_t in, const LoraTable *t, int64_t s, int count,
                       float *out, int64_t width) {
     float tmp[LORA_TILE][LORA_MAX_RANK];
     const int64_t rank = t->ranks[s], elem = t->half ? 2 : 4;
@@ -295,7 +295,7 @@ static void lora_tile(const float *xs, int64_t in, const LoraTable *t, int64_t s
         for (int64_t r = 0; r < rm; r++)
             for (int j = 0; j < count; j++)
                 for (int64_t q = 0; q < w; q++)
-                    out[idx[j] * width + col + q] += tmp[j][first + r] * lora_weight(b + r * w * elem, q, t->half);
+                    out[j * width + col + q] += tmp[j][first + r] * lora_weight(b + r * w * elem, q, t->half);
         first += rm;
     }
 }
@@ -394,7 +394,6 @@ static int lora_sgmv_rows(const float *x, int64_t stride, const int64_t *rows, i
                           int64_t width, const LoraOut *out, int threads) {
     static __thread void *tiles_buf;
     static __thread size_t tiles_size;
-    static const int64_t tile_rows[LORA_TILE] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     LoraWork *tiles = lora_scratch(&tiles_buf, &tiles_size, sizeof(LoraWork) * (size_t)(n + 1));
     if (!tiles) return -1;
     const int64_t ntiles = lora_plan(slots, n, num_slots, t, tiles);
@@ -418,7 +417,7 @@ static int lora_sgmv_rows(const float *x, int64_t stride, const int64_t *rows, i
             const LoraWork *tile = &tiles[k];
             for (int j = 0; j < tile->count; j++) lora_input(x, stride, rows[tile->idx[j]], in, norm, eps, xs + j * in);
             memset(delta, 0, (size_t)(tile->count * width) * sizeof(float)); /* columns of modules it lacks */
-            lora_tile(xs, in, t, tile->slot, tile_rows, tile->count, delta, width);
+            lora_tile(xs, in, t, tile->slot, tile->count, delta, width);
             for (int j = 0; j < tile->count; j++)
                 lora_store(delta + j * width, tile->idx[j], rows[tile->idx[j]], out);
         }

@@ -26,7 +26,7 @@ class LoraInputs:
     """What the q/k/v updates need beside the segments' outputs: each layer's input RMSNorm and RoPE's tables."""
 
     norms: NormWeights
-    cos: np.ndarray  # float32 [max_positions, head_dim], rotate-half form (as executors/int8_ops.rope_split takes)
+    cos: np.ndarray  # float32 [max_positions, head_dim], rotate-half form (as the LoRA kernel's RoPE takes)
     sin: np.ndarray
     heads: int
     kv_heads: int
