@@ -2,16 +2,19 @@
 
 AsyncLLM as the Triton model runs it: the engine thread steps the core, the output thread turns tokens into
 text (detokenization, stop strings) and hands each stream its deltas, and the event loop builds each
-response's arrays (runtime/triton_model/responses.py, what the model sends). B streaming requests decode
-together (200-token prompts of random text tokens, temperature 0.7 / top-p 0.9, one stop string, EOS
-ignored) over a simulated device (benchmarks/overlap.py's SimulatedDevice: no work, but each step occupies
-one device stream for D ms, and its tokens are read once it has finished). Over the steady steps:
+response's arrays (runtime/triton_model/responses.py, what the model sends); the heap made at start is frozen
+out of the garbage collector's passes, as the model freezes it (runtime/triton_model/heap.py). B streaming
+requests decode together (200-token prompts of random text tokens, temperature 0.7 / top-p 0.9, one stop
+string, EOS ignored) over a simulated device (benchmarks/overlap.py's SimulatedDevice: no work, but each step
+occupies one device stream for D ms, and its tokens are read once it has finished). Over the steady steps:
 
 - host µs per step by part: the engine thread's core (its step less the backend's calls and the waits for
   the device), the backend's calls (less their waits), the output thread (text), the event loop (deltas to
   streams and response arrays); and the engine thread's wait for the device, which is not host work;
 - the device's busy share (its busy time over the window: 1.0 when the host hides behind the device);
-- the step interval's median and p99 (from the engine's step records).
+- the step interval's median and p99 (from the engine's step records);
+- each thread's CPU time per step (its POSIX CPU clock: work done, whatever the GIL made it wait for, which
+  the wall-time parts above include): the engine thread, the output thread and the event loop's thread.
 
     python -m benchmarks.served_path [--batches 1,64,256] [--device-ms 1.5,2] [--steps 64]
 """
@@ -19,6 +22,7 @@ one device stream for D ms, and its tokens are read once it has finished). Over 
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import statistics
 import tempfile
@@ -39,6 +43,7 @@ from engine_format import EngineConfig
 from executors.sampling import SamplingParams
 from runtime.async_llm import AsyncLLM
 from runtime.engine.engine_args import EngineArgs
+from runtime.triton_model.heap import freeze_startup_heap
 from runtime.triton_model.responses import output_arrays
 
 PROMPT_TOKENS = 200
@@ -99,9 +104,15 @@ def measure(engine_dir: Path, batch: int, device_ms: float, steps: int, prompt_t
     overlap._wait_until = timer.wrap("device_wait", overlap._wait_until)
     args = EngineArgs(**engine_args)
     llm = AsyncLLM(engine_dir, args, backend=device)
+    freeze_startup_heap("benchmarks.served_path")  # as the Triton model does once its engine is up
     engine = llm.engine
     timed_step = timer.wrap("engine_thread", engine.step_tokens)
     engine.outputs.process = timer.wrap("output_thread", engine.outputs.process)  # type: ignore[method-assign]
+    clocks = {
+        "engine": time.pthread_getcpuclockid(llm._thread.ident),
+        "outputs": time.pthread_getcpuclockid(llm._output_thread.ident),
+        "event_loop": time.pthread_getcpuclockid(threading.get_ident()),
+    }
     marks: list[Mark] = []  # one per engine step, taken on the engine thread (the event loop may lag behind)
 
     def step_tokens():
@@ -113,6 +124,7 @@ def measure(engine_dir: Path, batch: int, device_ms: float, steps: int, prompt_t
                 device.device_busy_s,
                 device.free_at,
                 timer.snapshot(),
+                {name: time.clock_gettime(clock) for name, clock in clocks.items()},
             )
         )
         return out
@@ -136,6 +148,7 @@ def measure(engine_dir: Path, batch: int, device_ms: float, steps: int, prompt_t
     finally:
         llm.shutdown()
         overlap._wait_until = waiting
+        gc.unfreeze()
     # The window: from a few steps after every prompt was computed (all B decoding), `steps` steps.
     decoding = next(i for i, m in enumerate(marks) if m.prompt_tokens >= batch * prompt_tokens)
     first, last = marks[decoding + 4], marks[decoding + 4 + steps]
@@ -162,6 +175,7 @@ def measure(engine_dir: Path, batch: int, device_ms: float, steps: int, prompt_t
         "device_busy": round(min(1.0, busy / span), 3),
         "step_interval_p50_ms": round(statistics.median(intervals) * 1e3, 3),
         "step_interval_p99_ms": round(intervals[int(0.99 * (len(intervals) - 1))] * 1e3, 3),
+        "cpu_us": {name: round((last.cpu[name] - first.cpu[name]) / steps * 1e6, 1) for name in clocks},
     }
 
 
@@ -174,6 +188,7 @@ class Mark:
     busy: float  # the simulated device's busy seconds queued so far
     free_at: float  # when it finishes what is queued
     seconds: dict[str, float]  # the timer's parts so far
+    cpu: dict[str, float]  # each thread's CPU seconds so far
 
 
 @click.command()
@@ -200,7 +215,7 @@ def main(batches: str, device_ms: str, steps: int, engine_dir: Path | None, outp
                 click.echo(
                     f"batch {batch:4d}, device {device} ms: {r['step_ms']} ms a step, device busy "
                     f"{r['device_busy']:.0%}; host µs a step: core {r['engine_core_us']}, text "
-                    f"{r['output_thread_us']}, event loop {r['event_loop_us']}"
+                    f"{r['output_thread_us']}, event loop {r['event_loop_us']}; CPU µs a step by thread {r['cpu_us']}"
                 )
     command = f"python -m benchmarks.served_path --batches {batches} --device-ms {device_ms} --steps {steps}"
     write_report(output, {"command": command, "engine": str(engine_dir), "rows": rows}, render)
@@ -217,19 +232,25 @@ def render(payload: dict) -> str:
         "AsyncLLM as served (engine thread, output thread, event loop building the Triton model's response "
         "arrays), B streams of random text tokens, temperature 0.7 / top-p 0.9, one stop string, over a device "
         "that takes D ms a step. Host µs per step by part (the engine thread's wait for the device apart), "
-        "the device's busy share, and the interval between steps.",
+        "the device's busy share, and the interval between steps. Wall-time parts include each thread's waits "
+        "for the GIL; the CPU columns (each thread's CPU clock) do not: they are the work itself.",
         "",
         "| batch | device ms | ms / step | device busy | core µs | backend µs | output thread µs | "
-        "event loop µs | device wait µs | step p50 ms | step p99 ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "event loop µs | device wait µs | step p50 ms | step p99 ms | CPU µs: engine / outputs / event loop |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['batch']} | {r['device_ms']} | {r['step_ms']} | {r['device_busy']:.0%} | {r['engine_core_us']} | "
         f"{r['backend_us']} | {r['output_thread_us']} | {r['event_loop_us']} | {r['device_wait_us']} | "
-        f"{r['step_interval_p50_ms']} | {r['step_interval_p99_ms']} |"
+        f"{r['step_interval_p50_ms']} | {r['step_interval_p99_ms']} | {_cpu(r)} |"
         for r in payload["rows"]
     ]
     return "\n".join(lines) + "\n"
+
+
+def _cpu(row: dict) -> str:
+    cpu = row.get("cpu_us")  # (reports before the column have none)
+    return "" if cpu is None else f"{cpu['engine']} / {cpu['outputs']} / {cpu['event_loop']}"
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ def test_served_path_reports_each_part_and_the_device_share(llama_engine):
     for part in ("engine_core_us", "output_thread_us", "event_loop_us"):
         assert row[part] > 0, (part, row)
     assert row["backend_us"] >= 0 and row["step_interval_p50_ms"] <= row["step_interval_p99_ms"]
+    assert set(row["cpu_us"]) == {"engine", "outputs", "event_loop"} and row["cpu_us"]["engine"] > 0, row
     markdown = served_path.render({"command": "x", "rows": [row]})
     assert "| 4 | 1.0 |" in markdown
 

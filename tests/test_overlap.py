@@ -184,3 +184,32 @@ def test_each_token_output_counts_the_tokens_output_so_far(llama_engine, overlap
             counts[out.request_id] = counts.get(out.request_id, 0) + len(out.token_ids)
             assert out.num_output_tokens == counts[out.request_id]
     assert set(counts.values()) == {9}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_prefill_only_request_ends_with_its_first_token_its_blocks_still_held(llama_engine, overlap):
+    """Disaggregation's prefill side, through the step update: a prefill-only request ends as "handoff" with its
+    first token, one step at a time and overlapped alike (where a step with its placeholder is already in flight);
+    the hook that pins its blocks runs while the request still holds them, and its handle reaches the output."""
+    eng, _ = engine(llama_engine, overlap=overlap)
+    handed = []
+
+    def kv_handle(request) -> str:
+        held = all(eng.kv.pool.blocks[b].ref_cnt >= 1 for b in request.block_ids)
+        handed.append((request.request_id, request.all_token_ids[request.num_prompt_tokens :], held))
+        return f"handle of {request.request_id}"
+
+    eng.update.kv_handle = kv_handle
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ids = [eng.add_request(prompt, params) for prompt in PROMPTS[:3]]
+    eng.requests[ids[1]].prefill_only = True  # what add_request sets for a request the door exported
+    outputs: dict[str, list] = {i: [] for i in ids}
+    while eng.has_unfinished_requests():
+        for out in eng.step_tokens():
+            assert PLACEHOLDER not in out.token_ids
+            outputs[out.request_id].append(out)
+    [final] = outputs[ids[1]]
+    assert (final.finish_reason, final.kv_handle, len(final.token_ids)) == ("handoff", f"handle of {ids[1]}", 1)
+    assert handed == [(ids[1], final.token_ids, True)], "pinned once, before its own references went"
+    assert [sum(len(o.token_ids) for o in outputs[i]) for i in (ids[0], ids[2])] == [8, 8], "the others go on"
+    eng.check_invariants()

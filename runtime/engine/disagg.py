@@ -10,11 +10,14 @@ Roles (EngineArgs.role, `trtserve serve --role`):
 - "decode": requests that carry a handle read the prompt's KV from the prefill worker (kv_import.py) and
   go on decoding. Both transfer roles register the KV pool with a connector (executors/kv_transfer/) at start.
 
-The engine calls three hooks, each one line in llm_engine.py: `adopt` (add_request: a request with a
-handle skips the queue), `hand_off` (after a step's outputs: prefill-only requests that have their first
-token end there), `held_blocks` (the pool invariant counts pinned and staged blocks). A reaper thread ends
-pins whose reader is done (the connector's notifications) or whose time is up, and frees abandoned stages:
-the engine loop sleeps while it has no requests, and pins must end all the same.
+The engine asks four hooks, each one line in llm_engine.py, and changes no request state through them:
+`take_export` and `adopt` (add_request: whether the request is prefill-only, which the step update ends
+with its first token; a request with a handle skips the queue), `kv_handle` (the step update ends a
+prefill-only request: its blocks pinned, its handle named in the final output) and `held_blocks` (the pool
+invariant counts pinned and staged blocks). A reaper thread ends pins whose reader is done (the connector's
+notifications) or whose time is up, and frees abandoned stages: the engine loop sleeps while it has no
+requests, and pins must end all the same. The reaper and a pull (on the door's event loop) change the KV
+pool from threads of their own, so they take the lock that guards it: the engine's.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ from runtime.engine.errors import InvalidRequest
 from runtime.engine.kv_cache_manager import KVCacheManager
 from runtime.engine.kv_import import Import, KVImports, PullRecord
 from runtime.engine.kv_pins import KVPins
-from runtime.engine.outputs import TokenOutput
 from runtime.engine.request import Request
 from runtime.engine.scheduler import Scheduler
 
@@ -63,16 +65,18 @@ class DisaggStats:
 
 class Disagg:
     def __init__(self, role: str, pin_timeout_s: float, kv: KVCacheManager, scheduler: Scheduler,
-                 requests: dict[str, Request], lock: Any, clock: Callable[[], float],
-                 connector: KVConnector | None = None) -> None:  # fmt: skip
+                 pool_lock: Any, clock: Callable[[], float], connector: KVConnector | None = None) -> None:  # fmt: skip
+        """`pool_lock`: the lock under which the engine changes the KV pool (its own)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)} (got {role!r})")
-        self.role, self.connector, self.requests, self.lock = role, connector, requests, lock
+        self.role, self.connector, self.pool_lock = role, connector, pool_lock
         self.pins = KVPins(kv.pool, pin_timeout_s, clock)
-        self.imports = KVImports(kv, scheduler, connector if role == "decode" else None, lock, clock, pin_timeout_s)
+        reader = connector if role == "decode" else None
+        self.imports = KVImports(kv, scheduler, reader, pool_lock, clock, pin_timeout_s)
         self.block_size = kv.block_size
         self.handoffs = 0
-        self._exports: set[str] = set()
+        self._exports: set[str] = set()  # request ids marked prefill-only, not yet added
+        self._exports_lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
         if connector is not None:
@@ -81,23 +85,22 @@ class Disagg:
 
     @classmethod
     def create(cls, role: str, pin_timeout_s: float, config: EngineConfig, backend: Any, kv: KVCacheManager,
-               scheduler: Scheduler, requests: dict[str, Request], lock: Any,
-               clock: Callable[[], float]) -> Disagg:  # fmt: skip
+               scheduler: Scheduler, pool_lock: Any, clock: Callable[[], float]) -> Disagg:  # fmt: skip
         """The engine's: a connector over the backend's pool for the transfer roles (KVTransferError when
         NIXL is missing), none for "both"."""
         connector = None
         if role != "both":
             connector = create_connector("nixl", kv_memory(backend, kv_layout(config)), kv_identity(config))
             log.info("role %s: KV connector %s, agent %s", role, connector.kind, connector.agent_name)
-        return cls(role, pin_timeout_s, kv, scheduler, requests, lock, clock, connector)
+        return cls(role, pin_timeout_s, kv, scheduler, pool_lock, clock, connector)
 
     # ---- the doors' calls, before a request reaches the engine ----------------------------------
 
     def export(self, request_id: str) -> None:
-        """Mark a request prefill-only: it ends after its first token, handing its KV on."""
+        """Mark a request prefill-only, before it is added: it ends after its first token, handing its KV on."""
         if self.role != "prefill":
             raise InvalidRequest("prefill_only", f"this worker's role is {self.role!r}; start it with --role prefill")
-        with self.lock:
+        with self._exports_lock:
             self._exports.add(request_id)
 
     def expect(self, request_id: str, handle_text: str, cache_salt: str | None, lora: str | None = None) -> Import:
@@ -110,38 +113,33 @@ class Disagg:
 
     def forget(self, request_id: str) -> None:
         """The request ended (or never started): drop its marks and free anything staged for it."""
-        with self.lock:
+        with self._exports_lock:
             self._exports.discard(request_id)
         self.imports.discard(request_id)
 
     # ---- the engine's hooks ------------------------------------------------------------------
 
+    def take_export(self, request_id: str) -> bool:
+        """add_request's hook: whether the request was marked prefill-only (the mark is taken)."""
+        if not self._exports:  # the common case, every worker but a prefill one: no lock
+            return False
+        with self._exports_lock:
+            if request_id not in self._exports:
+                return False
+            self._exports.discard(request_id)
+            return True
+
     def adopt(self, request: Request, resume: Callable[[Request, list[int]], None]) -> bool:
         """add_request's hook, under the engine's lock: see kv_import.py."""
         return self.imports.adopt(request, resume)
 
-    def hand_off(self, outputs: list[TokenOutput], finish: Callable[..., TokenOutput]) -> list[TokenOutput]:
-        """A step's outputs, with each prefill-only request that has its first token (and did not finish on
-        it) ended by `finish` as "handoff": its blocks pinned, its output carrying the handle. The text of that
-        output is the token's delta alone (the output processor does not flush what the detokenizer holds back:
-        that is the decode worker's to send, which replays the token into its own detokenizer)."""
-        if not self._exports:
-            return outputs
-        result = []
-        for out in outputs:
-            request = self.requests.get(out.request_id)
-            if out.finish_reason is not None:  # ended on its first token (stop, length) or failed: nothing to hand
-                self._exports.discard(out.request_id)
-            if out.finish_reason is not None or out.request_id not in self._exports or request is None:
-                result.append(out)
-                continue
-            self._exports.discard(out.request_id)
-            handle = self._pin(request)
-            final = finish(request, HANDOFF, out.token_ids, out.logprobs)
-            final.kv_handle = handle.to_json()
-            self.handoffs += 1
-            result.append(final)
-        return result
+    def kv_handle(self, request: Request) -> str:
+        """The step update's hook as a prefill-only request ends with its first token (under the engine's lock,
+        before its own references go): its prompt's blocks pinned for a decode worker, the handle's JSON. The
+        text of its final output is that token's delta alone (the output processor does not flush what the
+        detokenizer holds back: that is the decode worker's to send, which replays the token into its own)."""
+        self.handoffs += 1
+        return self._pin(request).to_json()
 
     def held_blocks(self) -> list[list[int]]:
         """Block references held outside requests (pins, staged pulls): the invariant check adds them."""
@@ -195,7 +193,7 @@ class Disagg:
         while not self._stop.wait(REAP_INTERVAL_S):
             try:
                 done = self.connector.take_notifications()
-                with self.lock:
+                with self.pool_lock:
                     for message in done:
                         self.pins.release(message.decode(errors="replace"))
                     if self.pins.expire():

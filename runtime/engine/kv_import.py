@@ -62,10 +62,11 @@ class PullRecord:
 
 
 class KVImports:
-    def __init__(self, kv: KVCacheManager, scheduler: Scheduler, connector: KVConnector | None, lock: Any,
+    def __init__(self, kv: KVCacheManager, scheduler: Scheduler, connector: KVConnector | None, pool_lock: Any,
                  clock: Callable[[], float], timeout_s: float) -> None:  # fmt: skip
+        """`pool_lock`: the engine's, under which it changes the KV pool (a pull stages blocks off its thread)."""
         self.kv, self.scheduler, self.connector = kv, scheduler, connector
-        self.lock, self.clock, self.timeout_s = lock, clock, timeout_s
+        self.lock, self.clock, self.timeout_s = pool_lock, clock, timeout_s
         self._imports: dict[str, Import] = {}
         self._quarantine: list[tuple[Transfer, list[int]]] = []  # reads that could not be cancelled yet
         self.records: list[PullRecord] = []  # finished reads, drained by metrics

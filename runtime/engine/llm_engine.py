@@ -113,13 +113,15 @@ class LLMEngine:
         self.grammars = GrammarCache(self.tokenizer, config.model.vocab_size, sorted(self.eos_token_ids),
                                      args.grammar_compile_timeout_s)  # fmt: skip
         self.counters = EngineCounters()
-        self.update = StepUpdate(self.scheduler, self.spec, self.counters, clock, self.itl_target_s)
-        self.outputs = OutputProcessor(self.tokenizer, self.finish_by_text)
         self._lock = threading.RLock()
         self._arrivals = itertools.count()
         # disagg hook (runtime/engine/disagg.py): the worker's role, pinned and pulled KV blocks; inert for "both"
         self.disagg = Disagg.create(args.role, args.kv_pin_timeout_s, config, self.backend, self.kv, self.scheduler,
-                                    self.requests, self._lock, clock)  # fmt: skip
+                                    self._lock, clock)  # fmt: skip
+        self.update = StepUpdate(
+            self.scheduler, self.spec, self.counters, clock, self.itl_target_s, self.disagg.kv_handle
+        )
+        self.outputs = OutputProcessor(self.tokenizer, self.finish_by_text)
         log.info(
             "KV cache: %d blocks x %d = %d tokens; max concurrency at max_seq_len %d: %.1f sequences "
             "(max_num_seqs %d)",
@@ -175,6 +177,7 @@ class LLMEngine:
             self._register_lora(request)
             self.outputs.add(request_id, prompt_ids, params)  # before the core can produce anything for it
             self._resume(request, resume_token_ids)
+            request.prefill_only = self.disagg.take_export(request_id)  # disagg hook: it ends with its first token
             try:
                 # disagg hook: a request with a KV handle runs from its pulled blocks (or queues to recompute)
                 if not self.disagg.adopt(request, self._resume):
@@ -306,8 +309,7 @@ class LLMEngine:
             return outputs + self._fail(step, exc)
         with self._lock:
             self.counters.steps += 1
-            # disagg hook: prefill-only requests with their first token end here, their KV pinned for a decode worker
-            stepped = self.disagg.hand_off(self.update.run(step, logits), self.update.finish)
+            stepped = self.update.run(step, logits)
             seconds = target_s = self.clock() - step_start
             if self.spec is not None:  # the drafting for the next step is the proposer's time, not the target's
                 # a pure decode step: each chunk one token plus its drafts

@@ -77,6 +77,7 @@ class Request:
     slot: int | None = None  # its row in the backend's persistent batch while it runs (the scheduler's)
     lora_id: str | None = None  # its LoRA adapter's content digest (params.lora names it): keys its prefix cache
     lora_slot: int | None = None  # the backend's slot of its adapter while it runs (lora_manager.py)
+    prefill_only: bool = False  # a prefill worker's: it ends with its first token, its KV handed on (disagg.py)
     # params.prompt_logprobs set: entry i scores prompt token i given those before it (entry 0: None), filled as
     # its prefill chunks run (step_update.py); a preempted request keeps what it has.
     prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -3,7 +3,9 @@ lengths, sample (or verify drafts), append the tokens, finish requests at a stop
 hand back each request's TokenOutput. An overlapped step is updated in two halves: at launch (`launched`:
 computed lengths, a placeholder per sampled row) and once its tokens are known (`resolve`). With the
 scheduler's admissions and preemptions, this is where a running request's state changes; the speculation and
-disaggregation hooks ask them. Text (detokenization, stop strings) is the output processor's, off this path.
+disaggregation hooks ask them (a prefill-only request ends here with its first token, as "handoff": the
+disaggregation hook pins its blocks and names them in the final output). Text (detokenization, stop strings)
+is the output processor's, off this path.
 
 The scheduler's: it reads and changes the scheduler's requests, queues and KV cache manager, under the
 engine's lock; it owns the host sampler.
@@ -15,6 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from engine_format.kv_handle import HANDOFF
 from executors.device_sampling import PLACEHOLDER
 from executors.sampling import DeviceSample, Sampler, SampleResult, TokenLogprobs, prompt_logprobs
 from runtime.engine.outputs import RequestStats, TokenOutput
@@ -30,9 +33,13 @@ Placed = tuple[Request, int, int]  # as step_inputs.InFlight.placed
 
 class StepUpdate:
     def __init__(self, scheduler: Scheduler, spec: SpecDecoder | None, counters: EngineCounters,
-                 clock: Callable[[], float], itl_target_s: float | None) -> None:  # fmt: skip
+                 clock: Callable[[], float], itl_target_s: float | None,
+                 kv_handle: Callable[[Request], str]) -> None:  # fmt: skip
+        """`kv_handle`: the disaggregation hook that pins a prefill-only request's blocks for a decode worker
+        and returns the handle's JSON (called as the request ends with HANDOFF, before its blocks are freed)."""
         self.scheduler, self.kv, self.spec = scheduler, scheduler.kv, spec
         self.counters, self.clock, self.itl_target_s = counters, clock, itl_target_s
+        self.kv_handle = kv_handle
         self.sampler = Sampler()
 
     def run(self, step: StepChunks, logits: np.ndarray | DeviceSample) -> list[TokenOutput]:
@@ -181,7 +188,9 @@ class StepUpdate:
         counters.generation_tokens += 1
         if token in request.stop_token_ids:
             return "stop"
-        return "length" if num_output >= request.max_tokens else None
+        if num_output >= request.max_tokens:
+            return "length"
+        return HANDOFF if request.prefill_only else None  # its first token: the decode worker goes on
 
     def finish(
         self,
@@ -191,7 +200,8 @@ class StepUpdate:
         lp: list[TokenLogprobs] | None = None,
         error: str | None = None,
     ) -> TokenOutput:
-        """End `request` now (its KV blocks freed); its final output."""
+        """End `request` now (its KV blocks freed, a handed-off one's pinned first); its final output."""
+        kv_handle = self.kv_handle(request) if reason == HANDOFF else None
         self.scheduler.remove(request)
         if self.spec is not None:
             self.spec.release(request)
@@ -199,7 +209,7 @@ class StepUpdate:
         request.timing.finished = self.clock()
         self.counters.finished[reason] += 1
         out = _output(request, token_ids or [], lp)
-        out.finish_reason, out.error = reason, error
+        out.finish_reason, out.error, out.kv_handle = reason, error, kv_handle
         out.stats = RequestStats(**request.timing.summary(), num_preemptions=request.num_preemptions)
         return out
 
