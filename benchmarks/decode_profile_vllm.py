@@ -15,7 +15,6 @@ the attention backend's forward, the sampler, the scheduler; "host" is the rest 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -24,7 +23,7 @@ import click
 
 from benchmarks.cpu import wait_quiet
 from benchmarks.report import write_report
-from benchmarks.servers import VENVS, ServingSettings, vllm_dtype
+from benchmarks.servers import VENVS, ServingSettings, vllm_dtype, vllm_env
 
 RUNNER = Path(__file__).parent / "peers" / "vllm_step_runner.py"
 
@@ -45,12 +44,10 @@ def run(batches: list[int], contexts: list[int], steps: int, dtype: str) -> dict
         "max_num_seqs": max(32, *batches),
         "max_num_batched_tokens": 512,
     }
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}", VLLM_CPU_KVCACHE_SPACE="4")
-    env |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
-        subprocess.run([str(python), str(RUNNER), str(spec_path), str(out_path)], env=env, check=True)
+        subprocess.run([str(python), str(RUNNER), str(spec_path), str(out_path)], env=vllm_env(4), check=True)
         return {**json.loads(out_path.read_text()), "dtype": dtype, "steps": steps}
 
 

