@@ -30,7 +30,7 @@ from engine_format import EngineConfig, ceil_div
 from engine_format.files import GRAPH_FILE, PLUGIN_GRAPH_FILE
 from executors import create_backend
 from executors.base import EngineBackend, SequenceChunk
-from executors.cpus import amx_bf16, vnni_int8
+from executors.cpus import amx_bf16, int8_simd
 
 # Max |logit difference| between the engine and HF eager on the verification prompt, as a
 # fraction of the largest |logit|. fp32 differs only in summation order (measured ~1e-6 on
@@ -109,7 +109,7 @@ def _runs_bf16(config: EngineConfig) -> bool:
 def runs_int8(config: EngineConfig) -> bool:
     """A float32 engine is also verified on cpu-int8 (then gated) where this CPU multiplies int8 on AVX512-VNNI
     and has no AMX (where cpu-bf16 is the default): elsewhere its portable loops would make the build slow."""
-    return _plain(config) and vnni_int8() and not amx_bf16()
+    return _plain(config) and int8_simd() and not amx_bf16()
 
 
 def _backends(config: EngineConfig, blocks: int, scratch: Path):

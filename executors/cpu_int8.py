@@ -2,15 +2,16 @@
 (executors/int8_ops.py), our kernel for paged attention, numpy between them; no ONNX Runtime, no torch.
 
 Why: a decode step streams every weight once, and at 16-32 rows the float32 matmuls are also bound by the
-FMA units. int8 weights move a quarter of the bytes and AVX512-VNNI multiplies four times the pairs per
-instruction: the dense layers of a 16-row SmolLM2 step take 14 ms here against 48 ms in ONNX Runtime
-float32 (benchmarks/results/decode_profile.md). Weights are quantized symmetrically per output channel when
-the engine loads, activations per token (asymmetric, over [min(x, 0), max(x, 0)]): per-token scales keep
-SmolLM2's perplexity within 0.2% of float32 where one scale per tensor lost 40%. It changes the arithmetic,
-so it is a default only where the build verified it and ran the quality gate on it (executors/factory.py).
-The build also measures each matmul input's range per channel on calibration text (activation_ranges.npz):
-SmoothQuant's factors move half of each outlier channel's range into the weights (Int8Layer), which halves the
-KL divergence from float32 again.
+FMA units. int8 weights move a quarter of the bytes, and AVX512-VNNI multiplies four times the pairs per
+instruction: the dense layers of a 16-row SmolLM2 step take 14 ms on a VNNI Xeon against 48 ms in ONNX
+Runtime float32 (benchmarks/results/decode_profile.md). With AVX2 only (16-bit multiply-adds, twice FMA's
+pairs a cycle) they take 26 against 45 ms on a Zen 3 EPYC (decode_profile-amd-avx2-int8.md).
+Weights are quantized symmetrically per output channel when the engine loads, activations per token
+(asymmetric, over [min(x, 0), max(x, 0)]): per-token scales keep SmolLM2's perplexity within 0.2% of float32
+where one scale per tensor lost 40%. It changes the arithmetic, so it is a default only where the build
+verified it and ran the quality gate on it (executors/factory.py). The build also measures each matmul
+input's range per channel on calibration text (activation_ranges.npz): SmoothQuant's factors move half of
+each outlier channel's range into the weights (Int8Layer), which halves the KL divergence from float32 again.
 
 A step has the `cpu` backend's layout (`FlatStep`): per layer RMSNorm -> quantize -> QKV -> RoPE, the new
 K/V rows into the pool, attention over each sequence's blocks in place, quantize -> o_proj added into the
@@ -43,8 +44,8 @@ from executors.int8_ops import (  # noqa: E402
     rms_norm_quantize,
     rope_split,
     silu_mul_quantize,
+    simd_isa,
     smoothing,
-    vnni,
 )
 from executors.kv_pool import KVPool  # noqa: E402
 from executors.lora import TARGETS, LoraSlots  # noqa: E402
@@ -126,9 +127,10 @@ class Int8CpuBackend(FlatStepBackend):
                 "the cpu-int8 backend quantizes a float32 engine's weights itself (got "
                 f"{config.quantization or config.dtype}): use --backend cpu"
             )
-        if not vnni():
+        if not simd_isa():
             logging.getLogger(__name__).warning(
-                "the kernel module was built without AVX512-VNNI: cpu-int8 runs its portable loops (correct, slow)"
+                "the kernel module was built without AVX512-VNNI or AVX2: cpu-int8 runs its portable loops (correct, "
+                "slow)"
             )
         spec = config.model
         self.config = config

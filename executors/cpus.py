@@ -64,8 +64,10 @@ def bf16_matmul() -> bool:
     return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
 
 
-def vnni_int8() -> bool:
-    """Whether this CPU multiplies int8 on AVX512-VNNI (Ice Lake and later Xeons, Zen 4), where the cpu-int8
-    backend's dense layers run ~3x faster than float32's (benchmarks/results/decode_profile.md). Read from the flags,
-    not the kernel module, whose loading would set OpenMP's policy before the backend chooses it."""
-    return {"avx512_vnni", "avx512bw"} <= cpu_flags()
+def int8_simd() -> bool:
+    """Whether this CPU multiplies int8 in the vector loops of the cpu-int8 kernel: AVX512-VNNI (Ice Lake and later
+    Xeons, Zen 4), where its dense layers run ~3x faster than float32's, or AVX2 (16-bit multiply-adds, exact too:
+    1.7x on a Zen 3 EPYC; benchmarks/results/decode_profile*.md). Read from the flags, not the kernel module, whose
+    loading would set OpenMP's policy before the backend chooses it."""
+    flags = cpu_flags()
+    return {"avx512_vnni", "avx512bw"} <= flags or "avx2" in flags

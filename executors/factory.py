@@ -12,7 +12,7 @@ from pathlib import Path
 from engine_format import EngineConfig
 from engine_format.files import PLUGIN_GRAPH_FILE
 from executors.base import EngineBackend
-from executors.cpus import amx_bf16, vnni_int8
+from executors.cpus import amx_bf16, int8_simd
 from executors.kv_pool import require_kv_support
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def default_backend(config: EngineConfig) -> str:
         return "cpu-bf16"  # ONNX Runtime has no bfloat16 MatMul on CPUs
     if "cpu-bf16" in config.verified_backends and amx_bf16():
         return "cpu-bf16"
-    if "cpu-int8" in config.verified_backends and vnni_int8():
+    if "cpu-int8" in config.verified_backends and int8_simd():
         return "cpu-int8"
     return "cpu" if config.has_cpu_segments else "graph"
 

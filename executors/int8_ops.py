@@ -17,9 +17,10 @@ _kernel = kernel_module()
 STRIP = 16  # output columns per packed strip (int8_linear.h INT8_STRIP)
 
 
-def vnni() -> bool:
-    """Whether the matmuls run on AVX512-VNNI here (else the same layout as plain loops: correct, slow)."""
-    return bool(_kernel.int8_vnni())
+def simd_isa() -> str:
+    """The vector loops the matmuls run here: "avx512-vnni", "avx2", or "" (the same layout as plain loops:
+    correct, slow)."""
+    return str(_kernel.int8_simd())
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import builder.build
 from builder.cli import main as build_engine_cli
 from builder.errors import BuildError
 from builder.sources import sha256_file
-from executors.cpus import amx_bf16, vnni_int8
+from executors.cpus import amx_bf16, int8_simd
 from runtime.cli import main as trtserve_cli
 
 TINY_ARGS = ["--model", "tiny-qwen2", "--block-size", "8", "--max-seq-len", "128", "--max-batch-size", "4"]
@@ -50,7 +50,7 @@ def test_manifest_describes_the_engine(cli_engine):
     verification = manifest["verification"]
     # cpu-bf16 too where this CPU has AMX (it is the default there: tests/test_cpu_bf16_default.py), cpu-int8 where
     # it has AVX512-VNNI instead (tests/test_cpu_int8.py)
-    extra = {"cpu-bf16"} if amx_bf16() else {"cpu-int8"} if vnni_int8() else set()
+    extra = {"cpu-bf16"} if amx_bf16() else {"cpu-int8"} if int8_simd() else set()
     assert set(verification["backends"]) == {"graph", "plugin", "cpu"} | extra
     for result in verification["backends"].values():
         assert max(result["max_abs_error"].values()) < result["tolerance"]

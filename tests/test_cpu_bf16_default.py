@@ -51,7 +51,7 @@ def test_on_amx_a_float32_engine_is_also_verified_on_cpu_bf16_at_bf16s_bound(lla
 
 def test_without_amx_the_build_does_not_verify_cpu_bf16(llama_engine, hf_model, monkeypatch):
     monkeypatch.setattr(builder.verify, "amx_bf16", lambda: False)
-    monkeypatch.setattr(builder.verify, "vnni_int8", lambda: False)  # tests/test_cpu_int8.py
+    monkeypatch.setattr(builder.verify, "int8_simd", lambda: False)  # tests/test_cpu_int8.py
     record = verify_engine(EngineConfig.load(llama_engine), hf_model)
     assert list(record["backends"]) == ["graph", "plugin", "cpu"] and "hf_bfloat16_max_abs_error" not in record
 

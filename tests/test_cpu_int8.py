@@ -23,7 +23,7 @@ from engine_format.config import verified_backends
 from engine_format.files import ACTIVATION_RANGES_FILE
 from executors import create_backend, default_backend
 from executors.base import SequenceChunk
-from executors.cpus import vnni_int8
+from executors.cpus import int8_simd
 from tests.helpers import NEEDS_BF16_MATMUL, hf_logits, random_prompts
 
 
@@ -110,7 +110,7 @@ def hf_model():
 
 @NEEDS_BF16_MATMUL  # (its last check verifies on cpu-bf16)
 def test_on_vnni_a_float32_engine_is_verified_on_cpu_int8_at_its_bound(llama_engine, hf_model, monkeypatch):
-    monkeypatch.setattr(builder.verify, "vnni_int8", lambda: True)
+    monkeypatch.setattr(builder.verify, "int8_simd", lambda: True)
     monkeypatch.setattr(builder.verify, "amx_bf16", lambda: False)
     record = verify_engine(EngineConfig.load(llama_engine), hf_model)
     backends = record["backends"]
@@ -121,7 +121,7 @@ def test_on_vnni_a_float32_engine_is_verified_on_cpu_int8_at_its_bound(llama_eng
     assert "cpu-int8" not in verify_engine(EngineConfig.load(llama_engine), hf_model)["backends"]
 
 
-@pytest.mark.skipif(not vnni_int8(), reason="this CPU has no AVX512-VNNI: builds do not gate cpu-int8")
+@pytest.mark.skipif(not int8_simd(), reason="this CPU has no AVX512-VNNI: builds do not gate cpu-int8")
 def test_the_build_gates_cpu_int8_and_records_it(llama_engine):
     import json
 
@@ -180,7 +180,7 @@ def test_a_failed_gate_keeps_the_backend_out_of_the_verified_ones():
 )
 def test_default_backend(llama_engine, monkeypatch, vnni, amx, verified, kv_cache_dtype, want):
     monkeypatch.setattr(executors.factory, "cuda_present", lambda: False)
-    monkeypatch.setattr(executors.factory, "vnni_int8", lambda: vnni)
+    monkeypatch.setattr(executors.factory, "int8_simd", lambda: vnni)
     monkeypatch.setattr(executors.factory, "amx_bf16", lambda: amx)
     config = dataclasses.replace(
         EngineConfig.load(llama_engine), verified_backends=verified, kv_cache_dtype=kv_cache_dtype

@@ -286,12 +286,12 @@ def test_default_backend_prefers_torch_on_a_gpu_without_tensorrt(llama_engine, m
     import dataclasses
 
     import executors.factory as backends
-    from executors.cpus import amx_bf16, vnni_int8
+    from executors.cpus import amx_bf16, int8_simd
 
     config = EngineConfig.load(llama_engine)
     verified = config.verified_backends  # the CPU's own rules: tests/test_cpu_bf16_default.py, test_cpu_int8.py
     cpu = "cpu-bf16" if "cpu-bf16" in verified and amx_bf16() else "cpu-int8" if "cpu-int8" in verified and (
-        vnni_int8()) else "cpu"  # fmt: skip
+        int8_simd()) else "cpu"  # fmt: skip
     engines = (config, dataclasses.replace(config, target="tensorrt"))
     cases = {  # (a CUDA device, TensorRT installed): defaults for (an ORT engine, a TensorRT engine)
         (False, False): (cpu, "tensorrt"),  # the TensorRT backend then refuses, naming what is missing

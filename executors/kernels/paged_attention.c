@@ -494,7 +494,7 @@ static PyMethodDef methods[] = {
     {"int8_linear", int8_linear, METH_VARARGS,
      "int8_linear(a, T, Kp, a_scale, a_zp, w, N, w_scale, colsum, bias, out, ldo, accumulate, threads, simd); "
      "see executors/int8_ops.py"},
-    {"int8_vnni", int8_vnni, METH_NOARGS, "int8_vnni(): whether int8_linear runs on AVX512-VNNI here"},
+    {"int8_simd", int8_simd, METH_NOARGS, "int8_simd(): the vector loops int8_linear runs here ('avx512-vnni', 'avx2', '')"},
     {"lora_sgmv", lora_sgmv, METH_VARARGS,
      "lora_sgmv(x, stride, in, rows, slots, norm, eps, a_ptrs, ranks, b_ptrs, b_ranks, b_cols, b_widths, width, "
      "threads, half, parts, out_rows, positions, cos, sin, head_dim, rotated): see executors/lora/slots.py"},
