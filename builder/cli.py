@@ -173,7 +173,7 @@ def main(model, output, max_batch_size, max_seq_len, block_size, dtype, target, 
     if gate := verify["backends"].get("cpu-int8", {}).get("gate"):
         checks = ", ".join(f"{name} {c['value']:.3f}" for name, c in gate["checks"].items())
         verdict = (
-            "passed: the default backend on CPUs with AVX512-VNNI"
+            "passed: the default backend on CPUs with AVX512-VNNI or AVX2"
             if gate["passed"]
             else ("failed: served only with --backend cpu-int8")
         )

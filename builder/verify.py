@@ -9,8 +9,8 @@ plugin graph TensorRT compiles) run as a float32 view, the same graph over the s
 weights with every bf16 type widened (`float32_view`), and the cpu-bf16 backend runs the engine in
 bfloat16 itself. Their bound is HF's own bfloat16 forward: no further from float32 HF than
 BF16_HEADROOM times HF-bfloat16's distance. float32 engines built on a CPU with AMX are also verified on
-cpu-bf16, the default there (executors/factory.py), at that bound; built on a CPU with AVX512-VNNI, on
-cpu-int8 (int8 dense layers) at W8A8's bound, and then judged by the quality gate (builder/build.py).
+cpu-bf16, the default there (executors/factory.py), at that bound; built on a CPU with AVX512-VNNI or AVX2,
+on cpu-int8 (int8 dense layers) at W8A8's bound, and then judged by the quality gate (builder/build.py).
 """
 
 from __future__ import annotations
@@ -107,8 +107,9 @@ def _runs_bf16(config: EngineConfig) -> bool:
 
 
 def runs_int8(config: EngineConfig) -> bool:
-    """A float32 engine is also verified on cpu-int8 (then gated) where this CPU multiplies int8 on AVX512-VNNI
-    and has no AMX (where cpu-bf16 is the default): elsewhere its portable loops would make the build slow."""
+    """A float32 engine is also verified on cpu-int8 (then gated) where this CPU multiplies int8 in vector loops
+    (AVX512-VNNI or AVX2) and has no AMX (where cpu-bf16 is the default): elsewhere its portable loops would make
+    the build slow."""
     return _plain(config) and int8_simd() and not amx_bf16()
 
 

@@ -7,7 +7,7 @@ a *backend* (BACKENDS) is what runs it in this process:
 - "cpu-bf16": the same steps with the dense layers in bfloat16 on torch (oneDNN, AMX where the CPU
   has it) instead of ONNX Runtime (float32 engines; executors/torch_cpu.py);
 - "cpu-int8": the same steps with int8 dense layers (W8A8, weights quantized at load) in trtserve's own
-  kernel, AVX512-VNNI where the CPU has it (float32 engines; executors/cpu_int8.py);
+  kernel, on AVX512-VNNI or AVX2 (float32 engines; executors/cpu_int8.py);
 - "graph": the whole portable graph on ONNX Runtime (any dtype);
 - "plugin": the TensorRT plugin graph on ONNX Runtime, plugin ops through their reference bodies;
 - "tensorrt": the compiled plan on a GPU (the default for target "tensorrt" where TensorRT is installed);

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # Token-exact comparisons (with HF float32, across batch compositions, with speculation on and off) need the
 # float32 CPU backend: cpu-bf16, the default on CPUs with AMX, rounds its bfloat16 matmuls differently for
 # another row count, which flips near-ties (tests/test_cpu_bf16_default.py); cpu-int8, the default on CPUs with
-# AVX512-VNNI, quantizes (tests/test_cpu_int8.py).
+# AVX512-VNNI or AVX2, quantizes (tests/test_cpu_int8.py).
 FLOAT32_BACKEND = "cpu"
 
 

@@ -49,7 +49,7 @@ def test_manifest_describes_the_engine(cli_engine):
     assert manifest["versions"]["onnxruntime"] and manifest["versions"]["torch"].startswith("2.13")
     verification = manifest["verification"]
     # cpu-bf16 too where this CPU has AMX (it is the default there: tests/test_cpu_bf16_default.py), cpu-int8 where
-    # it has AVX512-VNNI instead (tests/test_cpu_int8.py)
+    # it multiplies int8 in vector loops instead (tests/test_cpu_int8.py)
     extra = {"cpu-bf16"} if amx_bf16() else {"cpu-int8"} if int8_simd() else set()
     assert set(verification["backends"]) == {"graph", "plugin", "cpu"} | extra
     for result in verification["backends"].values():
