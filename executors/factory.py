@@ -35,8 +35,8 @@ def default_backend(config: EngineConfig) -> str:
     runs Triton interpreted, TRITON_INTERPRET=1, as the kernel tests do); else the CPU backends: cpu-bf16
     for bfloat16 engines, and for float32 ones verified on it where the CPU has AMX (1.3-1.5x per decode
     step, 2-4x per prefill step there); cpu-int8 for float32 ones whose build verified and gated it, where the
-    CPU has AVX512-VNNI or AVX2 (int8 dense layers: 2.1-3.3x per decode step with VNNI, 1.6-2.7x with AVX2); else ONNX Runtime with our kernel (`cpu`),
-    or its graph alone.
+    CPU has AVX512-VNNI or AVX2 (int8 dense layers: 2.1-3.3x per decode step with VNNI, 1.2-2.7x with AVX2);
+    else ONNX Runtime with our kernel (`cpu`), or its graph alone.
     An int8/fp8 KV cache with CPU segments: the CPU kernel backend, where the gate ran (the graphs and torch
     read it too, torch's quantized kernels verified interpreted only; TensorRT does not)."""
     if config.kv_quantized and config.has_cpu_segments:

@@ -1,6 +1,7 @@
 """The cpu-int8 backend's kernel (executors/kernels/int8_linear.h through executors/int8_ops.py) against numpy
 references: packing, per-token quantization, the W8A8 matmul in float64, the fused RMSNorm / SiLU-gating passes,
-the float32 RoPE split; the vector loops (AVX512-VNNI or AVX2) against the portable ones; bad buffers refused, never read past."""
+the float32 RoPE split; the vector loops (AVX512-VNNI or AVX2) against the portable ones; bad buffers refused,
+never read past."""
 
 from __future__ import annotations
 
