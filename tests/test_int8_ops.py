@@ -66,7 +66,8 @@ def test_quantize_rows_matches_the_reference():
 @pytest.mark.parametrize("tokens", [1, 3, 16, 17, 40])
 @pytest.mark.parametrize(("k", "n"), [(64, 48), (37, 21), (96, 200)])
 def test_linear_equals_float64_over_its_operands(tokens, k, n):
-    """Every row tile (16, 8, 4, 2, 1 rows), K and N padding, a bias, and accumulation into `out`."""
+    """Every row tile (VNNI: 16, 8, 4, 2, 1 rows; AVX2: 6, 4, 2, 1), K and N padding, a bias, and accumulation
+    into `out`."""
     rng = np.random.default_rng(tokens * 1000 + k)
     weight = PackedLinear.pack(
         rng.standard_normal((k, n)).astype(np.float32), rng.standard_normal(n).astype(np.float32)
@@ -80,6 +81,27 @@ def test_linear_equals_float64_over_its_operands(tokens, k, n):
     out = residual.copy()
     int8_ops.linear(rows, weight, out, accumulate=True)
     assert relative_error(out, residual + want) < 1e-5
+
+
+def test_sums_are_exact_where_byte_pairs_would_saturate_16_bits():
+    """Codes 255 x weights 127: a pair of such products (64,770) overflows int16, as AVX2's vpmaddubsw would leave
+    it (saturated at 32,767, half the sum); the kernel's sums are exact, in the vector loops as in the plain ones."""
+    k, n = 96, 24
+    weight = PackedLinear.pack(np.full((k, n), 0.5, np.float32))
+    rows = int8_ops.quantize_rows(np.full((6, k), 3.0, np.float32), weight.padded_in)
+    assert rows.codes[:, :k].min() == 255 and weight.dequantized().min() == pytest.approx(0.5)
+    want = np.full((6, n), 3.0 * 0.5 * k)
+    for simd in (True, False):
+        assert relative_error(int8_ops.linear(rows, weight, simd=simd), want) < 1e-6
+
+
+def test_the_kernel_has_the_vector_loops_the_cpu_flags_promise():
+    """Builds gate cpu-int8, and serving defaults to it, where executors.cpus.int8_simd() reads the flags: the
+    kernel built here must then run vector loops, not the portable ones."""
+    from executors.cpus import int8_simd
+
+    assert bool(int8_ops.simd_isa()) == int8_simd()
+    assert int8_ops.simd_isa() in ("avx512-vnni", "avx2", "")
 
 
 def test_the_comparison_catches_a_wrong_channel_scale():
