@@ -19,6 +19,7 @@ import pytest
 
 from runtime import LLM, SamplingParams
 from tests.gateway_helpers import client
+from tests.helpers import FLOAT32_BACKEND
 from tests.test_gateway_serve import Serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.serving]
@@ -119,8 +120,15 @@ def test_ngram_speculation_keeps_the_greedy_constrained_output(smollm2_engine):
     entries = SCHEMAS[:6]
     params = [SamplingParams(temperature=0, max_tokens=300, guided_json=json.dumps(e["schema"])) for e in entries]
     prompts = [messages(e) for e in entries]
-    plain = [o.text for o in LLM(smollm2_engine).generate(prompts, params)]
-    llm = LLM(smollm2_engine, speculative="ngram", speculative_adaptive=False, speculative_disable_batch_size=8)
+    # the float32 backend: token-exact with speculation on and off (tests/helpers.py)
+    plain = [o.text for o in LLM(smollm2_engine, backend=FLOAT32_BACKEND).generate(prompts, params)]
+    llm = LLM(
+        smollm2_engine,
+        backend=FLOAT32_BACKEND,
+        speculative="ngram",
+        speculative_adaptive=False,
+        speculative_disable_batch_size=8,
+    )
     assert [o.text for o in llm.generate(prompts, params)] == plain
     spec = llm.engine.stats().spec_decode
     assert spec is not None and spec.accepted_tokens > 0
