@@ -5,7 +5,7 @@ Why: a decode step streams every weight once, and at 16-32 rows the float32 matm
 FMA units. int8 weights move a quarter of the bytes, and AVX512-VNNI multiplies four times the pairs per
 instruction: the dense layers of a 16-row SmolLM2 step take 14 ms on a VNNI Xeon against 48 ms in ONNX
 Runtime float32 (benchmarks/results/decode_profile.md). With AVX2 only (16-bit multiply-adds, twice FMA's
-pairs a cycle) they take 26 against 45 ms on a Zen 3 EPYC (decode_profile-amd-avx2-int8.md).
+pairs a cycle) they take 26-33 against 42-45 ms on a Zen 3 EPYC (decode_profile-amd-avx2-int8.md).
 Weights are quantized symmetrically per output channel when the engine loads, activations per token
 (asymmetric, over [min(x, 0), max(x, 0)]): per-token scales keep SmolLM2's perplexity within 0.2% of float32
 where one scale per tensor lost 40%. It changes the arithmetic, so it is a default only where the build
