@@ -67,7 +67,7 @@ def bf16_matmul() -> bool:
 def int8_simd() -> bool:
     """Whether this CPU multiplies int8 in the vector loops of the cpu-int8 kernel: AVX512-VNNI (Ice Lake and later
     Xeons, Zen 4), where its dense layers run ~3x faster than float32's, or AVX2 (16-bit multiply-adds, exact too:
-    1.3-1.9x on a Zen 3 EPYC; benchmarks/results/decode_profile*.md). Read from the flags, not the kernel module, whose
+    1.3-2.4x on a Zen 3 EPYC; benchmarks/results/decode_profile*.md). Read from the flags, not the kernel module, whose
     loading would set OpenMP's policy before the backend chooses it."""
     flags = cpu_flags()
     return {"avx512_vnni", "avx512bw"} <= flags or "avx2" in flags
