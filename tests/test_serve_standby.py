@@ -19,6 +19,7 @@ import pytest
 from runtime.serve.launcher import MODEL_NAME
 from runtime.serve.standby import STANDBY_ENV
 from tests.gateway_helpers import build_slow_engine, client, gateway_metrics
+from tests.helpers import FLOAT32_BACKEND
 from tests.test_gateway_restarts import LONG, assert_equal_up_to_a_near_tie
 from tests.test_gateway_serve import Serve
 from tests.test_hardening_server import children
@@ -36,7 +37,9 @@ def stub_of_triton(serve: Serve, grpc_port: int) -> int:
 def test_a_dead_models_stream_and_new_requests_go_on_on_the_warm_spare(engines_dir: Path, monkeypatch):
     engine = build_slow_engine(engines_dir)
     monkeypatch.delenv(STANDBY_ENV)  # the default: a spare where memory holds one (this machine's does)
-    serve = Serve(engine, "--health-interval", "0.5")
+    serve = Serve(
+        engine, "--health-interval", "0.5", "--backend", FLOAT32_BACKEND
+    )  # float32: see test_gateway_restarts
     try:
         ready = serve.output_until("OpenAI   http", timeout_s=300)
         spare = re.search(r"standby  gRPC 127\.0\.0\.1:(\d+), HTTP", ready)
