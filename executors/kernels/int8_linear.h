@@ -94,16 +94,31 @@ static void silu_mul_quantize_rows(const float *gate_up, int64_t T, int64_t I, i
     }
 }
 
-/* The rows are tiled 16, 8, 4, 2, 1 at a time (largest first); `at` holds a tile's codes k-major,
- * at[k * rows + r] = row r's 4 codes at k4 = k, so a tile's broadcasts read one cache line per k. */
+/* The vector loops take rows in tiles (largest first: VNNI 16, 8, 4, 2, 1; AVX2 6, 4, 2, 1); `at` holds a tile's
+ * codes k-major, at[k * rows + r] = row r's 4 codes at k4 = k (VNNI: the 4 bytes; AVX2: widened to 4 int16), so a
+ * tile's broadcasts read one cache line per k. */
+#if INT8_AVX2
+typedef int64_t int8_codes4;
+static int64_t int8_tile_rows(int64_t left) { return left >= 6 ? 6 : left >= 4 ? 4 : left >= 2 ? 2 : 1; }
+static inline int8_codes4 int8_pack4(const uint8_t *q) {
+    return (int64_t)((uint64_t)q[0] | (uint64_t)q[1] << 16 | (uint64_t)q[2] << 32 | (uint64_t)q[3] << 48);
+}
+#else
+typedef int32_t int8_codes4;
 static int64_t int8_tile_rows(int64_t left) { return left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1; }
+static inline int8_codes4 int8_pack4(const uint8_t *q) {
+    int32_t codes;
+    memcpy(&codes, q, 4);
+    return codes;
+}
+#endif
 
-static void int8_pack_tiles(const uint8_t *a, int64_t T, int64_t Kp, int32_t *at) {
+static void int8_pack_tiles(const uint8_t *a, int64_t T, int64_t Kp, int8_codes4 *at) {
     const int64_t K4 = Kp / 4;
     for (int64_t m = 0; m < T;) {
         const int64_t rows = int8_tile_rows(T - m);
         for (int64_t k = 0; k < K4; k++)
-            for (int64_t r = 0; r < rows; r++) memcpy(at + m * K4 + k * rows + r, a + (m + r) * Kp + 4 * k, 4);
+            for (int64_t r = 0; r < rows; r++) at[m * K4 + k * rows + r] = int8_pack4(a + (m + r) * Kp + 4 * k);
         m += rows;
     }
 }
@@ -124,7 +139,7 @@ static inline void int8_epilogue(const int32_t *acc, int64_t n0, int64_t width, 
 
 /* rows x 16 columns over one strip, accumulators in registers (ROWS: a compile-time constant at each use). */
 #define INT8_TILE(ROWS)                                                                                         \
-    static void int8_tile_##ROWS(const int32_t *at, const int8_t *w, int64_t K4, __m512i *out) {               \
+    static void int8_tile_##ROWS(const int8_codes4 *at, const int8_t *w, int64_t K4, __m512i *out) {           \
         __m512i acc[ROWS];                                                                                      \
         for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_si512();                                       \
         for (int64_t k = 0; k < K4; k++) {                                                                      \
@@ -157,32 +172,16 @@ static inline void int8_epilogue16(__m512i acc, int64_t n0, __mmask16 mask, floa
 #if INT8_AVX2
 /* AVX2 without VNNI: vpmaddubsw's u8 x s8 pair sums saturate at 16 bits (255 x 127 x 2 > 32767), so codes are
  * widened to 16 bits and multiplied by vpmaddwd, exact as vpdpbusd is (same layout, same results; on Zen 3
- * vpmaddwd issues twice a cycle, 32 multiply-adds against float32 FMA's 16). A tile's codes come pre-widened,
- * at[k * rows + r] = row r's 4 codes at k4 = k as 4 int16 (one 64-bit broadcast); each half strip (8 columns
+ * vpmaddwd issues twice a cycle, 32 multiply-adds against float32 FMA's 16). A tile's codes come pre-widened
+ * (int8_pack_tiles: one 64-bit broadcast per row and k4); each half strip (8 columns
  * x 4 k = 32 bytes) widens to two vectors of 4 columns x 4 k, whose madds leave each column's sum in two
  * adjacent lanes, added at the end. Tiles of 6 rows: 12 accumulators + 2 weight vectors + a broadcast in 16
  * registers, each accumulator pinned to its register (an empty asm: GCC otherwise spills one, and its
  * store-to-load round trip each k doubled a tile's time). ~24 multiply-adds a cycle, where vpmaddwd + vpaddd
  * peak on Zen 3; float32's FMA peak is 16. */
-static int64_t int8_avx2_tile_rows(int64_t left) { return left >= 6 ? 6 : left >= 4 ? 4 : left >= 2 ? 2 : 1; }
-
-static void int8_avx2_pack_tiles(const uint8_t *a, int64_t T, int64_t Kp, int64_t *at) {
-    const int64_t K4 = Kp / 4;
-    for (int64_t m = 0; m < T;) {
-        const int64_t rows = int8_avx2_tile_rows(T - m);
-        for (int64_t k = 0; k < K4; k++)
-            for (int64_t r = 0; r < rows; r++) {
-                const uint8_t *q = a + (m + r) * Kp + 4 * k;
-                at[m * K4 + k * rows + r] =
-                    (int64_t)((uint64_t)q[0] | (uint64_t)q[1] << 16 | (uint64_t)q[2] << 32 | (uint64_t)q[3] << 48);
-            }
-        m += rows;
-    }
-}
-
 /* rows x 8 columns (half `h` of a strip) -> sums[r][8 h + c]. */
 #define INT8_AVX2_TILE(ROWS)                                                                                    \
-    static void int8_avx2_tile_##ROWS(const int64_t *at, const int8_t *w, int64_t K4, int h, int32_t *sums) {  \
+    static void int8_avx2_tile_##ROWS(const int8_codes4 *at, const int8_t *w, int64_t K4, int h, int32_t *sums) {\
         __m256i lo[ROWS], hi[ROWS];                                                                             \
         for (int r = 0; r < ROWS; r++) lo[r] = hi[r] = _mm256_setzero_si256();                                 \
         for (int64_t k = 0; k < K4; k++) {                                                                      \
@@ -208,7 +207,7 @@ INT8_AVX2_TILE(1)
 #endif
 
 /* One strip over every row tile: the tile kernels and the vector epilogue, or plain loops. */
-static void int8_strip(const int32_t *at, const uint8_t *a, int64_t T, int64_t Kp, const int8_t *w, int64_t n0,
+static void int8_strip(const int8_codes4 *at, const uint8_t *a, int64_t T, int64_t Kp, const int8_t *w, int64_t n0,
                        int64_t width, const float *a_scale, const int32_t *a_zp, const float *w_scale,
                        const int32_t *colsum, const float *bias, float *out, int64_t ldo, int accumulate, int simd) {
     const int64_t K4 = Kp / 4;
@@ -218,7 +217,7 @@ static void int8_strip(const int32_t *at, const uint8_t *a, int64_t T, int64_t K
         __m512i acc[16];
         for (int64_t m = 0; m < T;) {
             const int64_t rows = int8_tile_rows(T - m);
-            const int32_t *tile = at + m * K4;
+            const int8_codes4 *tile = at + m * K4;
             switch (rows) {
             case 16: int8_tile_16(tile, w, K4, acc); break;
             case 8: int8_tile_8(tile, w, K4, acc); break;
@@ -236,11 +235,10 @@ static void int8_strip(const int32_t *at, const uint8_t *a, int64_t T, int64_t K
 #endif
 #if INT8_AVX2
     if (simd) {
-        const int64_t *at16 = (const int64_t *)at;
         int32_t sums[6 * INT8_STRIP];
         for (int64_t m = 0; m < T;) {
-            const int64_t rows = int8_avx2_tile_rows(T - m);
-            const int64_t *tile = at16 + m * K4;
+            const int64_t rows = int8_tile_rows(T - m);
+            const int8_codes4 *tile = at + m * K4;
             for (int h = 0; h < 2; h++) switch (rows) {
                 case 6: int8_avx2_tile_6(tile, w, K4, h, sums); break;
                 case 4: int8_avx2_tile_4(tile, w, K4, h, sums); break;
@@ -275,19 +273,12 @@ static int int8_linear_rows(const uint8_t *a, int64_t T, int64_t Kp, const float
                             const int8_t *w, int64_t N, const float *w_scale, const int32_t *colsum,
                             const float *bias, float *out, int64_t ldo, int accumulate, int threads, int simd) {
     const int64_t K4 = Kp / 4, strips = (N + INT8_STRIP - 1) / INT8_STRIP;
-    int32_t *at = NULL;
-    if (INT8_VNNI && simd) {
+    int8_codes4 *at = NULL;
+    if ((INT8_VNNI || INT8_AVX2) && simd) {
         at = malloc((size_t)(T * K4) * sizeof *at);
         if (!at) return -1;
         int8_pack_tiles(a, T, Kp, at);
     }
-#if INT8_AVX2
-    if (simd) {
-        at = malloc((size_t)(T * K4) * sizeof(int64_t));
-        if (!at) return -1;
-        int8_avx2_pack_tiles(a, T, Kp, (int64_t *)at);
-    }
-#endif
 #pragma omp parallel for schedule(static) num_threads(threads) if (T * N * Kp >= 131072)
     for (int64_t s = 0; s < strips; s++) {
         const int64_t n0 = s * INT8_STRIP, width = N - n0 < INT8_STRIP ? N - n0 : INT8_STRIP;
