@@ -62,8 +62,8 @@ def checkpoint(shape: str, out: Path) -> Path:
 def start_engine(engine_dir: Path, max_num_seqs: int, max_len: int, device: str):
     """LLMEngine over the torch backend as served; returns it and its start time (warm-up included)."""
     from runtime.engine.engine_args import EngineArgs
+    from runtime.engine.heap import freeze_startup_heap
     from runtime.engine.llm_engine import LLMEngine
-    from runtime.triton_model.heap import freeze_startup_heap
 
     started = time.perf_counter()
     engine = LLMEngine(

@@ -155,7 +155,7 @@ def gc_pauses(batch: int, steps: int, engine_dir: Path) -> list[dict]:
     import torch  # noqa: F401  (a serving process holds these: their objects are in the heap the collector walks)
     import transformers  # noqa: F401
 
-    from runtime.triton_model.heap import freeze_startup_heap
+    from runtime.engine.heap import freeze_startup_heap
 
     engine = engine_for(batch, engine_dir)
     prefill_all(engine, batch, 2 * steps + 2)
@@ -255,7 +255,7 @@ def render(payload: dict) -> str:
               f"{r.get('text_us_per_token') or '- (in the step)'} |" for r in payload["rows"]]  # fmt: skip
     if payload.get("gc_rows"):
         lines += ["", "Step times in one process, the null backend, the heap as start-up left it and then frozen "
-                  "(runtime/triton_model/heap.py):", "",
+                  "(runtime/engine/heap.py):", "",
                   "| heap | batch | steps | median µs | p99 µs | max µs | mean µs | full collections |",
                   "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         lines += [f"| {r['heap']} | {r['batch']} | {r['steps']} | {r['median_us']} | {r['p99_us']} | {r['max_us']} | "

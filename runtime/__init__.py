@@ -25,6 +25,7 @@ _EXPORTS = {
     "Overloaded": "runtime.engine.errors",
     "RequestOutput": "runtime.engine.outputs",
     "SamplingParams": "executors.sampling.params",
+    "freeze_startup_heap": "runtime.engine.heap",  # a long-lived serving process's, once it is up
 }
 __all__ = [
     "LLM",
@@ -37,6 +38,7 @@ __all__ = [
     "Overloaded",
     "RequestOutput",
     "SamplingParams",
+    "freeze_startup_heap",
 ]
 
 if TYPE_CHECKING:
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from runtime.engine.chat_tools import ChatPrompt
     from runtime.engine.engine_args import EngineArgs
     from runtime.engine.errors import InvalidRequest, Overloaded
+    from runtime.engine.heap import freeze_startup_heap
     from runtime.engine.llm_engine import LLMEngine
     from runtime.engine.outputs import CompletionOutput, RequestOutput
     from runtime.llm import LLM

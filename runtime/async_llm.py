@@ -15,54 +15,42 @@ Two threads: the engine thread runs the core's steps (token ids), and the output
 text (the engine's output processor: detokenization, stop strings) and hands each stream its deltas, so
 the next step starts without waiting for the text of the last one. Every output of a request, an abort's
 final one included, goes through the output thread's one queue, in order.
+
+With `EngineArgs.engine_process` the core runs in a process of its own instead (runtime/engine/core_process.py,
+vLLM's EngineCoreProc): its steps never wait for this process's GIL (the text, the event loop, the Triton
+model). This process keeps the tokenizer, the text and the streams; one thread receives the core's steps
+and turns them into text, and a stop string found here aborts the request in the core, a step late at most.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import dataclasses
 import logging
 import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
+from engine_format import EngineConfig
 from engine_format.requests import OPENAI_MAX_STRING
 from executors.base import EngineBackend
 from executors.sampling import SamplingParams
-from runtime.engine.admission import Prompt
+from runtime.delta_streams import DeltaStream, send_step
+from runtime.engine.admission import Admission, Prompt
+from runtime.engine.core_client import BackendFactory, CoreProcessDisagg, EngineCoreClient, EngineCoreDied
 from runtime.engine.disagg import Disagg
 from runtime.engine.errors import InvalidRequest
 from runtime.engine.llm_engine import EngineArgs, LLMEngine
+from runtime.engine.output_processor import OutputProcessor
 from runtime.engine.outputs import RequestOutput, TokenOutput
 from runtime.engine.stats import EngineProgress, EngineStats, StepRecord
+from runtime.engine.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Stream:
-    """A request's way to its caller: its loop and queue, and the delta held back until the stream
-    interval's tokens are ready."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    interval: int
-    held: RequestOutput | None = None
-    started: bool = False  # the first delta went out
-
-    def due(self, out: RequestOutput) -> RequestOutput | None:
-        """`out` merged after what is held, if it is due now (the first, the final, or a full
-        interval's tokens); else None, and it is held."""
-        if self.held is not None:
-            out, self.held = self.held.merge(out), None
-        if out.finished or not self.started or len(out.token_ids) >= self.interval:
-            self.started = True
-            return out
-        self.held = out
-        return None
 
 
 class AsyncLLM:
@@ -72,15 +60,26 @@ class AsyncLLM:
         args: EngineArgs | None = None,
         on_finished: Callable[[RequestOutput], None] | None = None,
         backend: EngineBackend | None = None,
+        backend_factory: BackendFactory | None = None,
     ):
-        """`backend`: run this one instead of the engine's (benchmarks: a no-work or simulated device)."""
+        """`backend`: run this one instead of the engine's (benchmarks: a no-work or simulated device); with
+        `engine_process`, `backend_factory` builds it in the core's process."""
+        args = args or EngineArgs()
         self.on_finished = on_finished  # e.g. metrics: called on the output thread
-        self.stream_interval = (args or EngineArgs()).stream_interval
-        self._streams: dict[str, _Stream] = {}
+        self.stream_interval = args.stream_interval
+        self._streams: dict[str, DeltaStream] = {}
         self._outputs: queue.SimpleQueue[list[TokenOutput] | None] = queue.SimpleQueue()  # None: stop
         self._wake = threading.Event()
         self._stopping = False
         self._error: BaseException | None = None
+        self._engine: LLMEngine | None = None
+        self._core: EngineCoreClient | None = None
+        self._rejected_here = 0  # engine_process: prompts refused here (the core never saw them)
+        if args.engine_process:
+            if backend is not None:
+                raise ValueError("a backend object cannot cross to the engine core's process: pass backend_factory")
+            self._start_core_process(engine_dir, args, backend_factory)
+            return
         # The engine is built on the thread that steps it: OpenMP (the CPU kernel, torch) keeps a pool of
         # worker threads per thread that starts parallel work, and once pools outnumber the cores, libgomp
         # stops letting workers spin: cpu-bf16 steps built on one thread and run on another took 49.5
@@ -90,9 +89,37 @@ class AsyncLLM:
             target=self._run, args=(engine_dir, args, backend, built), name="trtserve-engine", daemon=True
         )
         self._thread.start()
-        self.engine = built.result()  # a failed build raises here, on the caller's thread
+        self._engine = engine = built.result()  # a failed build raises here, on the caller's thread
+        self.admission, self.outputs = engine.admission, engine.outputs
         self._output_thread = threading.Thread(target=self._process_outputs, name="trtserve-outputs", daemon=True)
         self._output_thread.start()
+
+    def _start_core_process(self, engine_dir: str | Path, args: EngineArgs,
+                            backend_factory: BackendFactory | None) -> None:  # fmt: skip
+        """The core in its own process; the tokenizer, admission's checks and the text here."""
+        self._core = core = EngineCoreClient(engine_dir, args, backend_factory)
+        try:
+            config = EngineConfig.load(engine_dir)
+            tokenizer = load_tokenizer(engine_dir)  # while the core builds its engine
+            self._core_info = info = core.wait_ready()
+        except BaseException:
+            core.close(timeout_s=0)
+            raise
+        self.admission = Admission(tokenizer, config.model.vocab_size, config.max_seq_len, info.capacity_tokens)
+        self.outputs = OutputProcessor(tokenizer, self._stop_in_core)
+        self._disagg = CoreProcessDisagg(core)
+        # One thread: the core's steps in, text out (the core's own threads step it).
+        self._thread = self._output_thread = threading.Thread(
+            target=self._receive, name="trtserve-outputs", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine, when it runs in this process (tests and benchmarks read its parts)."""
+        if self._engine is None:
+            raise RuntimeError("the engine core runs in a process of its own (EngineArgs.engine_process)")
+        return self._engine
 
     async def generate(
         self,
@@ -112,17 +139,21 @@ class AsyncLLM:
             raise InvalidRequest("request_id", f"{request_id!r} is already in use")
         loop = asyncio.get_running_loop()
         prompt_ids = await self.tokenize(prompt)
-        await self.engine.grammars.prepare(params)  # structured output (hook): its grammar compiled off this loop
+        if self._core is None:
+            await self.engine.grammars.prepare(params)  # structured output (hook): compiled off this loop
         if request_id in self._streams:  # taken while this one was tokenized
             raise InvalidRequest("request_id", f"{request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
         interval = max(self.stream_interval, (params and params.stream_interval) or 1)
-        self._streams[request_id] = _Stream(loop, queue, interval)
+        # A core in its own process runs ahead of this one's loop: a caller behind takes what came meanwhile as one
+        stream = self._streams[request_id] = DeltaStream(loop, interval, coalesce=self._core is not None)
         try:
-            self.engine.add_request(prompt, params, request_id, prompt_ids, resume_token_ids)
-            if not self._thread.is_alive():  # the loop ended (shutdown or error) meanwhile
-                self.engine.abort(request_id)
-                raise RuntimeError(f"engine is not running: {self._error!r}")
+            if self._core is not None:
+                await self._add_in_core(prompt, params, request_id, prompt_ids, resume_token_ids)
+            else:
+                self.engine.add_request(prompt, params, request_id, prompt_ids, resume_token_ids)
+                if not self._thread.is_alive():  # the loop ended (shutdown or error) meanwhile
+                    self.engine.abort(request_id)
+                    raise RuntimeError(f"engine is not running: {self._error!r}")
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -130,9 +161,7 @@ class AsyncLLM:
         finished = False
         try:
             while not finished:
-                delta = await queue.get()
-                if isinstance(delta, BaseException):
-                    raise delta
+                delta = await stream.get()
                 finished = delta.finished
                 yield delta
         finally:
@@ -140,65 +169,133 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
+    async def _add_in_core(self, prompt: Prompt, params: SamplingParams | None, request_id: str,
+                           prompt_ids: list[int], resume_token_ids: Sequence[int]) -> None:  # fmt: skip
+        """add_request across the process boundary: the text's state here first (the core's first token may
+        arrive before its answer), the core's admission errors raised here."""
+        assert self._core is not None
+        self.outputs.add(request_id, prompt_ids, params or SamplingParams())
+        for token in resume_token_ids:  # the answer so far went out before: the detokenizer's context
+            self.outputs.replay(request_id, token)
+        try:
+            added = self._core.add(request_id, prompt, prompt_ids, params, resume_token_ids)
+            await asyncio.shield(asyncio.wrap_future(added))
+        except asyncio.CancelledError:  # the caller left while the core was adding it: abort it once added
+            added.add_done_callback(lambda f: f.exception() is None and self.abort(request_id))
+            raise
+        except BaseException as exc:
+            self.outputs.forget(request_id)
+            if isinstance(exc, EngineCoreDied):
+                raise RuntimeError(f"engine is not running: {exc}") from None
+            raise
+
     async def tokenize(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids as the engine counts them (chat messages through the chat template), off the
         event loop; InvalidRequest naming the problem."""
-        return await asyncio.get_running_loop().run_in_executor(None, self.engine.tokenize, prompt)
+        return await asyncio.get_running_loop().run_in_executor(None, self._tokenize, prompt)
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if self._core is None:
+            return self.engine.tokenize(prompt)  # (counts a refusal in the engine's stats)
+        try:
+            return self.admission.tokenize(prompt)
+        except InvalidRequest:
+            self._rejected_here += 1
+            raise
 
     async def detokenize(self, token_ids: list[int]) -> str:
         """Token ids' text, special tokens kept, off the event loop; InvalidRequest naming an id outside the
         vocabulary."""
-        return await asyncio.get_running_loop().run_in_executor(None, self.engine.detokenize, token_ids)
+        return await asyncio.get_running_loop().run_in_executor(None, self._detokenize, token_ids)
+
+    def _detokenize(self, token_ids: list[int]) -> str:
+        """Token ids' text, special tokens kept (it encodes back to them)."""
+        return self.admission.tokenizer.decode(self.admission.tokenize(token_ids), skip_special_tokens=False)
 
     async def add_lora(self, name: str, path: str) -> None:
         """Serve another LoRA adapter (read and checked off the event loop); AdapterError naming the problem."""
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.add_lora, name, path)
+        if self._core is not None:
+            await asyncio.wrap_future(self._core.call("add_lora", name, path))
+        else:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.add_lora, name, path)
 
     async def remove_lora(self, name: str) -> bool:
         """Stop serving an adapter: True if it left now, False once its requests finish."""
+        if self._core is not None:
+            return await asyncio.wrap_future(self._core.call("remove_lora", name))
         return await asyncio.get_running_loop().run_in_executor(None, self.engine.remove_lora, name)
+
+    def list_loras(self) -> dict[str, str]:
+        """The adapters served: name -> directory (empty without LoRA)."""
+        return self._core.call("list_loras").result() if self._core is not None else self.engine.list_loras()
 
     def abort(self, request_id: str) -> bool:
         """Abort a live request now (frees its KV blocks); its stream ends with 'abort'."""
+        if self._core is not None:  # the core answers with the final output, in order with its steps
+            with contextlib.suppress(EngineCoreDied):
+                self._core.abort(request_id)
+            return True
         out = self.engine.abort_tokens(request_id)
         if out is not None:
             self._outputs.put([out])
         return out is not None
 
+    def _stop_in_core(self, request_id: str) -> None:
+        """The output processor found a stop string: finish the request in the core (its final output, which
+        this process has already sent, is dropped when it comes)."""
+        assert self._core is not None
+        with contextlib.suppress(EngineCoreDied):
+            self._core.abort(request_id, "stop")
+
     @property
     def context_tokens(self) -> int:
         """The most tokens one sequence can hold (prompt and output)."""
-        return self.engine.context_tokens
+        return self._core_info.context_tokens if self._core is not None else self.engine.context_tokens
 
     def max_prompt_chars(self, cap: int = OPENAI_MAX_STRING) -> int:
         """The most characters a prompt that could fit the context has (longer ones are refused untokenized)."""
-        return self.engine.admission.max_prompt_chars(self.context_tokens, cap)
+        return self.admission.max_prompt_chars(self.context_tokens, cap)
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        if self._core is None:
+            return self.engine.stats()
+        stats = self._core.call("stats").result()  # with the prompts refused here, untokenizable
+        return dataclasses.replace(stats, rejected_invalid=stats.rejected_invalid + self._rejected_here)
 
     def take_step_records(self) -> list[StepRecord]:
         """The engine steps run since the last call (for metrics that observe each)."""
+        if self._core is not None:
+            return self._core.call("take_step_records").result()
         return self.engine.take_step_records()
 
     def take_grammar_compile_seconds(self) -> list[float]:
         """Structured output: the grammar compiles finished since the last call, in seconds each."""
+        if self._core is not None:
+            return self._core.call("grammars.take_compile_seconds").result()
         return self.engine.grammars.take_compile_seconds()
 
     @property
-    def disagg(self) -> Disagg:
+    def disagg(self) -> Disagg | CoreProcessDisagg:
         """Prefill/decode disaggregation: this worker's role and the doors' calls (export, expect, pull, forget)."""
-        return self.engine.disagg
+        return self._disagg if self._core is not None else self.engine.disagg
 
     def progress(self) -> EngineProgress:
         """Steps run, requests unfinished, and why the engine loop stopped (None while it runs); cheap,
         without the engine's lock (plain reads), for a supervisor's heartbeat."""
         problem = None if self._thread.is_alive() else f"engine loop stopped: {self._error!r}"
+        if self._core is not None:  # as of the last step received
+            return EngineProgress(self._core.steps, self._core.unfinished, problem)
         return EngineProgress(self.engine.counters.steps, len(self.engine.requests), problem)
 
     def shutdown(self, drain_timeout_s: float = 30.0) -> None:
         """Stop accepting requests, let running ones finish (up to the timeout), stop the loop."""
         self._stopping = True
+        if self._core is not None:
+            with contextlib.suppress(EngineCoreDied):
+                self._core.shutdown(drain_timeout_s)
+            self._thread.join()  # until the core has closed (or died)
+            self._core.close()
+            return
         self._wake.set()
         self._thread.join(drain_timeout_s)
         for request_id in list(self.engine.requests):  # past the timeout: abort the rest
@@ -232,35 +329,62 @@ class AsyncLLM:
                     self._outputs.put(outputs)
         except BaseException as exc:  # surface to every waiting caller instead of hanging them
             log.exception("engine loop failed")
-            self._error = exc
-            for request_id in list(self._streams):
-                self._deliver_error(request_id, f"engine loop died: {exc!r}")
+            self._fail_streams(exc)
+
+    def _receive(self) -> None:
+        """Engine core process mode's one thread: each step's outputs from the core -> text deltas -> streams."""
+        assert self._core is not None
+        try:
+            while (outputs := self._core.receive()) is not None:
+                self._to_text(outputs)
+        except EngineCoreDied as exc:
+            self._fail_streams(exc)
 
     def _process_outputs(self) -> None:
         """The output thread: token outputs -> text deltas -> each stream's queue, in order."""
         while (outputs := self._outputs.get()) is not None:
-            try:
-                for delta in self.engine.outputs.process(outputs):
-                    self._deliver(delta)
-            except Exception as exc:  # a bug in text handling fails these requests, not the engine
-                log.exception("output processing failed")
-                for failed in outputs:
-                    self.engine.abort_tokens(failed.request_id)
-                    self._deliver_error(failed.request_id, f"output processing failed: {exc!r}")
+            self._to_text(outputs)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        if out.finished and self.on_finished is not None:
-            try:
-                self.on_finished(out)
-            except Exception:  # an observer must not take the output thread down
-                log.exception("on_finished callback failed")
-        stream = self._streams.get(out.request_id)
-        if stream is not None:
-            due = stream.due(out)
-            if due is not None:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, due)
+    def _to_text(self, outputs: list[TokenOutput]) -> None:
+        try:
+            deltas = self.outputs.process(outputs)
+        except Exception as exc:  # a bug in text handling fails these requests, not the engine
+            log.exception("output processing failed")
+            for failed in outputs:
+                self.outputs.forget(failed.request_id)
+                self._abort_core(failed.request_id)
+                self._deliver_error(failed.request_id, f"output processing failed: {exc!r}")
+            return
+        due = []
+        for delta in deltas:
+            if delta.finished and self.on_finished is not None:
+                try:
+                    self.on_finished(delta)
+                except Exception:  # an observer must not take the output thread down
+                    log.exception("on_finished callback failed")
+            stream = self._streams.get(delta.request_id)
+            if stream is not None and (ready := stream.due(delta)) is not None:
+                due.append((stream, ready))
+        if self._core is not None:  # one wake-up of the loop a step (in one process, its burst would hold the
+            send_step(due)  # GIL while the engine thread waits for it to launch the next step)
+        else:
+            for stream, ready in due:
+                stream.send(ready)
+
+    def _abort_core(self, request_id: str) -> None:
+        """Finish a request in the core without a final output (its stream was told why already)."""
+        if self._core is not None:
+            with contextlib.suppress(EngineCoreDied):
+                self._core.abort(request_id)
+        else:
+            self.engine.abort_tokens(request_id)
+
+    def _fail_streams(self, exc: BaseException) -> None:
+        self._error = exc
+        for request_id in list(self._streams):
+            self._deliver_error(request_id, f"engine loop died: {exc!r}")
 
     def _deliver_error(self, request_id: str, message: str) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RuntimeError(message))
+            stream.send(RuntimeError(message))

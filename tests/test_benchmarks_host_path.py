@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import statistics
 
+import pytest
+
 from benchmarks import host_step_ab, pack_rows, served_path
 
 
-def test_served_path_reports_each_part_and_the_device_share(llama_engine):
-    row = served_path.measure(llama_engine, batch=4, device_ms=1.0, steps=8, prompt_tokens=32)
+@pytest.mark.parametrize("engine_process", [False, True], ids=["core-in-a-thread", "core-in-a-process"])
+def test_served_path_reports_each_part_and_the_device_share(llama_engine, engine_process):
+    row = served_path.measure(llama_engine, batch=4, device_ms=1.0, steps=8, engine_process=engine_process,
+                              prompt_tokens=32)  # fmt: skip
     assert row["steps"] == 8 and row["step_ms"] > 0, row
     assert 0.0 < row["device_busy"] <= 1.0
     for part in ("engine_core_us", "output_thread_us", "event_loop_us"):
@@ -18,7 +22,7 @@ def test_served_path_reports_each_part_and_the_device_share(llama_engine):
     assert row["backend_us"] >= 0 and row["step_interval_p50_ms"] <= row["step_interval_p99_ms"]
     assert set(row["cpu_us"]) == {"engine", "outputs", "event_loop"} and row["cpu_us"]["engine"] > 0, row
     markdown = served_path.render({"command": "x", "rows": [row]})
-    assert "| 4 | 1.0 |" in markdown
+    assert f"| 4 | 1.0 | {'process' if engine_process else 'thread'} | 1 |" in markdown
 
 
 def test_host_step_worker_steps_every_request_each_step(llama_engine):

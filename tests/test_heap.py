@@ -1,4 +1,4 @@
-"""freeze_startup_heap (runtime/triton_model/heap.py): what the serving process made at start leaves the garbage
+"""freeze_startup_heap (runtime/engine/heap.py): what the serving process made at start leaves the garbage
 collector's passes, so a full collection walks only what was made since. Run in a child process: a freeze is
 for the rest of the process's life."""
 
@@ -9,7 +9,7 @@ import sys
 
 SCRIPT = """
 import gc, logging, sys
-from runtime.triton_model.heap import freeze_startup_heap
+from runtime.engine.heap import freeze_startup_heap
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
 startup = [[i] for i in range(100_000)]  # long-lived, tracked objects (the engine's, in a server)
 cycle = [None]; cycle[0] = cycle; del cycle  # start-up garbage in a cycle: collected, not frozen

@@ -141,6 +141,9 @@ class EngineArgs:
                                        "(backends that sample on their device; steps run one by one while a "
                                        "request uses penalties, logprobs or speculation).",
                                        flag="--overlap-scheduling/--no-overlap-scheduling")  # fmt: skip
+    engine_process: bool = setting(False, "Run the engine core (scheduler, KV cache, backend) in a process of its "
+                                   "own, so that its steps never wait for the text and the streams of this one "
+                                   "(role 'both' only).", flag="--engine-process/--no-engine-process")  # fmt: skip
     role: str = setting("both", "Prefill/decode disaggregation: 'prefill' runs prompts and hands their KV on (pinned "
                         "until read), 'decode' reads KV from prefill workers (NIXL) and decodes; 'both' does "
                         "whole requests.", choices=ROLES)  # fmt: skip
@@ -257,6 +260,9 @@ class EngineArgs:
                 raise ValueError(f"EngineArgs.{name} must be one of {choices} (got {getattr(self, name)!r})")
         if self.role not in ROLES:
             raise ValueError(f"EngineArgs.role must be one of {', '.join(ROLES)} (got {self.role!r})")
+        if self.engine_process and self.role != "both":
+            raise ValueError(f"EngineArgs.engine_process needs role 'both' (got {self.role!r}): KV transfers read and "
+                             "write the pool of an engine in this process")  # fmt: skip
         pin = self.kv_pin_timeout_s
         if not isinstance(pin, int | float) or isinstance(pin, bool) or not 0 < pin < math.inf:
             raise ValueError(f"EngineArgs.kv_pin_timeout_s must be a positive number of seconds (got {pin!r})")

@@ -231,7 +231,7 @@ def gateway(triton_urls: tuple[str, ...], standby_urls: tuple[str, ...], prefill
     app = create_app(service)
     http = timed_protocol(ReadTimeouts(header_timeout_s, body_timeout_s))
     # What start-up made lives until exit: out of the collector's full passes, which would stall every stream
-    # (as the Triton stub does, runtime/triton_model/heap.py).
+    # (as the Triton stub does, runtime/engine/heap.py).
     gc.collect()
     gc.freeze()
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10, http=http)

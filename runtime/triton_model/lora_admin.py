@@ -28,7 +28,7 @@ class LoraDoor:
         self.loaded: dict[str, str] = {}
         self.removed: set[str] = set()
 
-    def restore(self) -> None:
+    async def restore(self) -> None:
         """At start: what earlier lives of this model loaded and unloaded at run time."""
         try:
             state = json.loads(self.state_file.read_text())
@@ -37,16 +37,15 @@ class LoraDoor:
         except (OSError, ValueError) as exc:
             log.warning("%s could not be read (%s): run-time LoRA changes are not restored", self.state_file, exc)
             return
-        engine = self.engine.engine
         for name in state.get("removed", []):
             try:
-                engine.remove_lora(name)
+                await self.engine.remove_lora(name)
                 self.removed.add(name)
             except InvalidRequest:
                 pass  # not served anyway
         for name, path in state.get("loaded", {}).items():
             try:
-                engine.add_lora(name, path)
+                await self.engine.add_lora(name, path)
                 self.loaded[name] = path
             except ValueError as exc:  # AdapterError: changed or gone since
                 log.warning("LoRA adapter %r loaded before the restart could not be loaded again: %s", name, exc)
@@ -69,7 +68,7 @@ class LoraDoor:
             self.loaded.pop(admin.name, None)
             self.removed.add(admin.name)
             self._save()
-        text = json.dumps({"adapters": self.engine.engine.list_loras()})
+        text = json.dumps({"adapters": self.engine.list_loras()})
         return RequestOutput(request_id, text, [], finished=True, finish_reason="stop")
 
     def _save(self) -> None:

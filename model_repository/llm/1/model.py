@@ -31,10 +31,9 @@ import triton_python_backend_utils as pb_utils
 
 from engine_format.requests import FIELD, InvalidRequest, Limits
 from engine_format.serving import CUT_MESSAGE, HEALTH_ANSWER, REFUSED_MESSAGE
-from runtime import AsyncLLM, CompletionOutput, Overloaded
+from runtime import AsyncLLM, CompletionOutput, Overloaded, freeze_startup_heap
 from runtime.triton_model.cancellation import until_cancelled
 from runtime.triton_model.disagg_metrics import DisaggMetrics
-from runtime.triton_model.heap import freeze_startup_heap
 from runtime.triton_model.inputs import door_error, parse_request
 from runtime.triton_model.kv_door import KVTransferError, disaggregated, transfer_failure
 from runtime.triton_model.lifecycle import ModelLifecycle, is_health_probe
@@ -73,7 +72,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(f"trtserve engine failed to start: {exc}") from None
         self.disagg_metrics = DisaggMetrics(pb_utils, labels)
         self.loras = LoraDoor(self.engine, Path(args["model_repository"]) / LORA_STATE_FILE)
-        self.loras.restore()  # adapters loaded at run time before a restart
+        asyncio.run(self.loras.restore())  # adapters loaded at run time before a restart
         # The longest prompt that could fit the context, unless a parameter bounds it.
         self.limits = Limits(**{"max_prompt_chars": self.engine.max_prompt_chars(), **settings.limits})
         self.in_flight: set[concurrent.futures.Future] = set()

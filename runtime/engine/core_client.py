@@ -1,0 +1,205 @@
+"""The front end's handle on an engine core in a process of its own (core_process.py; the wire: core_wire.py).
+
+`EngineCoreClient` starts the process, waits for its engine to be built, and then speaks for it: `add` and
+`call` return futures answered by the core, `abort` is sent and forgotten (the final output comes back in
+order with the steps'), and `receive` hands the front end's output thread each step's outputs, answering the
+futures on the way. If the core dies, every pending future fails and `receive` says why.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, NoReturn
+
+from engine_format import EngineConfig
+from executors.base import EngineBackend
+from executors.sampling import SamplingParams
+from runtime.engine.admission import Prompt
+from runtime.engine.core_wire import EngineInfo, rebuild_error, unpack_outputs
+from runtime.engine.disagg import DisaggStats
+from runtime.engine.engine_args import EngineArgs
+from runtime.engine.errors import InvalidRequest
+from runtime.engine.kv_import import Import, PullRecord
+from runtime.engine.outputs import TokenOutput
+
+# Builds a benchmark's or a test's backend inside the core process (picklable: a module-level callable).
+BackendFactory = Callable[[EngineConfig], EngineBackend]
+
+
+class EngineCoreDied(RuntimeError):
+    """The core process's loop failed or the process ended; the message says how."""
+
+
+def _python() -> str:
+    """This interpreter, or (inside Triton's stub, whose executable is not Python) the one on PATH."""
+    if Path(sys.executable).name.startswith("python"):
+        return sys.executable
+    return shutil.which("python3") or "python3"
+
+
+class EngineCoreClient:
+    def __init__(self, engine_dir: str | Path, args: EngineArgs, backend_factory: BackendFactory | None = None):
+        """Start the core; `wait_ready` waits for its engine."""
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)))
+        self.process = subprocess.Popen(
+            [_python(), "-m", "runtime.engine.core_process", str(theirs.fileno())], pass_fds=[theirs.fileno()], env=env
+        )
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._send_lock = threading.Lock()
+        self._futures: dict[int, concurrent.futures.Future] = {}
+        self._futures_lock = threading.Lock()
+        self._call_ids = itertools.count()
+        self.steps = 0  # as of the last step received
+        self.unfinished = 0
+        self.problem: str | None = None  # why the core stopped, once it has
+        self._send(("start", str(engine_dir), args, backend_factory))
+        self.info: EngineInfo | None = None  # once ready
+
+    def wait_ready(self) -> EngineInfo:
+        """Until the core's engine is built (meanwhile the caller may load what it needs); its build error
+        raised here, as in-process."""
+        try:
+            reply = self._recv()
+        except EOFError:
+            raise EngineCoreDied(f"engine core process exited with code {self.process.wait()}") from None
+        if reply[0] == "failed":
+            self.process.wait()
+            raise rebuild_error(reply[1])
+        self.info = reply[1]
+        return reply[1]
+
+    # ---- to the core -------------------------------------------------------------------------
+
+    def add(self, request_id: str, prompt: Prompt, prompt_ids: list[int], params: SamplingParams | None,
+            resume_token_ids: Sequence[int]) -> concurrent.futures.Future[None]:  # fmt: skip
+        """Queue a request in the core: the future fails with its admission error (InvalidRequest, Overloaded)."""
+        call_id, future = self._future()
+        self._send(("add", call_id, request_id, prompt, prompt_ids, params, list(resume_token_ids)))
+        return future
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Finish a request in the core (its KV blocks freed); its final output arrives with the steps'."""
+        self._send(("abort", request_id, reason))
+
+    def call(self, name: str, *args: Any) -> concurrent.futures.Future[Any]:
+        """One of core_wire.CALLS, run in the core: the future holds its value or its error."""
+        call_id, future = self._future()
+        self._send(("call", call_id, name, args))
+        return future
+
+    def shutdown(self, drain_timeout_s: float) -> None:
+        """Ask the core to stop once its requests finish (up to the timeout; the rest are aborted)."""
+        self._send(("shutdown", drain_timeout_s))
+
+    # ---- from the core (the front end's output thread) ---------------------------------------
+
+    def receive(self) -> list[TokenOutput] | None:
+        """The next step's outputs (answering calls meanwhile); None once the core has closed. EngineCoreDied
+        if its loop failed or the process ended without closing."""
+        while True:
+            try:
+                message = self._recv()
+            except (EOFError, OSError):
+                self._die(f"engine core process exited with code {self.process.wait()}")
+            kind = message[0]
+            if kind == "out":
+                _, self.steps, self.unfinished, packed = message
+                return unpack_outputs(packed)
+            if kind == "reply":
+                _, call_id, error, value = message
+                with self._futures_lock:
+                    future = self._futures.pop(call_id)
+                if error is None:
+                    future.set_result(value)
+                else:
+                    future.set_exception(rebuild_error(error))
+            elif kind == "died":
+                self._die(message[1])
+            elif kind == "closed":
+                self._fail_pending("engine core closed")
+                return None
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """After `receive` returned None (or the core died): reap the process, killing it past the timeout."""
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._conn.close()
+
+    # ---- the wire ----------------------------------------------------------------------------
+
+    def _future(self) -> tuple[int, concurrent.futures.Future]:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._futures_lock:  # (with _fail_pending's: no future is registered after the last are failed)
+            if self.problem is not None:
+                raise EngineCoreDied(self.problem)
+            call_id = next(self._call_ids)
+            self._futures[call_id] = future
+        return call_id, future
+
+    def _send(self, message: tuple) -> None:
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+        try:
+            with self._send_lock:
+                self._conn.send_bytes(data)
+        except OSError as exc:
+            raise EngineCoreDied(self.problem or f"engine core process is gone: {exc}") from None
+
+    def _recv(self) -> tuple:
+        return pickle.loads(self._conn.recv_bytes())
+
+    def _die(self, problem: str) -> NoReturn:
+        self._fail_pending(problem)
+        raise EngineCoreDied(problem)
+
+    def _fail_pending(self, why: str) -> None:
+        with self._futures_lock:
+            self.problem = self.problem or why
+            pending, self._futures = self._futures, {}
+        for future in pending.values():
+            future.set_exception(EngineCoreDied(why))
+
+
+class CoreProcessDisagg:
+    """The disaggregation doors of a front end whose core runs in its own process: a `both` worker's, which
+    takes no KV handles and marks nothing prefill-only (EngineArgs refuses other roles there); its stats
+    come from the core."""
+
+    role = "both"
+
+    def __init__(self, client: EngineCoreClient) -> None:
+        self.client = client
+
+    def export(self, request_id: str) -> None:
+        raise InvalidRequest("prefill_only", "this worker's role is 'both'; start it with --role prefill")
+
+    def expect(self, request_id: str, handle_text: str, cache_salt: str | None, lora: str | None = None) -> Import:
+        raise InvalidRequest("kv_handle", "this worker runs its engine core in a process of its own (--engine-process) "
+                             "and reads no KV handles; start it without --engine-process")  # fmt: skip
+
+    async def pull(self, imp: Import) -> None:
+        raise AssertionError("expect() refuses every handle")
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+    def stats(self) -> DisaggStats:
+        return self.client.call("disagg.stats").result()
+
+    def take_pull_records(self) -> list[PullRecord]:
+        return self.client.call("disagg.take_pull_records").result()

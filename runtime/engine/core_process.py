@@ -1,0 +1,164 @@
+"""The engine core in a process of its own: `python -m runtime.engine.core_process FD` (core_client.py starts it).
+
+Why: in one process, the step loop shares the GIL with the text of every stream (detokenization, stop strings)
+and with the event loop that answers them; at hundreds of streams those take as long as a device's step, and
+each of their bursts delays the next launch (benchmarks/results/served_path*.md). Here the loop holds a GIL of
+its own; the front end (AsyncLLM) keeps the tokenizer, the text and the streams (vLLM's EngineCoreProc).
+
+Two threads: the main one builds the engine and steps it (OpenMP's pools belong to the thread that starts
+parallel work, llm_engine.py), sending each step's outputs; the other reads the front end's messages (adds,
+aborts, calls). Adds and aborts run on that reader in arrival order; calls that may take long (an adapter read
+from disk, a grammar compiled) run on a small pool so that aborts never wait behind them. The front end closing
+its end (it exited) stops the core as a shutdown without drain does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+from runtime.engine.core_wire import CALLS, EngineInfo, error_state, pack_outputs
+from runtime.engine.heap import freeze_startup_heap
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.outputs import TokenOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineCoreProcess:
+    def __init__(self, conn: Connection, engine: LLMEngine) -> None:
+        self.conn, self.engine = conn, engine
+        self._send_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._calls = ThreadPoolExecutor(2, thread_name_prefix="trtserve-core-call")
+        self._drain_until: float | None = None  # set by a shutdown: stop once idle, or at this time
+
+    def send(self, message: tuple) -> None:
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            self.conn.send_bytes(data)
+
+    def send_outputs(self, outputs: list[TokenOutput]) -> None:
+        self.send(("out", self.engine.counters.steps, len(self.engine.requests), pack_outputs(outputs)))
+
+    def run(self) -> None:
+        reader = threading.Thread(target=self._read, name="trtserve-core-reader", daemon=True)
+        reader.start()
+        engine = self.engine
+        try:
+            while self._drain_until is None or (
+                engine.has_unfinished_requests() and time.monotonic() < self._drain_until
+            ):
+                if not engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.1)
+                    self._wake.clear()
+                    continue
+                self.send_outputs(engine.step_tokens())  # every step, empty too: the front end counts them
+        except BaseException as exc:  # the front end fails every stream with it, then sees the process end
+            log.exception("engine core loop failed")
+            self._send_quietly(("died", f"engine loop died: {exc!r}"))
+            return
+        for request_id in list(engine.requests):  # past the drain: abort the rest
+            self._abort(request_id, "abort")
+        self._calls.shutdown(wait=True, cancel_futures=True)
+        engine.close()  # the KV tiers write to disk
+        self._send_quietly(("closed",))
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = pickle.loads(self.conn.recv_bytes())
+                kind = message[0]
+                if kind == "add":
+                    self._add(*message[1:])
+                elif kind == "abort":
+                    self._abort(*message[1:])
+                elif kind == "call":
+                    self._calls.submit(self._call, *message[1:])
+                elif kind == "shutdown":
+                    self._stop(message[1])
+                    return
+        except (EOFError, OSError):  # the front end is gone: nobody to answer
+            self._stop(0.0)
+
+    def _stop(self, drain_timeout_s: float) -> None:
+        self._drain_until = time.monotonic() + drain_timeout_s
+        self._wake.set()
+
+    def _add(self, call_id: int, request_id: str, prompt: Any, prompt_ids: list[int], params: Any,
+             resume_token_ids: list[int]) -> None:  # fmt: skip
+        if params is not None and params.grammar is not None:  # its compile must not hold up aborts
+            self._calls.submit(self._add_now, call_id, request_id, prompt, prompt_ids, params, resume_token_ids)
+        else:
+            self._add_now(call_id, request_id, prompt, prompt_ids, params, resume_token_ids)
+
+    def _add_now(self, call_id: int, request_id: str, prompt: Any, prompt_ids: list[int], params: Any,
+                 resume_token_ids: list[int]) -> None:  # fmt: skip
+        try:
+            if self._drain_until is not None:
+                raise RuntimeError("engine is shutting down")
+            self.engine.add_request(prompt, params, request_id, prompt_ids, resume_token_ids)
+        except Exception as exc:
+            self.send(("reply", call_id, error_state(exc), None))
+            return
+        self.send(("reply", call_id, None, None))
+        self._wake.set()
+
+    def _abort(self, request_id: str, reason: str) -> None:
+        out = self.engine.abort_tokens(request_id, reason)
+        if out is not None:
+            self.send_outputs([out])
+
+    def _call(self, call_id: int, name: str, args: tuple) -> None:
+        try:
+            if name not in CALLS:
+                raise ValueError(f"{name!r} is not an engine call ({', '.join(sorted(CALLS))})")
+            target: Any = self.engine
+            for part in name.split("."):
+                target = getattr(target, part)
+            value = target(*args)
+        except Exception as exc:
+            self._send_quietly(("reply", call_id, error_state(exc), None))
+            return
+        self._send_quietly(("reply", call_id, None, value))
+
+    def _send_quietly(self, message: tuple) -> None:
+        """Send unless the front end is gone (then there is nobody to tell)."""
+        with contextlib.suppress(OSError):
+            self.send(message)
+
+
+def main(fd: int) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop (a terminal's ^C reaches both)
+    conn = Connection(fd)
+    kind, engine_dir, args, backend_factory = pickle.loads(conn.recv_bytes())
+    assert kind == "start", kind
+    try:
+        backend = None
+        if backend_factory is not None:  # benchmarks and tests: a backend built from the engine's config
+            from engine_format import EngineConfig
+
+            backend = backend_factory(EngineConfig.load(engine_dir))
+        engine = LLMEngine(engine_dir, args, backend=backend)
+    except BaseException as exc:
+        conn.send_bytes(pickle.dumps(("failed", error_state(exc))))
+        raise SystemExit(1) from None
+    info = EngineInfo(engine.context_tokens, engine.kv.capacity_tokens, os.getpid())
+    freeze_startup_heap("engine core")
+    core = EngineCoreProcess(conn, engine)
+    core.send(("ready", info))
+    core.run()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

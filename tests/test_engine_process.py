@@ -1,0 +1,239 @@
+"""The engine core in a process of its own (EngineArgs.engine_process): the same streams as the engine in this
+process, its errors raised here with their fields, aborts and stop strings that free the core's blocks, a
+drained shutdown, and a core that dies failing its streams instead of hanging them.
+
+Where a request must still run when the test acts, the core steps a simulated device (benchmarks/overlap.py)
+that takes 10 ms a step: a 240-token answer takes over 2 s, an abort or a kill arrives within milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import os
+import signal
+
+import pytest
+
+from benchmarks.overlap import SimulatedDevice
+from executors.lora import AdapterError
+from runtime import AsyncLLM, EngineArgs, InvalidRequest, SamplingParams
+from runtime.delta_streams import DeltaStream
+from runtime.engine.core_wire import pack_outputs, rebuild_error, unpack_outputs
+from runtime.engine.outputs import RequestOutput, TokenOutput
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+SLOW_BLOCKS = 256
+LONG = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def here(llama_engine):
+    llm = AsyncLLM(llama_engine, EngineArgs())
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def apart(llama_engine):
+    llm = AsyncLLM(llama_engine, EngineArgs(engine_process=True))
+    yield llm
+    llm.shutdown()
+
+
+def slow_core(engine_dir) -> AsyncLLM:
+    """A core over a simulated device of 10 ms a step (its tokens: the null backend's, always 7)."""
+    device = functools.partial(SimulatedDevice, num_blocks=SLOW_BLOCKS, device_s=0.01)
+    return AsyncLLM(engine_dir, EngineArgs(engine_process=True, num_kv_blocks=SLOW_BLOCKS), backend_factory=device)
+
+
+async def collect(llm: AsyncLLM, prompt, params=GREEDY, request_id=None) -> list[RequestOutput]:
+    return [d async for d in llm.generate(prompt, params, request_id)]
+
+
+def answer(deltas: list[RequestOutput]) -> tuple[list[int], str, str | None]:
+    return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas), deltas[-1].finish_reason
+
+
+def test_streams_match_the_engine_in_this_process(here, apart):
+    sampled = dataclasses.replace(GREEDY, temperature=0.9, top_p=0.8, seed=11)
+    requests = [([20 + i, 30 + i, 40 + i], GREEDY) for i in range(10)] + [([5, 6, 7], sampled), ("Hello", GREEDY)]
+
+    async def run(llm):
+        return await asyncio.gather(*(collect(llm, prompt, params) for prompt, params in requests))
+
+    expected, got = asyncio.run(run(here)), asyncio.run(run(apart))
+    assert [answer(d) for d in got] == [answer(d) for d in expected]
+    assert all(d[-1].finished and d[-1].num_output_tokens == 24 for d in got)
+    assert apart.stats().finished["length"] >= len(requests)
+
+
+def test_a_stop_string_ends_the_answer_here_and_the_request_in_the_core(here, apart):
+    text = answer(asyncio.run(collect(here, [3, 4, 5])))[1]
+    stop = text[len(text) // 2 :][:3]  # three characters from the middle of the greedy answer
+    params = dataclasses.replace(GREEDY, stop=(stop,))
+    expected = answer(asyncio.run(collect(here, [3, 4, 5], params)))
+    before = apart.stats().finished.get("stop", 0)
+    got = answer(asyncio.run(collect(apart, [3, 4, 5], params)))
+    assert got == expected and got[2] == "stop" and stop not in got[1]
+    # The core was told: the request is finished there too ("stop"), its blocks freed.
+    stats = apart.stats()
+    assert stats.finished["stop"] == before + 1 and stats.running == 0 and stats.kv_usage == 0
+
+
+def test_admission_errors_cross_with_their_field(apart):
+    with pytest.raises(InvalidRequest) as caught:
+        asyncio.run(collect(apart, [1, 2, 3], dataclasses.replace(GREEDY, max_tokens=100_000)))
+    assert caught.value.field == "max_tokens" and "max sequence length" in str(caught.value)
+    with pytest.raises(InvalidRequest, match="prompt: must not be empty"):  # refused here, untokenized
+        asyncio.run(collect(apart, ""))
+    with pytest.raises(AdapterError) as adapter:  # an engine without LoRA: the core's error, rebuilt
+        asyncio.run(apart.add_lora("a", "/nowhere"))
+    assert adapter.value.field == "enable_lora" and apart.list_loras() == {}
+    assert asyncio.run(collect(apart, [1, 2, 3]))[-1].finished  # and it keeps serving
+
+
+def test_kv_handles_and_prefill_only_are_refused_naming_the_field(apart):
+    with pytest.raises(InvalidRequest) as caught:
+        apart.disagg.expect("r", "{}", None)
+    assert caught.value.field == "kv_handle" and "--engine-process" in str(caught.value)
+    with pytest.raises(InvalidRequest, match="prefill_only"):
+        apart.disagg.export("r")
+    with pytest.raises(ValueError, match="engine_process needs role 'both'"):
+        EngineArgs(engine_process=True, role="prefill")
+
+
+def test_a_build_error_is_raised_here_with_its_class_and_words_and_no_process_is_left(llama_engine):
+    before = _cores()
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(2\) must be >= max_num_seqs \(4\)"):
+        AsyncLLM(llama_engine, EngineArgs(engine_process=True, max_num_seqs=4, max_num_batched_tokens=2))
+    assert _cores() == before
+
+
+def test_an_abort_and_a_stream_left_early_free_the_cores_blocks(llama_engine):
+    llm = slow_core(llama_engine)
+
+    async def main():
+        aborted = []
+        async for delta in llm.generate([9, 9, 9], LONG, "by-id"):
+            aborted.append(delta)
+            if len(aborted) == 2:
+                assert llm.abort("by-id")
+        left = llm.generate([8, 8, 8], LONG, "left")
+        await left.__anext__()
+        await left.aclose()  # the caller leaves: the request is aborted in the core
+        return aborted
+
+    try:
+        aborted = asyncio.run(main())
+        stats = llm.stats()  # answered after the abort: the core reads its messages in order
+    finally:
+        llm.shutdown()
+    assert aborted[-1].finish_reason == "abort" and aborted[-1].num_output_tokens < LONG.max_tokens
+    assert stats.finished["abort"] == 2 and stats.running == 0 and stats.kv_usage == 0
+
+
+def test_shutdown_drains_running_requests_then_the_process_exits(llama_engine):
+    llm = slow_core(llama_engine)
+    short = dataclasses.replace(LONG, max_tokens=30)
+
+    async def main():
+        stream = llm.generate([4, 4, 4], short)
+        first = await stream.__anext__()
+        stopping = asyncio.create_task(asyncio.to_thread(llm.shutdown, 60.0))
+        rest = [d async for d in stream]
+        await stopping
+        return [first, *rest]
+
+    deltas = asyncio.run(main())
+    assert deltas[-1].finish_reason == "length" and deltas[-1].num_output_tokens == 30
+    assert llm._core is not None and llm._core.process.returncode == 0
+    with pytest.raises(RuntimeError, match="shutting down"):
+        asyncio.run(collect(llm, [1]))
+
+
+def test_a_core_that_dies_fails_its_streams_and_says_why(llama_engine):
+    llm = slow_core(llama_engine)
+    assert llm._core is not None
+
+    async def main():
+        stream = llm.generate([4, 4, 4], LONG)
+        await stream.__anext__()
+        os.kill(llm._core.process.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="exited with code -9"):
+            async for _ in stream:
+                pass
+
+    try:
+        asyncio.run(main())
+        assert "exited with code -9" in (llm.progress().problem or "")
+        with pytest.raises(RuntimeError, match="engine loop died"):
+            asyncio.run(collect(llm, [1]))
+    finally:
+        llm.shutdown()
+
+
+# ---- the wire and the streams, alone --------------------------------------------------------
+
+
+def test_outputs_cross_as_columns_and_whole_ones_after_in_order():
+    plain = [TokenOutput(f"r{i}", [100 + i], None, 5, i + 1) for i in range(3)]
+    final = TokenOutput("r9", [2], None, 5, 7, finish_reason="stop", stats={"ttft_s": 0.1})  # type: ignore[typeddict-item]
+    logprobs = TokenOutput("r8", [3, 4], None, 5, 9)
+    packed = pack_outputs([plain[0], final, plain[1], logprobs, plain[2]])
+    assert packed[:4] == (["r0", "r1", "r2"], [100, 101, 102], [5, 5, 5], [1, 2, 3])
+    assert unpack_outputs(packed) == [*plain, final, logprobs]
+    broken = (packed[0], packed[1][:2], *packed[2:])  # a column short: refused, not misaligned
+    with pytest.raises(ValueError):
+        unpack_outputs(broken)  # type: ignore[arg-type]
+
+
+def test_errors_cross_as_their_class_with_their_attributes():
+    error = rebuild_error(("engine_format.requests", "InvalidRequest", "max_tokens: too many", {"field": "max_tokens"}))
+    assert isinstance(error, InvalidRequest) and error.field == "max_tokens" and str(error) == "max_tokens: too many"
+    unknown = rebuild_error(("nowhere.module", "Gone", "why", {}))
+    assert type(unknown) is RuntimeError and str(unknown) == "nowhere.module.Gone: why"
+
+
+def test_a_stream_behind_takes_what_came_meanwhile_as_one_delta():
+    async def main():
+        loop = asyncio.get_running_loop()
+        merged, kept = DeltaStream(loop, 1, coalesce=True), DeltaStream(loop, 1, coalesce=False)
+        deltas = [RequestOutput("r", t, [i], num_output_tokens=i + 1) for i, t in enumerate("abc")]
+        for stream in (merged, kept):
+            for delta in deltas:
+                stream.put(delta)
+            stream.put(ValueError("ended"))
+        one = await merged.get()
+        three = [await kept.get() for _ in deltas]
+        for stream in (merged, kept):  # the error comes after the deltas, not merged into them
+            with pytest.raises(ValueError, match="ended"):
+                await stream.get()
+        return one, three
+
+    one, three = asyncio.run(main())
+    assert (one.text, one.token_ids, one.num_output_tokens) == ("abc", [0, 1, 2], 3)
+    assert [d.text for d in three] == ["a", "b", "c"]
+
+
+def _cores() -> set[int]:
+    """This process's children that are engine cores (the module's own core among them)."""
+    children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == os.getpid()]
+    return {pid for pid in children if "runtime.engine.core_process" in _cmdline(pid)}
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
