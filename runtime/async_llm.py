@@ -1,4 +1,4 @@
-"""Async engine: the engine loop runs on its own thread; callers stream deltas.
+"""Async engine: the engine core steps apart from the callers, who stream deltas.
 
     engine = AsyncLLM(engine_dir)
     async for delta in engine.generate("Hello", SamplingParams(max_tokens=32)):
@@ -11,15 +11,16 @@ long prompt must not stall the other requests' streams). A delta carries up to t
 (EngineArgs.stream_interval, or the request's own if longer); the first token and the final
 delta are passed on at once.
 
-Two threads: the engine thread runs the core's steps (token ids), and the output thread turns them into
-text (the engine's output processor: detokenization, stop strings) and hands each stream its deltas, so
-the next step starts without waiting for the text of the last one. Every output of a request, an abort's
-final one included, goes through the output thread's one queue, in order.
-
-With `EngineArgs.engine_process` the core runs in a process of its own instead (runtime/engine/core_process.py,
-vLLM's EngineCoreProc): its steps never wait for this process's GIL (the text, the event loop, the Triton
-model). This process keeps the tokenizer, the text and the streams; one thread receives the core's steps
-and turns them into text, and a stop string found here aborts the request in the core, a step late at most.
+Where the core runs (EngineArgs.engine_process):
+- in a process of its own, the default for role 'both' (runtime/engine/core_process.py, vLLM's EngineCoreProc):
+  its steps never wait for this process's GIL (the text, the event loop, the Triton model). This process keeps
+  the tokenizer, the text and the streams; one thread receives the core's steps and turns them into text
+  (detokenization, stop strings), and a stop string found here aborts the request in the core, a step late
+  at most. A stream whose caller falls behind takes what came meanwhile as one delta.
+- on a thread of this process (the transfer roles, whose KV doors reach into the core, or when asked): the
+  engine thread runs the core's steps and the output thread turns them into text, so the next step starts
+  without waiting for the text of the last one, but both hold this process's GIL in turn. Every output of a
+  request, an abort's final one included, goes through the output thread's one queue, in order.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ class AsyncLLM:
         backend: EngineBackend | None = None,
         backend_factory: BackendFactory | None = None,
     ):
-        """`backend`: run this one instead of the engine's (benchmarks: a no-work or simulated device); with
-        `engine_process`, `backend_factory` builds it in the core's process."""
+        """`backend`: run this one instead of the engine's (benchmarks: a no-work or simulated device), with the
+        core in this process; `backend_factory` builds one in the core's own process instead."""
         args = args or EngineArgs()
         self.on_finished = on_finished  # e.g. metrics: called on the output thread
         self.stream_interval = args.stream_interval
@@ -74,10 +75,12 @@ class AsyncLLM:
         self._error: BaseException | None = None
         self._engine: LLMEngine | None = None
         self._core: EngineCoreClient | None = None
-        self._rejected_here = 0  # engine_process: prompts refused here (the core never saw them)
-        if args.engine_process:
-            if backend is not None:
-                raise ValueError("a backend object cannot cross to the engine core's process: pass backend_factory")
+        self._rejected_here = 0  # core in its own process: prompts refused here (it never saw them)
+        if args.engine_process and backend is not None:
+            raise ValueError("a backend object cannot cross to the engine core's process: pass backend_factory")
+        if backend_factory is not None and not args.core_process:
+            raise ValueError("backend_factory builds the backend in the engine core's process, which is off")
+        if args.core_process and backend is None:  # (a backend given: this process's, as asked)
             self._start_core_process(engine_dir, args, backend_factory)
             return
         # The engine is built on the thread that steps it: OpenMP (the CPU kernel, torch) keeps a pool of
@@ -94,8 +97,9 @@ class AsyncLLM:
         self._output_thread = threading.Thread(target=self._process_outputs, name="trtserve-outputs", daemon=True)
         self._output_thread.start()
 
-    def _start_core_process(self, engine_dir: str | Path, args: EngineArgs,
-                            backend_factory: BackendFactory | None) -> None:  # fmt: skip
+    def _start_core_process(
+        self, engine_dir: str | Path, args: EngineArgs, backend_factory: BackendFactory | None
+    ) -> None:
         """The core in its own process; the tokenizer, admission's checks and the text here."""
         self._core = core = EngineCoreClient(engine_dir, args, backend_factory)
         try:
@@ -169,8 +173,14 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
-    async def _add_in_core(self, prompt: Prompt, params: SamplingParams | None, request_id: str,
-                           prompt_ids: list[int], resume_token_ids: Sequence[int]) -> None:  # fmt: skip
+    async def _add_in_core(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        request_id: str,
+        prompt_ids: list[int],
+        resume_token_ids: Sequence[int],
+    ) -> None:
         """add_request across the process boundary: the text's state here first (the core's first token may
         arrive before its answer), the core's admission errors raised here."""
         assert self._core is not None

@@ -76,7 +76,7 @@ main.add_command(gateway_command)
 @click.option("--seed", default=None, type=int, help="Makes sampling reproducible.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); not included in the output.")
 @click.option("--stats", is_flag=True, help="Print token counts and timing to stderr.")
-@engine_options(dataclasses.fields(EngineArgs))
+@engine_options([f for f in dataclasses.fields(EngineArgs) if f.name != "engine_process"])  # (AsyncLLM's)
 def generate(engine_dir: Path, prompt: str, max_tokens: int, chat: bool, temperature: float, top_p: float,
              top_k: int, seed: int | None, stop: tuple[str, ...], stats: bool,
              engine_args: EngineArgs) -> None:  # fmt: skip

@@ -1,4 +1,5 @@
-"""The async engine: streaming deltas, cancellation that frees blocks, errors up front.
+"""The async engine with its core on a thread of this process (tests/test_engine_process.py: in a process of
+its own, the default): streaming deltas, cancellation that frees blocks, errors up front.
 
 The engine loop runs ahead of the stream's reader on its own thread (the tiny engine makes
 hundreds of tokens in the time a reader takes to wake), so a test that acts mid-stream first
@@ -22,7 +23,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 @pytest.fixture(scope="module")
 def engine(llama_engine):
     finished = []
-    llm = AsyncLLM(llama_engine, EngineArgs(), on_finished=finished.append)
+    llm = AsyncLLM(llama_engine, EngineArgs(engine_process=False), on_finished=finished.append)
     llm.finished_outputs = finished
     yield llm
     llm.shutdown()
@@ -125,7 +126,7 @@ def test_a_stream_interval_sends_the_first_token_then_that_many_tokens_a_delta(e
 
 
 def test_the_servers_stream_interval_is_a_floor_that_a_request_may_raise(llama_engine):
-    llm = AsyncLLM(llama_engine, EngineArgs(stream_interval=4))
+    llm = AsyncLLM(llama_engine, EngineArgs(stream_interval=4, engine_process=False))
     try:
         sizes = {ask: [len(d.token_ids) for d in asyncio.run(collect(llm, [5, 6, 7], dataclasses.replace(
             GREEDY, stream_interval=ask)))] for ask in (None, 2, 10)}  # fmt: skip
@@ -200,7 +201,7 @@ def test_engine_is_built_on_the_thread_that_steps_it(llama_engine, monkeypatch):
         return recorded_build
 
     monkeypatch.setattr(llm_engine, "prepare_backend", recording)
-    llm = AsyncLLM(llama_engine)
+    llm = AsyncLLM(llama_engine, EngineArgs(engine_process=False))
     try:
         assert built_on == [("prepared", "trtserve-engine"), ("built", "trtserve-engine")]
         assert llm._thread.name == "trtserve-engine"

@@ -13,10 +13,12 @@ import dataclasses
 import functools
 import os
 import signal
+import time
 
 import pytest
 
 from benchmarks.overlap import SimulatedDevice
+from engine_format.kv_handle import KVHandle, KVLayout
 from executors.lora import AdapterError
 from runtime import AsyncLLM, EngineArgs, InvalidRequest, SamplingParams
 from runtime.delta_streams import DeltaStream
@@ -30,14 +32,14 @@ LONG = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def here(llama_engine):
-    llm = AsyncLLM(llama_engine, EngineArgs())
+    llm = AsyncLLM(llama_engine, EngineArgs(engine_process=False))
     yield llm
     llm.shutdown()
 
 
 @pytest.fixture(scope="module")
 def apart(llama_engine):
-    llm = AsyncLLM(llama_engine, EngineArgs(engine_process=True))
+    llm = AsyncLLM(llama_engine, EngineArgs())  # the default for role both
     yield llm
     llm.shutdown()
 
@@ -45,7 +47,7 @@ def apart(llama_engine):
 def slow_core(engine_dir) -> AsyncLLM:
     """A core over a simulated device of 10 ms a step (its tokens: the null backend's, always 7)."""
     device = functools.partial(SimulatedDevice, num_blocks=SLOW_BLOCKS, device_s=0.01)
-    return AsyncLLM(engine_dir, EngineArgs(engine_process=True, num_kv_blocks=SLOW_BLOCKS), backend_factory=device)
+    return AsyncLLM(engine_dir, EngineArgs(num_kv_blocks=SLOW_BLOCKS), backend_factory=device)
 
 
 async def collect(llm: AsyncLLM, prompt, params=GREEDY, request_id=None) -> list[RequestOutput]:
@@ -94,14 +96,36 @@ def test_admission_errors_cross_with_their_field(apart):
     assert asyncio.run(collect(apart, [1, 2, 3]))[-1].finished  # and it keeps serving
 
 
-def test_kv_handles_and_prefill_only_are_refused_naming_the_field(apart):
-    with pytest.raises(InvalidRequest) as caught:
+def test_a_both_workers_doors_refuse_what_needs_a_kv_transfer_naming_the_field(apart):
+    with pytest.raises(InvalidRequest) as caught:  # the core's own check, raised here
         apart.disagg.expect("r", "{}", None)
-    assert caught.value.field == "kv_handle" and "--engine-process" in str(caught.value)
+    assert caught.value.field == "kv_handle"
     with pytest.raises(InvalidRequest, match="prefill_only"):
         apart.disagg.export("r")
     with pytest.raises(ValueError, match="engine_process needs role 'both'"):
         EngineArgs(engine_process=True, role="prefill")
+
+
+def test_a_recompute_handle_continues_after_the_first_token(here, apart):
+    """A gateway's fallback when a decode worker cannot read a prefill worker's KV: a `both` worker computes the
+    prompt again and goes on after the first token the client already has."""
+    prompt = [7, 8, 9, 10]
+    expected = answer(asyncio.run(collect(here, prompt)))[0]
+    layout = KVLayout(1, 8, 8, 1, "float32", "auto")
+    blocks = (0,)  # a prefill worker's: never read, the prompt is computed again
+    handle = KVHandle(
+        "h1", "nixl", "gone", "", {}, layout, (), blocks, tuple(prompt), expected[0], time.time() + 600, recompute=True
+    )
+
+    async def main():
+        await apart.disagg.pull(apart.disagg.expect("rc", handle.to_json(), None))
+        try:
+            return await collect(apart, prompt, GREEDY, "rc")
+        finally:
+            apart.disagg.forget("rc")
+
+    rest = answer(asyncio.run(main()))[0]
+    assert [expected[0], *rest] == expected and apart.disagg.stats().recomputes == 1
 
 
 def test_a_build_error_is_raised_here_with_its_class_and_words_and_no_process_is_left(llama_engine):
@@ -149,6 +173,9 @@ def test_shutdown_drains_running_requests_then_the_process_exits(llama_engine):
     deltas = asyncio.run(main())
     assert deltas[-1].finish_reason == "length" and deltas[-1].num_output_tokens == 30
     assert llm._core is not None and llm._core.process.returncode == 0
+    # A model's last metrics, after the core has gone: as it closed (a take_ call's records once).
+    assert llm.stats().finished == {"length": 1} and llm.stats().generation_tokens == 30
+    assert len(llm.take_step_records()) >= 30 and llm.take_step_records() == []
     with pytest.raises(RuntimeError, match="shutting down"):
         asyncio.run(collect(llm, [1]))
 

@@ -157,7 +157,7 @@ def test_a_slow_grammar_never_stalls_other_streams(llama_engine, prompts):
         gate.open.set()
         assert matches("json", await slow)
 
-    engine = AsyncLLM(llama_engine, EngineArgs(grammar_compile_timeout_s=60))
+    engine = AsyncLLM(llama_engine, EngineArgs(grammar_compile_timeout_s=60, engine_process=False))
     try:
         gate = Gate(engine.engine.grammars._compile_fn)
         engine.engine.grammars._compile_fn = gate

@@ -65,15 +65,15 @@ def answer(engine: AsyncLLM, inputs: dict[str, np.ndarray]):
 
 
 def test_encode_and_decode_are_the_engines(engine):
-    tokenizer = engine.engine.tokenizer
+    tokenizer = engine.admission.tokenizer
     encoded = answer(engine, {"text_input": text("Paged attention"), "tokenize": text("encode")})
     body = json.loads(encoded.text)
     assert body == {"tokens": tokenizer.encode("Paged attention"), "max_model_len": engine.context_tokens}
     assert encoded.num_prompt_tokens == len(body["tokens"]) and encoded.finished
     chat = [{"role": "user", "content": "Hi there"}]
     messages = answer(engine, {"messages": text(json.dumps(chat)), "tokenize": text("encode")})
-    assert json.loads(messages.text)["tokens"] == engine.engine.tokenize(chat)  # the chat template's, as served
+    assert json.loads(messages.text)["tokens"] == engine.admission.tokenize(chat)  # the chat template's, as served
     decoded = answer(engine, {"input_ids": ids(*body["tokens"]), "tokenize": text("decode")})
     assert decoded.text == tokenizer.decode(body["tokens"], skip_special_tokens=False)
     with pytest.raises(InvalidRequest, match="outside the vocabulary"):
-        answer(engine, {"input_ids": ids(engine.engine.config.model.vocab_size), "tokenize": text("decode")})
+        answer(engine, {"input_ids": ids(engine.admission.vocab_size), "tokenize": text("decode")})

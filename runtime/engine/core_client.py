@@ -65,6 +65,7 @@ class EngineCoreClient:
         self.steps = 0  # as of the last step received
         self.unfinished = 0
         self.problem: str | None = None  # why the core stopped, once it has
+        self._final: dict[str, Any] = {}  # FINAL_CALLS' answers, once the core has closed
         self._send(("start", str(engine_dir), args, backend_factory))
         self.info: EngineInfo | None = None  # once ready
 
@@ -83,8 +84,14 @@ class EngineCoreClient:
 
     # ---- to the core -------------------------------------------------------------------------
 
-    def add(self, request_id: str, prompt: Prompt, prompt_ids: list[int], params: SamplingParams | None,
-            resume_token_ids: Sequence[int]) -> concurrent.futures.Future[None]:  # fmt: skip
+    def add(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        prompt_ids: list[int],
+        params: SamplingParams | None,
+        resume_token_ids: Sequence[int],
+    ) -> concurrent.futures.Future[None]:
         """Queue a request in the core: the future fails with its admission error (InvalidRequest, Overloaded)."""
         call_id, future = self._future()
         self._send(("add", call_id, request_id, prompt, prompt_ids, params, list(resume_token_ids)))
@@ -95,7 +102,15 @@ class EngineCoreClient:
         self._send(("abort", request_id, reason))
 
     def call(self, name: str, *args: Any) -> concurrent.futures.Future[Any]:
-        """One of core_wire.CALLS, run in the core: the future holds its value or its error."""
+        """One of core_wire.CALLS, run in the core: the future holds its value or its error. Once the core has
+        closed, FINAL_CALLS are answered as it closed (a `take_` call's records once)."""
+        if name in self._final:
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            value = self._final[name]
+            if name.rpartition(".")[2].startswith("take_"):
+                self._final[name] = []
+            future.set_result(value)
+            return future
         call_id, future = self._future()
         self._send(("call", call_id, name, args))
         return future
@@ -129,6 +144,7 @@ class EngineCoreClient:
             elif kind == "died":
                 self._die(message[1])
             elif kind == "closed":
+                self._final = message[1]
                 self._fail_pending("engine core closed")
                 return None
 
@@ -176,27 +192,31 @@ class EngineCoreClient:
 
 
 class CoreProcessDisagg:
-    """The disaggregation doors of a front end whose core runs in its own process: a `both` worker's, which
-    takes no KV handles and marks nothing prefill-only (EngineArgs refuses other roles there); its stats
-    come from the core."""
+    """The disaggregation doors of a front end whose core runs in its own process, for a `both` worker (EngineArgs
+    refuses other roles there): it reads no KV, marks nothing prefill-only, and takes the handles a gateway marks
+    `recompute` (a decode worker's fallback) by registering them in the core."""
 
     role = "both"
 
     def __init__(self, client: EngineCoreClient) -> None:
         self.client = client
+        self._expected: set[str] = set()  # request ids whose handle the core holds (the caller's loop's)
 
     def export(self, request_id: str) -> None:
         raise InvalidRequest("prefill_only", "this worker's role is 'both'; start it with --role prefill")
 
     def expect(self, request_id: str, handle_text: str, cache_salt: str | None, lora: str | None = None) -> Import:
-        raise InvalidRequest("kv_handle", "this worker runs its engine core in a process of its own (--engine-process) "
-                             "and reads no KV handles; start it without --engine-process")  # fmt: skip
+        imp = self.client.call("disagg.expect", request_id, handle_text, cache_salt, lora).result()
+        self._expected.add(request_id)
+        return imp
 
     async def pull(self, imp: Import) -> None:
-        raise AssertionError("expect() refuses every handle")
+        assert imp.handle.recompute, "a `both` worker's expect() refuses handles to read"
 
     def forget(self, request_id: str) -> None:
-        pass
+        if request_id in self._expected:  # (every request ends here: the core is asked only about its own)
+            self._expected.discard(request_id)
+            self.client.call("disagg.forget", request_id)
 
     def stats(self) -> DisaggStats:
         return self.client.call("disagg.stats").result()

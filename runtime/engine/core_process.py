@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from runtime.engine.core_wire import CALLS, EngineInfo, error_state, pack_outputs
+from runtime.engine.core_wire import CALLS, FINAL_CALLS, EngineInfo, error_state, pack_outputs
 from runtime.engine.heap import freeze_startup_heap
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.outputs import TokenOutput
@@ -71,7 +71,7 @@ class EngineCoreProcess:
             self._abort(request_id, "abort")
         self._calls.shutdown(wait=True, cancel_futures=True)
         engine.close()  # the KV tiers write to disk
-        self._send_quietly(("closed",))
+        self._send_quietly(("closed", {name: self._resolve(name)() for name in FINAL_CALLS}))
 
     def _read(self) -> None:
         try:
@@ -94,15 +94,29 @@ class EngineCoreProcess:
         self._drain_until = time.monotonic() + drain_timeout_s
         self._wake.set()
 
-    def _add(self, call_id: int, request_id: str, prompt: Any, prompt_ids: list[int], params: Any,
-             resume_token_ids: list[int]) -> None:  # fmt: skip
+    def _add(
+        self,
+        call_id: int,
+        request_id: str,
+        prompt: Any,
+        prompt_ids: list[int],
+        params: Any,
+        resume_token_ids: list[int],
+    ) -> None:
         if params is not None and params.grammar is not None:  # its compile must not hold up aborts
             self._calls.submit(self._add_now, call_id, request_id, prompt, prompt_ids, params, resume_token_ids)
         else:
             self._add_now(call_id, request_id, prompt, prompt_ids, params, resume_token_ids)
 
-    def _add_now(self, call_id: int, request_id: str, prompt: Any, prompt_ids: list[int], params: Any,
-                 resume_token_ids: list[int]) -> None:  # fmt: skip
+    def _add_now(
+        self,
+        call_id: int,
+        request_id: str,
+        prompt: Any,
+        prompt_ids: list[int],
+        params: Any,
+        resume_token_ids: list[int],
+    ) -> None:
         try:
             if self._drain_until is not None:
                 raise RuntimeError("engine is shutting down")
@@ -120,16 +134,20 @@ class EngineCoreProcess:
 
     def _call(self, call_id: int, name: str, args: tuple) -> None:
         try:
-            if name not in CALLS:
-                raise ValueError(f"{name!r} is not an engine call ({', '.join(sorted(CALLS))})")
-            target: Any = self.engine
-            for part in name.split("."):
-                target = getattr(target, part)
-            value = target(*args)
+            value = self._resolve(name)(*args)
         except Exception as exc:
             self._send_quietly(("reply", call_id, error_state(exc), None))
             return
         self._send_quietly(("reply", call_id, None, value))
+
+    def _resolve(self, name: str) -> Any:
+        """The engine's method `name` (dotted: of one of its parts), if it is one of CALLS."""
+        if name not in CALLS:
+            raise ValueError(f"{name!r} is not an engine call ({', '.join(sorted(CALLS))})")
+        target: Any = self.engine
+        for part in name.split("."):
+            target = getattr(target, part)
+        return target
 
     def _send_quietly(self, message: tuple) -> None:
         """Send unless the front end is gone (then there is nobody to tell)."""

@@ -14,7 +14,8 @@ Core -> front end:
     ("out", steps, unfinished, packed outputs)          every step, and every abort's final output
     ("reply", call_id, error or None, value)
     ("died", message)                                   the step loop failed; the core exits
-    ("closed",)                                         after "shutdown": drained, KV tiers written
+    ("closed", final)                                   after "shutdown": drained, KV tiers written; `final`:
+                                                        FINAL_CALLS' answers then (a model's last metrics)
 
 A decode step's outputs are one token each for up to hundreds of requests: they travel as columns
 (`pack_outputs`), ~10x cheaper to pickle than the dataclasses; anything else (a finish, logprobs, an error)
@@ -38,10 +39,22 @@ CALLS = frozenset(
         "add_lora",
         "remove_lora",
         "list_loras",
+        "disagg.expect",
+        "disagg.forget",
         "disagg.stats",
         "disagg.take_pull_records",
         "check_invariants",
     }
+)
+
+# What a front end may still ask once its core has closed: the core answers them as it closes.
+FINAL_CALLS = (
+    "stats",
+    "take_step_records",
+    "grammars.take_compile_seconds",
+    "list_loras",
+    "disagg.stats",
+    "disagg.take_pull_records",
 )
 
 

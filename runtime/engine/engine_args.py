@@ -141,9 +141,13 @@ class EngineArgs:
                                        "(backends that sample on their device; steps run one by one while a "
                                        "request uses penalties, logprobs or speculation).",
                                        flag="--overlap-scheduling/--no-overlap-scheduling")  # fmt: skip
-    engine_process: bool = setting(False, "Run the engine core (scheduler, KV cache, backend) in a process of its "
-                                   "own, so that its steps never wait for the text and the streams of this one "
-                                   "(role 'both' only).", flag="--engine-process/--no-engine-process")  # fmt: skip
+    engine_process: bool | None = setting(
+        None,
+        "AsyncLLM and the served model: run the engine core (scheduler, KV cache, backend) in a process of its "
+        "own, so that its steps never wait for the text and the streams of the serving one (default: yes for "
+        "role 'both'; the transfer roles' KV doors need the core in the serving process).",
+        flag="--engine-process/--no-engine-process",
+    )
     role: str = setting("both", "Prefill/decode disaggregation: 'prefill' runs prompts and hands their KV on (pinned "
                         "until read), 'decode' reads KV from prefill workers (NIXL) and decodes; 'both' does "
                         "whole requests.", choices=ROLES)  # fmt: skip
@@ -222,6 +226,11 @@ class EngineArgs:
         return adapters
 
     @property
+    def core_process(self) -> bool:
+        """Whether AsyncLLM runs the engine core in a process of its own (engine_process, or its default)."""
+        return self.role == "both" if self.engine_process is None else self.engine_process
+
+    @property
     def disable_batch_size(self) -> int:
         """speculative_disable_batch_size, or the speculative method's default."""
         if self.speculative_disable_batch_size is not None:
@@ -260,6 +269,8 @@ class EngineArgs:
                 raise ValueError(f"EngineArgs.{name} must be one of {choices} (got {getattr(self, name)!r})")
         if self.role not in ROLES:
             raise ValueError(f"EngineArgs.role must be one of {', '.join(ROLES)} (got {self.role!r})")
+        if self.engine_process not in (None, True, False):
+            raise ValueError(f"EngineArgs.engine_process must be a bool or None (got {self.engine_process!r})")
         if self.engine_process and self.role != "both":
             raise ValueError(f"EngineArgs.engine_process needs role 'both' (got {self.role!r}): KV transfers read and "
                              "write the pool of an engine in this process")  # fmt: skip

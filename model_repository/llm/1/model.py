@@ -20,6 +20,7 @@ import concurrent.futures
 import contextlib
 import faulthandler
 import json
+import logging
 import sys
 import threading
 import uuid
@@ -45,6 +46,7 @@ from runtime.triton_model.settings import model_settings
 from runtime.triton_model.tokenize import tokenizer_answer
 
 METRICS_INTERVAL_S = 0.5
+log = logging.getLogger("trtserve.model")
 
 
 class TritonPythonModel:
@@ -160,9 +162,15 @@ class TritonPythonModel:
             self._update_metrics()
 
     def _update_metrics(self) -> None:
-        grammar_compiles = self.engine.take_grammar_compile_seconds()
-        self.metrics.update(self.engine.stats(), self.engine.take_step_records(), grammar_compiles)
-        self.disagg_metrics.update(self.engine.disagg.stats(), self.engine.disagg.take_pull_records())
+        try:
+            grammar_compiles = self.engine.take_grammar_compile_seconds()
+            stats, records = self.engine.stats(), self.engine.take_step_records()
+            disagg, pulls = self.engine.disagg.stats(), self.engine.disagg.take_pull_records()
+        except RuntimeError as exc:  # an engine core process that died: the health probe says so, not this
+            log.warning("engine metrics not updated: %s", exc)
+            return
+        self.metrics.update(stats, records, grammar_compiles)
+        self.disagg_metrics.update(disagg, pulls)
 
     def finalize(self):
         """Every thread of ours ends here, joined: the stub tears down the backend's objects (response
