@@ -45,16 +45,18 @@ TOK_S_VS_VLLM, GOODPUT_VS_VLLM = 1.3, 1.5  # issue 17's targets near and past sa
 # in flight, cpu-bf16, int8 KV, before the AMX tiles): k = 2 / 3 / 4 gave 728 / 761 / 711 tok/s.
 NGRAM_TOKENS = 3
 NGRAM = "+ngram"
+THREAD = "+thread"  # a trtserve run whose engine core runs on a thread of the Triton stub (--no-engine-process)
 
 
-def _split_ngram(text: str) -> tuple[str, bool]:
-    """A run's text, "X" or "X+ngram", as (X, whether the run speculates)."""
-    head, plus, tail = text.rpartition("+")
-    if not plus:
-        return text, False
-    if tail != "ngram":
-        raise click.BadParameter(f"{text!r}: the only speculation a run takes is {NGRAM!r}")
-    return head, True
+def _split_suffixes(text: str, allowed: tuple[str, ...] = (NGRAM,)) -> tuple[str, set[str]]:
+    """A run's text, "X" then any of `allowed` ("+ngram", "+thread"), as (X, the suffixes given)."""
+    suffixes: set[str] = set()
+    while "+" in text:
+        text, _, tail = text.rpartition("+")
+        if f"+{tail}" not in allowed:
+            raise click.BadParameter(f"{text}+{tail!r}: a run takes only {', '.join(allowed)}")
+        suffixes.add(f"+{tail}")
+    return text, suffixes
 
 
 def _ngram_label(ngram: bool) -> str:
@@ -69,23 +71,27 @@ class TrtserveRun:
     engine: Path
     backend: str | None = None
     ngram: bool = False
+    core_thread: bool = False  # the engine core on a thread of the stub, not in a process of its own
 
     @classmethod
     def parse(cls, text: str) -> TrtserveRun:
-        """DIR, DIR@BACKEND, either + "+ngram"."""
-        text, ngram = _split_ngram(text)
+        """DIR, DIR@BACKEND, either + "+ngram" and/or "+thread"."""
+        text, suffixes = _split_suffixes(text, (NGRAM, THREAD))
         engine, _, backend = text.partition("@")
-        return cls(Path(engine), backend or None, ngram)
+        return cls(Path(engine), backend or None, NGRAM in suffixes, THREAD in suffixes)
 
     @property
     def log_name(self) -> str:
-        return f"{self.engine.name}{'-' + self.backend if self.backend else ''}{'-ngram' * self.ngram}"
+        backend = "-" + self.backend if self.backend else ""
+        return f"{self.engine.name}{backend}{'-ngram' * self.ngram}{'-thread' * self.core_thread}"
 
     @property
     def params(self) -> dict[str, str]:
         """Its config.pbtxt parameters beyond the run's settings. Speculation stays on whatever the queue
         (the default turns it off past 4 requests); the engine's governor still judges it by measured cost."""
         params = {"backend": self.backend} if self.backend else {}
+        if self.core_thread:
+            params["engine_process"] = "false"
         if self.ngram:
             params |= {"speculative": "ngram", "num_speculative_tokens": str(NGRAM_TOKENS),
                        "speculative_disable_batch_size": "4096"}  # fmt: skip
@@ -97,7 +103,8 @@ class TrtserveRun:
         config = EngineConfig.load(self.engine)
         weights = f"{config.quantization} weights" if config.quantization else f"{config.dtype} weights"
         backend = f", backend {self.backend}" if self.backend else ""
-        name = f"{config.kv_cache_dtype} KV{backend}{_ngram_label(self.ngram)}"
+        core = ", engine core on the stub's thread" if self.core_thread else ""
+        name = f"{config.kv_cache_dtype} KV{backend}{_ngram_label(self.ngram)}{core}"
         return f"trtserve via Triton ({weights}, {name}: {self.engine.name})"
 
 
@@ -111,8 +118,8 @@ class VllmRun:
     @classmethod
     def parse(cls, text: str) -> VllmRun:
         """DTYPE or DTYPE+ngram."""
-        dtype, ngram = _split_ngram(text)
-        return cls(dtype, ngram)
+        dtype, suffixes = _split_suffixes(text)
+        return cls(dtype, NGRAM in suffixes)
 
     @property
     def system(self) -> str:
@@ -313,7 +320,8 @@ def write_plot(p: dict, name: str) -> None:
 @click.option(
     "--more-engines",
     default="",
-    help=f"Further trtserve runs: comma-separated DIR or DIR@BACKEND, either + {NGRAM!r} (an engine may run twice).",
+    help=f"Further trtserve runs: comma-separated DIR or DIR@BACKEND, either + {NGRAM!r} and/or {THREAD!r} (the "
+    "engine core on the stub's thread); an engine may run twice.",
 )
 @click.option(
     "--stream-interval",

@@ -185,7 +185,9 @@ class AsyncLLM:
         arrive before its answer), the core's admission errors raised here."""
         assert self._core is not None
         self.outputs.add(request_id, prompt_ids, params or SamplingParams())
-        for token in resume_token_ids:  # the answer so far went out before: the detokenizer's context
+        # The answer so far went out before (a resumed stream's, a KV handle's first token): the detokenizer's
+        # context, in the order the core takes them (add_request: resumed, then adopted).
+        for token in (*resume_token_ids, *self._disagg.first_tokens(request_id)):
             self.outputs.replay(request_id, token)
         try:
             added = self._core.add(request_id, prompt, prompt_ids, params, resume_token_ids)

@@ -58,6 +58,17 @@ def test_ngram_runs_speculate_at_every_load_with_the_same_drafts_as_vllm(llama_e
     assert "--speculative-config" not in vllm_command(tmp_path, ServingSettings(), 8000)[0]
     with pytest.raises(click.BadParameter, match="ngram"):
         VllmRun.parse("bfloat16+eagle")
+    with pytest.raises(click.BadParameter, match=r"a run takes only \+ngram$"):
+        VllmRun.parse("bfloat16+thread")  # (trtserve's engine core only)
+
+
+def test_a_thread_run_keeps_the_engine_core_in_the_stub(llama_engine):
+    run = TrtserveRun.parse(f"{llama_engine}+thread+ngram")
+    assert run == TrtserveRun(llama_engine, ngram=True, core_thread=True)
+    assert run.params["engine_process"] == "false" and run.system.endswith(
+        f"on the stub's thread: {llama_engine.name})"
+    )
+    assert run.log_name == f"{llama_engine.name}-ngram-thread"
 
 
 def _row(system: str, rate: float, tok_s: float, goodput: float, tpot: float) -> dict:

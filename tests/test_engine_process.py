@@ -124,8 +124,9 @@ def test_a_recompute_handle_continues_after_the_first_token(here, apart):
         finally:
             apart.disagg.forget("rc")
 
-    rest = answer(asyncio.run(main()))[0]
-    assert [expected[0], *rest] == expected and apart.disagg.stats().recomputes == 1
+    rest = asyncio.run(main())
+    assert [expected[0], *answer(rest)[0]] == expected and apart.disagg.stats().recomputes == 1
+    assert rest[-1].num_output_tokens == GREEDY.max_tokens  # the handle's first token counted, as in the core
 
 
 def test_a_build_error_is_raised_here_with_its_class_and_words_and_no_process_is_left(llama_engine):

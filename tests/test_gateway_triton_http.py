@@ -122,7 +122,10 @@ def test_generate_and_its_stream_answer_as_triton_does(triton, gateway):
     streamed = call(gateway.url, "/v2/models/llm/generate_stream", {**body, "stream": True})
     assert streamed[0] == 200 and streamed[1]["content-type"].startswith("text/event-stream")
     chunks = events(streamed[2])
-    assert len(chunks) == 6 and "".join(c["text_output"] for c in chunks) == json.loads(direct[2])["text_output"]
+    assert "".join(c["text_output"] for c in chunks) == json.loads(direct[2])["text_output"]
+    # A token a response, or several where the stream fell behind the engine core (its process runs ahead).
+    counts = [c["completion_tokens"] for c in chunks]
+    assert counts == sorted(set(counts)) and counts[-1] == 6 and chunks[-1]["finish_reason"] == "length"
 
 
 @pytest.mark.serving

@@ -200,23 +200,27 @@ class CoreProcessDisagg:
 
     def __init__(self, client: EngineCoreClient) -> None:
         self.client = client
-        self._expected: set[str] = set()  # request ids whose handle the core holds (the caller's loop's)
+        self._expected: dict[str, int] = {}  # request id -> its handle's first token, while the core holds the handle
 
     def export(self, request_id: str) -> None:
         raise InvalidRequest("prefill_only", "this worker's role is 'both'; start it with --role prefill")
 
     def expect(self, request_id: str, handle_text: str, cache_salt: str | None, lora: str | None = None) -> Import:
         imp = self.client.call("disagg.expect", request_id, handle_text, cache_salt, lora).result()
-        self._expected.add(request_id)
+        self._expected[request_id] = imp.handle.first_token
         return imp
+
+    def first_tokens(self, request_id: str) -> list[int]:
+        """The token the core takes from the request's handle as already answered (its text went out from the
+        prefill worker): the front end's detokenizer needs it as context, as the core's adoption resumes it."""
+        return [self._expected[request_id]] if request_id in self._expected else []
 
     async def pull(self, imp: Import) -> None:
         assert imp.handle.recompute, "a `both` worker's expect() refuses handles to read"
 
     def forget(self, request_id: str) -> None:
-        if request_id in self._expected:  # (every request ends here: the core is asked only about its own)
-            self._expected.discard(request_id)
-            self.client.call("disagg.forget", request_id)
+        if self._expected.pop(request_id, None) is not None:  # (every request ends here: the core is asked only
+            self.client.call("disagg.forget", request_id)  # about its own)
 
     def stats(self) -> DisaggStats:
         return self.client.call("disagg.stats").result()
