@@ -1,8 +1,10 @@
 """`python -m benchmarks.served_path`: the served engine's host work per step, timed whole, without a GPU.
 
-AsyncLLM as the Triton model runs it: the engine thread steps the core, the output thread turns tokens into
-text (detokenization, stop strings) and hands each stream its deltas, and the event loop builds each
-response's arrays (runtime/triton_model/responses.py, what the model sends); the heap made at start is frozen
+AsyncLLM as the Triton model runs it: the engine core steps (on a thread of this process, or in a process of
+its own: `--modes`, the simulated device then runs there and records its marks, benchmarks/step_marks.py), the
+output thread turns tokens into text (detokenization, stop strings) and hands each stream its deltas, and the
+event loop builds each response's arrays (runtime/triton_model/responses.py, what the model sends); the heap
+made at start is frozen
 out of the garbage collector's passes, as the model freezes it (runtime/engine/heap.py). B streaming
 requests decode together (200-token prompts of random text tokens, temperature 0.7 / top-p 0.9, one stop
 string, EOS ignored) over a simulated device (benchmarks/overlap.py's SimulatedDevice: no work, but each step
@@ -12,11 +14,16 @@ occupies one device stream for D ms, and its tokens are read once it has finishe
   the device), the backend's calls (less their waits), the output thread (text), the event loop (deltas to
   streams and response arrays); and the engine thread's wait for the device, which is not host work;
 - the device's busy share (its busy time over the window: 1.0 when the host hides behind the device);
-- the step interval's median and p99 (from the engine's step records);
+- the step interval's median and p99 (between the engine's steps);
 - each thread's CPU time per step (its POSIX CPU clock: work done, whatever the GIL made it wait for, which
   the wall-time parts above include): the engine thread, the output thread and the event loop's thread.
 
+With the core in its own process, its sends block once the socket is full: a front end that cannot keep up
+slows the core's steps, so the device's busy share counts the front end's pace too (with the core on a thread,
+the engine runs ahead of an unbounded queue, and the window measures it alone).
+
     python -m benchmarks.served_path [--batches 1,64,256] [--device-ms 1.5,2] [--steps 64]
+                                     [--modes thread,process] [--rounds 3]
 """
 
 from __future__ import annotations

@@ -52,6 +52,8 @@ from runtime.engine.stats import EngineProgress, EngineStats, StepRecord
 from runtime.engine.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
+# A shut down core's time past its drain to abort the rest, write its KV tiers and close, before it is killed.
+CORE_CLOSE_GRACE_S = 30.0
 
 
 class AsyncLLM:
@@ -148,7 +150,7 @@ class AsyncLLM:
         if request_id in self._streams:  # taken while this one was tokenized
             raise InvalidRequest("request_id", f"{request_id!r} is already in use")
         interval = max(self.stream_interval, (params and params.stream_interval) or 1)
-        # A core in its own process runs ahead of this one's loop: a caller behind takes what came meanwhile as one
+        # A core in its own process runs ahead of this loop: a stream behind takes what came meanwhile as one delta.
         stream = self._streams[request_id] = DeltaStream(loop, interval, coalesce=self._core is not None)
         try:
             if self._core is not None:
@@ -158,10 +160,10 @@ class AsyncLLM:
                 if not self._thread.is_alive():  # the loop ended (shutdown or error) meanwhile
                     self.engine.abort(request_id)
                     raise RuntimeError(f"engine is not running: {self._error!r}")
+                self._wake.set()
         except BaseException:
             self._streams.pop(request_id, None)
             raise
-        self._wake.set()
         finished = False
         try:
             while not finished:
@@ -305,7 +307,11 @@ class AsyncLLM:
         if self._core is not None:
             with contextlib.suppress(EngineCoreDied):
                 self._core.shutdown(drain_timeout_s)
-            self._thread.join()  # until the core has closed (or died)
+            self._thread.join(drain_timeout_s + CORE_CLOSE_GRACE_S)  # until the core has closed (or died)
+            if self._thread.is_alive():  # a core that does not answer (stopped, stuck in a step)
+                log.warning("engine core process did not close: killed")
+                self._core.process.kill()
+                self._thread.join()
             self._core.close()
             return
         self._wake.set()

@@ -1,6 +1,6 @@
 """The front end's handle on an engine core in a process of its own (core_process.py; the wire: core_wire.py).
 
-`EngineCoreClient` starts the process, waits for its engine to be built, and then speaks for it: `add` and
+`EngineCoreClient` starts the process (`wait_ready`: until its engine is built) and then speaks for it: `add` and
 `call` return futures answered by the core, `abort` is sent and forgotten (the final output comes back in
 order with the steps'), and `receive` hands the front end's output thread each step's outputs, answering the
 futures on the way. If the core dies, every pending future fails and `receive` says why.
@@ -67,7 +67,6 @@ class EngineCoreClient:
         self.problem: str | None = None  # why the core stopped, once it has
         self._final: dict[str, Any] = {}  # FINAL_CALLS' answers, once the core has closed
         self._send(("start", str(engine_dir), args, backend_factory))
-        self.info: EngineInfo | None = None  # once ready
 
     def wait_ready(self) -> EngineInfo:
         """Until the core's engine is built (meanwhile the caller may load what it needs); its build error
@@ -79,7 +78,6 @@ class EngineCoreClient:
         if reply[0] == "failed":
             self.process.wait()
             raise rebuild_error(reply[1])
-        self.info = reply[1]
         return reply[1]
 
     # ---- to the core -------------------------------------------------------------------------

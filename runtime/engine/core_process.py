@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
+from engine_format import EngineConfig
 from runtime.engine.core_wire import CALLS, FINAL_CALLS, EngineInfo, error_state, pack_outputs
 from runtime.engine.heap import freeze_startup_heap
 from runtime.engine.llm_engine import LLMEngine
@@ -74,6 +75,8 @@ class EngineCoreProcess:
         self._send_quietly(("closed", {name: self._resolve(name)() for name in FINAL_CALLS}))
 
     def _read(self) -> None:
+        """Until the front end closes its end: while a shutdown drains, aborts and calls are still answered
+        (a model's metrics), adds refused."""
         try:
             while True:
                 message = pickle.loads(self.conn.recv_bytes())
@@ -83,10 +86,12 @@ class EngineCoreProcess:
                 elif kind == "abort":
                     self._abort(*message[1:])
                 elif kind == "call":
-                    self._calls.submit(self._call, *message[1:])
+                    try:
+                        self._calls.submit(self._call, *message[1:])
+                    except RuntimeError:  # the pool is shut: the core has closed (its last answers went out)
+                        self._send_quietly(("reply", message[1], error_state(RuntimeError("engine core closed")), None))
                 elif kind == "shutdown":
                     self._stop(message[1])
-                    return
         except (EOFError, OSError):  # the front end is gone: nobody to answer
             self._stop(0.0)
 
@@ -164,8 +169,6 @@ def main(fd: int) -> None:
     try:
         backend = None
         if backend_factory is not None:  # benchmarks and tests: a backend built from the engine's config
-            from engine_format import EngineConfig
-
             backend = backend_factory(EngineConfig.load(engine_dir))
         engine = LLMEngine(engine_dir, args, backend=backend)
     except BaseException as exc:
