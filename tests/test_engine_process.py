@@ -161,22 +161,24 @@ def test_an_abort_and_a_stream_left_early_free_the_cores_blocks(llama_engine):
 
 def test_shutdown_drains_running_requests_then_the_process_exits(llama_engine):
     llm = slow_core(llama_engine)
-    short = dataclasses.replace(LONG, max_tokens=30)
 
     async def main():
-        stream = llm.generate([4, 4, 4], short)
+        stream = llm.generate([4, 4, 4], LONG)
         first = await stream.__anext__()
         stopping = asyncio.create_task(asyncio.to_thread(llm.shutdown, 60.0))
+        second = await stream.__anext__()
+        draining = await asyncio.to_thread(llm.stats)  # calls are answered while the core drains
         rest = [d async for d in stream]
         await stopping
-        return [first, *rest]
+        return [first, second, *rest], draining
 
-    deltas = asyncio.run(main())
-    assert deltas[-1].finish_reason == "length" and deltas[-1].num_output_tokens == 30
+    deltas, draining = asyncio.run(main())
+    assert draining.running == 1 and not draining.finished
+    assert deltas[-1].finish_reason == "length" and deltas[-1].num_output_tokens == LONG.max_tokens
     assert llm._core is not None and llm._core.process.returncode == 0
     # A model's last metrics, after the core has gone: as it closed (a take_ call's records once).
-    assert llm.stats().finished == {"length": 1} and llm.stats().generation_tokens == 30
-    assert len(llm.take_step_records()) >= 30 and llm.take_step_records() == []
+    assert llm.stats().finished == {"length": 1} and llm.stats().generation_tokens == LONG.max_tokens
+    assert len(llm.take_step_records()) >= LONG.max_tokens and llm.take_step_records() == []
     with pytest.raises(RuntimeError, match="shutting down"):
         asyncio.run(collect(llm, [1]))
 
