@@ -108,11 +108,12 @@ def test_chat_stream_with_usage_chunk(sdk, engine):
                                               extra_body={"ignore_eos": True}, stream=True,
                                               stream_options={"include_usage": True}))  # fmt: skip
     *content, last = chunks
-    assert len(content) == 16  # one chunk per token
+    # A chunk per token, or fewer, longer ones where the stream fell behind the engine core (its process runs ahead).
+    assert 1 <= len(content) <= 16
     assert content[0].choices[0].delta.role == "assistant"
     assert all(c.choices[0].delta.role is None for c in content[1:])
     assert "".join(c.choices[0].delta.content for c in content) == want.text
-    assert [c.choices[0].finish_reason for c in content] == [None] * 15 + ["length"]
+    assert [c.choices[0].finish_reason for c in content] == [None] * (len(content) - 1) + ["length"]
     assert all(c.usage is None for c in content)
     assert last.choices == [] and (last.usage.prompt_tokens, last.usage.completion_tokens) == (
         len(want.prompt_token_ids), 16)  # fmt: skip
