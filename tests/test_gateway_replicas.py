@@ -306,16 +306,16 @@ def test_a_killed_replica_loses_no_unstarted_request_and_serves_again_once_back(
             with ThreadPoolExecutor(3) as pool:
                 waiting = [pool.submit(lambda i=i: list(sdk.chat.completions.create(
                     model="slow", messages=messages("KILL", f"Short answer {i}."), max_tokens=5, temperature=0,
-                    extra_body={"ignore_eos": True}, stream=True))) for i in range(3)]  # fmt: skip
+                    extra_body={"ignore_eos": True}, stream=True, stream_options={"include_usage": True})))
+                    for i in range(3)]  # fmt: skip
                 assert wait_for(lambda: engine_metrics(doomed)["vllm:num_requests_waiting"] == 3, timeout_s=30)
                 assert admin(gw, "POST", "/admin/backends/slow/replicas", replica_entry(replicas[0]), KEY)[0] == 201
                 os.killpg(doomed.process.pid, signal.SIGKILL)  # tritonserver and its model's stub
                 ends = [c.choices[0].finish_reason for c in stream if c.choices]  # resumed on the survivor
                 assert ends[-1] == "length" and ends.count("length") == 1
                 for future in waiting:  # retried on the survivor: every token arrives
-                    chunks = future.result(timeout=120)
-                    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content is not None) == 5
-                    assert chunks[-1].choices[0].finish_reason == "length"
+                    *content, usage = future.result(timeout=120)
+                    assert usage.usage.completion_tokens == 5 and content[-1].choices[0].finish_reason == "length"
             retries = f'trtserve_gateway_replica_retries_total{{backend="slow",replica="{doomed_url}"}}'
             assert gateway_metrics(gw)[retries] == 3
             resumed = f'trtserve_gateway_streams_resumed_total{{backend="slow",replica="{doomed_url}"}}'
