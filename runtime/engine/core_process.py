@@ -82,7 +82,7 @@ class EngineCoreProcess:
                 message = pickle.loads(self.conn.recv_bytes())
                 kind = message[0]
                 if kind == "add":
-                    self._add(*message[1:])
+                    self._add(message[1:])
                 elif kind == "abort":
                     self._abort(*message[1:])
                 elif kind == "call":
@@ -99,19 +99,13 @@ class EngineCoreProcess:
         self._drain_until = time.monotonic() + drain_timeout_s
         self._wake.set()
 
-    def _add(
-        self,
-        call_id: int,
-        request_id: str,
-        prompt: Any,
-        prompt_ids: list[int],
-        params: Any,
-        resume_token_ids: list[int],
-    ) -> None:
+    def _add(self, add: tuple) -> None:
+        """An "add" message's fields, as `_add_now` takes them."""
+        params = add[4]
         if params is not None and params.grammar is not None:  # its compile must not hold up aborts
-            self._calls.submit(self._add_now, call_id, request_id, prompt, prompt_ids, params, resume_token_ids)
+            self._calls.submit(self._add_now, *add)
         else:
-            self._add_now(call_id, request_id, prompt, prompt_ids, params, resume_token_ids)
+            self._add_now(*add)
 
     def _add_now(
         self,
