@@ -220,11 +220,7 @@ class AsyncLLM:
     async def detokenize(self, token_ids: list[int]) -> str:
         """Token ids' text, special tokens kept, off the event loop; InvalidRequest naming an id outside the
         vocabulary."""
-        return await asyncio.get_running_loop().run_in_executor(None, self._detokenize, token_ids)
-
-    def _detokenize(self, token_ids: list[int]) -> str:
-        """Token ids' text, special tokens kept (it encodes back to them)."""
-        return self.admission.tokenizer.decode(self.admission.tokenize(token_ids), skip_special_tokens=False)
+        return await asyncio.get_running_loop().run_in_executor(None, self.admission.detokenize, token_ids)
 
     async def add_lora(self, name: str, path: str) -> None:
         """Serve another LoRA adapter (read and checked off the event loop); AdapterError naming the problem."""

@@ -13,8 +13,9 @@ from benchmarks import host_step_ab, pack_rows, served_path
 
 @pytest.mark.parametrize("engine_process", [False, True], ids=["core-in-a-thread", "core-in-a-process"])
 def test_served_path_reports_each_part_and_the_device_share(llama_engine, engine_process):
-    row = served_path.measure(llama_engine, batch=4, device_ms=1.0, steps=8, engine_process=engine_process,
-                              prompt_tokens=32)  # fmt: skip
+    row = served_path.measure(
+        llama_engine, batch=4, device_ms=1.0, steps=8, engine_process=engine_process, prompt_tokens=32
+    )
     assert row["steps"] == 8 and row["step_ms"] > 0, row
     assert 0.0 < row["device_busy"] <= 1.0
     for part in ("engine_core_us", "output_thread_us", "event_loop_us"):

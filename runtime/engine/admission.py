@@ -60,6 +60,11 @@ class Admission:
         text = render(self.tokenizer, ChatPrompt(list(messages), tools))
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Token ids' text, special tokens kept (it encodes back to them); InvalidRequest naming an id outside the
+        vocabulary."""
+        return self.tokenizer.decode(self.tokenize(token_ids), skip_special_tokens=False)
+
     def max_prompt_chars(self, context_tokens: int, cap: int = OPENAI_MAX_STRING) -> int:
         """The most characters a prompt that fits `context_tokens` can have: no token decodes to more
         characters than its vocabulary string has (byte-level BPE: one per byte; SentencePiece: '▁' is

@@ -272,8 +272,10 @@ class EngineArgs:
         if self.engine_process not in (None, True, False):
             raise ValueError(f"EngineArgs.engine_process must be a bool or None (got {self.engine_process!r})")
         if self.engine_process and self.role != "both":
-            raise ValueError(f"EngineArgs.engine_process needs role 'both' (got {self.role!r}): KV transfers read and "
-                             "write the pool of an engine in this process")  # fmt: skip
+            raise ValueError(
+                f"EngineArgs.engine_process needs role 'both' (got {self.role!r}): KV transfers read and write the "
+                "pool of an engine in this process"
+            )
         pin = self.kv_pin_timeout_s
         if not isinstance(pin, int | float) or isinstance(pin, bool) or not 0 < pin < math.inf:
             raise ValueError(f"EngineArgs.kv_pin_timeout_s must be a positive number of seconds (got {pin!r})")

@@ -392,11 +392,6 @@ class LLMEngine:
             self.counters.rejected_invalid += 1
             raise
 
-    def detokenize(self, token_ids: list[int]) -> str:
-        """Token ids' text, special tokens kept (it encodes back to them); InvalidRequest naming an id outside the
-        vocabulary. Touches no engine state."""
-        return self.tokenizer.decode(self.admission.tokenize(token_ids), skip_special_tokens=False)
-
     @property
     def context_tokens(self) -> int:
         """The most tokens one sequence can hold: the engine's max_seq_len, or the whole KV cache if smaller."""
