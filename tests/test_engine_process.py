@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -20,10 +21,12 @@ import pytest
 from benchmarks.overlap import SimulatedDevice
 from engine_format.kv_handle import KVHandle, KVLayout
 from executors.lora import AdapterError
+from executors.sampling import TokenLogprobs
 from runtime import AsyncLLM, EngineArgs, InvalidRequest, SamplingParams
 from runtime.delta_streams import DeltaStream
+from runtime.engine.core_outbox import CREDITS, Outbox
 from runtime.engine.core_wire import pack_outputs, rebuild_error, unpack_outputs
-from runtime.engine.outputs import RequestOutput, TokenOutput
+from runtime.engine.outputs import RequestOutput, TokenOutput, merge_steps
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SLOW_BLOCKS = 256
@@ -209,14 +212,64 @@ def test_a_core_that_dies_fails_its_streams_and_says_why(llama_engine):
 
 def test_outputs_cross_as_columns_and_whole_ones_after_in_order():
     plain = [TokenOutput(f"r{i}", [100 + i], None, 5, i + 1) for i in range(3)]
+    merged = TokenOutput("r7", [3, 4], None, 5, 9)  # steps merged for a front end behind: a column too
     final = TokenOutput("r9", [2], None, 5, 7, finish_reason="stop", stats={"ttft_s": 0.1})  # type: ignore[typeddict-item]
-    logprobs = TokenOutput("r8", [3, 4], None, 5, 9)
-    packed = pack_outputs([plain[0], final, plain[1], logprobs, plain[2]])
-    assert packed[:4] == (["r0", "r1", "r2"], [100, 101, 102], [5, 5, 5], [1, 2, 3])
-    assert unpack_outputs(packed) == [*plain, final, logprobs]
-    broken = (packed[0], packed[1][:2], *packed[2:])  # a column short: refused, not misaligned
-    with pytest.raises(ValueError):
-        unpack_outputs(broken)  # type: ignore[arg-type]
+    lp = TokenLogprobs(6, -0.5, [(6, -0.5)])
+    logprobs = TokenOutput("r8", [6], [lp], 5, 9)
+    packed = pack_outputs([plain[0], final, plain[1], merged, logprobs, plain[2]])
+    assert packed[:5] == (["r0", "r1", "r7", "r2"], [100, 101, 3, 4, 102], [1, 1, 2, 1], [5] * 4, [1, 2, 9, 3])
+    assert unpack_outputs(packed) == [plain[0], plain[1], merged, plain[2], final, logprobs]
+    one_each = pack_outputs(plain)
+    assert unpack_outputs(one_each) == plain
+    for broken in (
+        (one_each[0], one_each[1][:2], [1, 1], *one_each[3:]),  # a column short: refused, not misaligned
+        (packed[0], packed[1][:4], *packed[2:]),  # a token missing from a merged output
+    ):
+        with pytest.raises(ValueError):
+            unpack_outputs(broken)  # type: ignore[arg-type]
+
+
+def test_steps_merge_into_one_output_per_request_in_order():
+    lp = [TokenLogprobs(t, -1.0, [(t, -1.0)]) for t in range(4)]
+    steps = [
+        [TokenOutput("a", [1], None, 5, 1, prompt_logprobs=[None]), TokenOutput("b", [2], [lp[0]], 3, 1)],
+        [TokenOutput("b", [3], [lp[1]], 3, 2), TokenOutput("c", [9], None, 4, 1)],
+        [TokenOutput("a", [4], None, 5, 2, finish_reason="length", stats={"ttft_s": 0.2})],  # type: ignore[typeddict-item]
+    ]
+    merged = merge_steps(steps)
+    assert list(merged) == ["a", "b", "c"]
+    a, b, c = merged.values()
+    assert (a.token_ids, a.num_output_tokens, a.finish_reason, a.prompt_logprobs) == ([1, 4], 2, "length", [None])
+    assert a.stats == {"ttft_s": 0.2}
+    assert (b.token_ids, b.logprobs, b.num_output_tokens, b.finish_reason) == ([2, 3], lp[:2], 2, None)
+    assert c.token_ids == [9]
+    more = merge_steps([[TokenOutput("c", [10], None, 4, 2)]], merged)  # a later message continues them
+    assert more["c"].token_ids == [9, 10] and more["c"].num_output_tokens == 2
+
+
+def test_the_outbox_merges_steps_while_the_front_end_has_not_answered():
+    sent: list[tuple] = []
+    arrived = threading.Semaphore(0)
+
+    def send(message: tuple) -> None:
+        sent.append(message)
+        arrived.release()
+
+    outbox = Outbox(send)
+    for step in range(1, CREDITS + 1):  # as many messages as credits go at once, one per step
+        outbox.put([TokenOutput("r", [step], None, 5, step)], steps=step, unfinished=1)
+        assert arrived.acquire(timeout=10)
+    for step in range(CREDITS + 1, CREDITS + 4):  # no answer: these wait, merged
+        outbox.put([TokenOutput("r", [step], None, 5, step)], steps=step, unfinished=1)
+    outbox.put([], steps=CREDITS + 4, unfinished=1)  # an empty step: counted
+    assert len(sent) == CREDITS
+    outbox.ack()
+    assert arrived.acquire(timeout=10)
+    assert [unpack_outputs(m[3])[0].token_ids for m in sent] == [[1], [2], [3, 4, 5]]
+    assert sent[-1][1:3] == (CREDITS + 4, 1)
+    outbox.put([TokenOutput("r", [9], None, 5, 6, finish_reason="abort")], steps=CREDITS + 4, unfinished=0)
+    outbox.close()  # what is left goes, credits or not
+    assert unpack_outputs(sent[-1][3])[0].finish_reason == "abort" and len(sent) == CREDITS + 2
 
 
 def test_errors_cross_as_their_class_with_their_attributes():

@@ -9,6 +9,7 @@ futures on the way. If the core dies, every pending future fails and `receive` s
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import os
 import pickle
@@ -64,6 +65,7 @@ class EngineCoreClient:
         self._call_ids = itertools.count()
         self.steps = 0  # as of the last step received
         self.unfinished = 0
+        self._unacknowledged = False  # the outputs `receive` returned last are not yet acknowledged
         self.problem: str | None = None  # why the core stopped, once it has
         self._final: dict[str, Any] = {}  # FINAL_CALLS' answers, once the core has closed
         self._send(("start", str(engine_dir), args, backend_factory))
@@ -120,8 +122,13 @@ class EngineCoreClient:
     # ---- from the core (the front end's output thread) ---------------------------------------
 
     def receive(self) -> list[TokenOutput] | None:
-        """The next step's outputs (answering calls meanwhile); None once the core has closed. EngineCoreDied
-        if its loop failed or the process ended without closing."""
+        """The next outputs (answering calls meanwhile): a step's, or several steps' merged while the caller was
+        busy with those returned before, which this call acknowledges (core_outbox.py); None once the core has
+        closed. EngineCoreDied if its loop failed or the process ended without closing."""
+        if self._unacknowledged:
+            self._unacknowledged = False
+            with contextlib.suppress(EngineCoreDied):  # (gone: the read below says how)
+                self._send(("ack",))
         while True:
             try:
                 message = self._recv()
@@ -130,6 +137,7 @@ class EngineCoreClient:
             kind = message[0]
             if kind == "out":
                 _, self.steps, self.unfinished, packed = message
+                self._unacknowledged = True
                 return unpack_outputs(packed)
             if kind == "reply":
                 _, call_id, error, value = message

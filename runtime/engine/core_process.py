@@ -5,11 +5,12 @@ and with the event loop that answers them; at hundreds of streams those take as 
 each of their bursts delays the next launch (benchmarks/results/served_path*.md). Here the loop holds a GIL of
 its own; the front end (AsyncLLM) keeps the tokenizer, the text and the streams (vLLM's EngineCoreProc).
 
-Two threads: the main one builds the engine and steps it (OpenMP's pools belong to the thread that starts
-parallel work, llm_engine.py), sending each step's outputs; the other reads the front end's messages (adds,
-aborts, calls). Adds and aborts run on that reader in arrival order; calls that may take long (an adapter read
-from disk, a grammar compiled) run on a small pool so that aborts never wait behind them. The front end closing
-its end (it exited) stops the core as a shutdown without drain does.
+Three threads: the main one builds the engine and steps it (OpenMP's pools belong to the thread that starts
+parallel work, llm_engine.py), handing each step's outputs to the outbox's thread, which sends them without
+ever making a step wait for the front end (core_outbox.py); the third reads the front end's messages (adds,
+aborts, calls, acknowledgements). Adds and aborts run on that reader in arrival order; calls that may take
+long (an adapter read from disk, a grammar compiled) run on a small pool so that aborts never wait behind
+them. The front end closing its end (it exited) stops the core as a shutdown without drain does.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine_format import EngineConfig
-from runtime.engine.core_wire import CALLS, FINAL_CALLS, EngineInfo, error_state, pack_outputs
+from runtime.engine.core_outbox import Outbox
+from runtime.engine.core_wire import CALLS, FINAL_CALLS, EngineInfo, error_state
 from runtime.engine.heap import freeze_startup_heap
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.outputs import TokenOutput
@@ -41,6 +43,7 @@ class EngineCoreProcess:
         self._send_lock = threading.Lock()
         self._wake = threading.Event()
         self._calls = ThreadPoolExecutor(2, thread_name_prefix="trtserve-core-call")
+        self.outbox = Outbox(self.send)
         self._drain_until: float | None = None  # set by a shutdown: stop once idle, or at this time
 
     def send(self, message: tuple) -> None:
@@ -49,7 +52,7 @@ class EngineCoreProcess:
             self.conn.send_bytes(data)
 
     def send_outputs(self, outputs: list[TokenOutput]) -> None:
-        self.send(("out", self.engine.counters.steps, len(self.engine.requests), pack_outputs(outputs)))
+        self.outbox.put(outputs, self.engine.counters.steps, len(self.engine.requests))
 
     def run(self) -> None:
         reader = threading.Thread(target=self._read, name="trtserve-core-reader", daemon=True)
@@ -66,10 +69,12 @@ class EngineCoreProcess:
                 self.send_outputs(engine.step_tokens())  # every step, empty too: the front end counts them
         except BaseException as exc:  # the front end fails every stream with it, then sees the process end
             log.exception("engine core loop failed")
+            self.outbox.close()
             self._send_quietly(("died", f"engine loop died: {exc!r}"))
             return
         for request_id in list(engine.requests):  # past the drain: abort the rest
             self._abort(request_id, "abort")
+        self.outbox.close()  # every output before "closed"
         self._calls.shutdown(wait=True, cancel_futures=True)
         engine.close()  # the KV tiers write to disk
         self._send_quietly(("closed", {name: self._resolve(name)() for name in FINAL_CALLS}))
@@ -83,6 +88,8 @@ class EngineCoreProcess:
                 kind = message[0]
                 if kind == "add":
                     self._add(message[1:])
+                elif kind == "ack":
+                    self.outbox.ack()
                 elif kind == "abort":
                     self._abort(*message[1:])
                 elif kind == "call":

@@ -7,19 +7,21 @@ Messages are pickled tuples, framed by a multiprocessing Connection over a socke
     ("abort", request_id, reason)                       its final output comes back as a step's would
     ("call", call_id, name, args)                       one of CALLS
     ("shutdown", drain_timeout_s)
+    ("ack",)                                            an "out" message was turned into text: one more may come
 
 Core -> front end:
 
     ("ready", EngineInfo) or ("failed", error)          after "start"
-    ("out", steps, unfinished, packed outputs)          every step, and every abort's final output
+    ("out", steps, unfinished, packed outputs)          every step's and abort's outputs (merged while the
+                                                        front end has CREDITS messages unanswered)
     ("reply", call_id, error or None, value)
     ("died", message)                                   the step loop failed; the core exits
     ("closed", final)                                   after "shutdown": drained, KV tiers written; `final`:
                                                         FINAL_CALLS' answers then (a model's last metrics)
 
-A decode step's outputs are one token each for up to hundreds of requests: they travel as columns
-(`pack_outputs`), ~10x cheaper to pickle than the dataclasses; anything else (a finish, logprobs, an error)
-travels whole.
+A decode step's outputs are one token each for up to hundreds of requests (a few each when the core merged
+steps for a front end behind it: core_outbox.py): they travel as columns (`pack_outputs`), ~10x cheaper to
+pickle than the dataclasses; anything else (a finish, logprobs, an error) travels whole.
 """
 
 from __future__ import annotations
@@ -67,41 +69,51 @@ class EngineInfo:
     pid: int
 
 
-Packed = tuple[list[str], list[int], list[int], list[int], list[TokenOutput]]
+Packed = tuple[list[str], list[int], list[int], list[int], list[int], list[TokenOutput]]
 
 
 def pack_outputs(outputs: list[TokenOutput]) -> Packed:
-    """One step's outputs: the plain decodes (one token, nothing else) as columns, the rest whole."""
+    """One message's outputs: the plain ones (tokens and counts, nothing else) as columns, the rest whole."""
     ids: list[str] = []
-    tokens: list[int] = []
+    tokens: list[int] = []  # every plain output's tokens, one after another
+    lengths: list[int] = []  # how many of them each has (one, unless steps were merged: core_outbox.py)
     prompts: list[int] = []
     counts: list[int] = []
     whole: list[TokenOutput] = []
     for out in outputs:
         plain = (
-            len(out.token_ids) == 1
-            and out.finish_reason is None
+            out.finish_reason is None
             and out.logprobs is None
             and out.prompt_logprobs is None
             and out.kv_handle is None
+            and out.token_ids
         )
         if plain:
             ids.append(out.request_id)
-            tokens.append(out.token_ids[0])
+            tokens += out.token_ids
+            lengths.append(len(out.token_ids))
             prompts.append(out.num_prompt_tokens)
             counts.append(out.num_output_tokens)
         else:
             whole.append(out)
-    return ids, tokens, prompts, counts, whole
+    return ids, tokens, lengths, prompts, counts, whole
 
 
 def unpack_outputs(packed: Packed) -> list[TokenOutput]:
     """`pack_outputs` undone: the plain outputs first, then the whole ones (a request's finish after its token)."""
-    ids, tokens, prompts, counts, whole = packed
-    plain = [
-        TokenOutput(request_id, [token], None, prompt, count)
-        for request_id, token, prompt, count in zip(ids, tokens, prompts, counts, strict=True)
-    ]
+    ids, tokens, lengths, prompts, counts, whole = packed
+    if len(tokens) != sum(lengths):
+        raise ValueError(f"{len(tokens)} tokens for outputs of {sum(lengths)}")
+    if len(tokens) == len(ids):  # one token each: a step's decodes
+        plain = [
+            TokenOutput(request_id, [token], None, prompt, count)
+            for request_id, token, prompt, count in zip(ids, tokens, prompts, counts, strict=True)
+        ]
+    else:
+        plain, start = [], 0
+        for request_id, length, prompt, count in zip(ids, lengths, prompts, counts, strict=True):
+            plain.append(TokenOutput(request_id, tokens[start : start + length], None, prompt, count))
+            start += length
     return plain + whole if whole else plain
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TypedDict
 
@@ -17,6 +18,7 @@ __all__ = [
     "RequestTimingStats",
     "TokenLogprobs",
     "TokenOutput",
+    "merge_steps",
 ]
 
 # "handoff": a prefill worker's prefill-only request, its KV handed to a decode worker (runtime/engine/disagg.py)
@@ -53,6 +55,37 @@ class TokenOutput:
     error: str | None = None
     kv_handle: str | None = None  # finish_reason "handoff": as RequestOutput.kv_handle
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first token's output: as RequestOutput's
+
+    def absorb(self, later: TokenOutput) -> None:
+        """Take `later` (the same request's next output) into this one, as if one step had made both: a front end
+        that fell behind gets one output per request for the steps it missed."""
+        self.token_ids = self.token_ids + later.token_ids
+        if self.logprobs is not None and later.logprobs is not None:
+            self.logprobs = self.logprobs + later.logprobs
+        self.num_output_tokens = later.num_output_tokens
+        self.finish_reason, self.stats, self.error, self.kv_handle = (
+            later.finish_reason,
+            later.stats,
+            later.error,
+            later.kv_handle,
+        )
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
+
+
+def merge_steps(
+    steps: Iterable[list[TokenOutput]], into: dict[str, TokenOutput] | None = None
+) -> dict[str, TokenOutput]:
+    """Several steps' outputs as one output per request (`TokenOutput.absorb`), in the order requests first
+    appear; `into`: outputs merged before, which the steps continue. The outputs are taken over (changed)."""
+    merged = {} if into is None else into
+    for outputs in steps:
+        for out in outputs:
+            earlier = merged.get(out.request_id)
+            if earlier is None:
+                merged[out.request_id] = out
+            else:
+                earlier.absorb(out)
+    return merged
 
 
 @dataclass
