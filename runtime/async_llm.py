@@ -96,6 +96,7 @@ class AsyncLLM:
         self._thread.start()
         self._engine = engine = built.result()  # a failed build raises here, on the caller's thread
         self.admission, self.outputs = engine.admission, engine.outputs
+        self.outputs.on_finished = self._observe_finished
         self._output_thread = threading.Thread(target=self._process_outputs, name="trtserve-outputs", daemon=True)
         self._output_thread.start()
 
@@ -112,7 +113,7 @@ class AsyncLLM:
             core.close(timeout_s=0)
             raise
         self.admission = Admission(tokenizer, config.model.vocab_size, config.max_seq_len, info.capacity_tokens)
-        self.outputs = OutputProcessor(tokenizer, self._stop_in_core)
+        self.outputs = OutputProcessor(tokenizer, self._stop_in_core, self._observe_finished)
         self._disagg = CoreProcessDisagg(core)
         # One thread: the core's steps in, text out (the core's own threads step it).
         self._thread = self._output_thread = threading.Thread(
@@ -371,11 +372,6 @@ class AsyncLLM:
             return
         due = []
         for delta in deltas:
-            if delta.finished and self.on_finished is not None:
-                try:
-                    self.on_finished(delta)
-                except Exception:  # an observer must not take the output thread down
-                    log.exception("on_finished callback failed")
             stream = self._streams.get(delta.request_id)
             if stream is not None and (ready := stream.due(delta)) is not None:
                 due.append((stream, ready))
@@ -384,6 +380,14 @@ class AsyncLLM:
         else:
             for stream, ready in due:
                 stream.send(ready)
+
+    def _observe_finished(self, final: RequestOutput) -> None:
+        """The output processor's: each finished request once, with the core's stats."""
+        if self.on_finished is not None:
+            try:
+                self.on_finished(final)
+            except Exception:  # an observer must not take the output thread down
+                log.exception("on_finished callback failed")
 
     def _abort_core(self, request_id: str) -> None:
         """Finish a request in the core without a final output (its stream was told why already)."""

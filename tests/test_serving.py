@@ -9,6 +9,7 @@ One server per test module, on free ports, serving the tiny Llama engine.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 
@@ -80,7 +81,7 @@ def test_a_stream_interval_streams_the_same_answer_in_fewer_events(server):
         assert interval_counts == [1, 6, 11, 16]  # the first token at once, then 5 a response
     else:  # a core in its own process runs ahead: a front end behind gets what came meanwhile as one response
         assert counts == sorted(set(counts)) and counts[-1] == 16
-        gaps = [later - earlier for earlier, later in zip(interval_counts, interval_counts[1:])]
+        gaps = [later - earlier for earlier, later in itertools.pairwise(interval_counts)]
         assert all(gap >= 5 for gap in gaps[:-1]) and all(gap > 0 for gap in gaps)  # 5 a response, the last fewer
         assert interval_counts[-1] == 16
     assert "".join(e["text_output"] for e in events) == "".join(e["text_output"] for e in every_token)

@@ -9,7 +9,8 @@ next step (vLLM v1's OutputProcessor, in its API-server process).
 A stop string is only known here. When one completes, the request's final output goes out at once and the
 core is told to finish it (`stop` callback): a core running ahead may have computed a token or two past
 the stop by then, which are dropped, never streamed. Outputs of a request this processor has finished,
-or never saw, are dropped.
+or never saw, are dropped; but the core's final output of one finished by a stop string brings its stats
+(timing) to `on_finished`, when the core could not give them at once (in a process of its own).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from runtime.engine.outputs import RequestOutput, TokenOutput
 from runtime.engine.tokenizer import decoder
 
 # Finish a request in the core because of its text (a stop string): its final TokenOutput (stats), or None
-# when the core had finished it already.
+# when that comes later (the core had finished it already, or runs in a process of its own).
 StopRequest = Callable[[str], TokenOutput | None]
+# Observes each finished request's final output once, with the core's stats (metrics).
+OnFinished = Callable[[RequestOutput], None]
 
 
 @dataclass
@@ -41,8 +44,10 @@ class _Text:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, stop_request: StopRequest) -> None:
-        self.tokenizer, self.stop_request = tokenizer, stop_request
+    def __init__(self, tokenizer: Any, stop_request: StopRequest, on_finished: OnFinished | None = None) -> None:
+        self.tokenizer, self.stop_request, self.on_finished = tokenizer, stop_request, on_finished
+        # Finished here by a stop string (process's thread only): final outputs waiting for the core's stats.
+        self._stats_due: dict[str, RequestOutput] = {}
         self._decode = decoder(tokenizer)
         self.detokenizers = Detokenizers(tokenizer)
         self._texts: dict[str, _Text] = {}
@@ -62,6 +67,8 @@ class OutputProcessor:
         done = []
         for out, text in zip(outputs, texts, strict=True):
             if text is None:  # finished here already (a stop string), or never registered
+                if out.finish_reason is not None and (final := self._stats_due.pop(out.request_id, None)):
+                    self._finished(replace(final, stats=out.stats))
                 continue
             token_ids = out.token_ids
             one_token = len(token_ids) == 1 and out.finish_reason is None and out.logprobs is None
@@ -114,6 +121,7 @@ class OutputProcessor:
                 out.stats,
                 out.error,
             )
+            self._finished(delta)
         return delta
 
     def _stopped(self, text: _Text, out: TokenOutput, piece: str, token_ids: list[int],
@@ -122,10 +130,19 @@ class OutputProcessor:
         self.forget(out.request_id)
         final = out if out.finish_reason is not None else self.stop_request(out.request_id)
         text.num_output_tokens += kept
-        return RequestOutput(out.request_id, piece, token_ids, finished=True, finish_reason="stop",
-                             logprobs=None if logprobs is None else logprobs[:kept],
-                             num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=text.num_output_tokens,
-                             stats=None if final is None else final.stats)  # fmt: skip
+        delta = RequestOutput(out.request_id, piece, token_ids, finished=True, finish_reason="stop",
+                              logprobs=None if logprobs is None else logprobs[:kept],
+                              num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=text.num_output_tokens,
+                              stats=None if final is None else final.stats)  # fmt: skip
+        if final is not None:
+            self._finished(delta)
+        elif self.on_finished is not None:  # the core's final output brings the stats
+            self._stats_due[out.request_id] = delta
+        return delta
+
+    def _finished(self, final: RequestOutput) -> None:
+        if self.on_finished is not None:
+            self.on_finished(final)
 
     def replay(self, request_id: str, token_id: int) -> None:
         """A token whose text went out elsewhere (a prefill worker's first token): this request's detokenizer
