@@ -133,7 +133,7 @@ def _run_worker(tree: Path, engine_dir: Path, batch: int, steps: int, backend: s
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _export(commit: str, into: Path) -> Path:
+def export_commit(commit: str, into: Path) -> Path:
     """The commit's files (no .git): the worker needs no built extension (its backend runs no kernel)."""
     root = Path(__file__).resolve().parent.parent
     into.mkdir(parents=True, exist_ok=True)
@@ -174,7 +174,7 @@ def main(argv: list[str]) -> None:
                 if backend != "torch":
                     raise click.UsageError("--engine is required with --backend null (SmolLM2's tokenizer, say)")
                 engine_dir = engine_with_batch(max(sizes), Path(tmp))
-            trees = {"baseline": _export(baseline, Path(tmp) / "baseline"), "current": here}
+            trees = {"baseline": export_commit(baseline, Path(tmp) / "baseline"), "current": here}
             for round_ in range(rounds):
                 for batch in sizes:
                     for code in ("baseline", "current") if round_ % 2 == 0 else ("current", "baseline"):

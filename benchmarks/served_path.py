@@ -23,7 +23,10 @@ slows the core's steps, so the device's busy share counts the front end's pace t
 the engine runs ahead of an unbounded queue, and the window measures it alone).
 
     python -m benchmarks.served_path [--batches 1,64,256] [--device-ms 1.5,2] [--steps 64]
-                                     [--modes thread,process] [--rounds 3]
+                                     [--modes thread,process] [--rounds 3] [--baseline COMMIT]
+
+`--baseline COMMIT`: every run twice, over that commit's code (its files exported) and this one's, alternating
+which goes first; each run in a process of its own, this harness over the code of the tree it imports.
 """
 
 from __future__ import annotations
@@ -32,8 +35,12 @@ import asyncio
 import functools
 import gc
 import itertools
+import json
+import os
 import pickle
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -239,9 +246,17 @@ MODES = {"thread": False, "process": True}  # where the engine core runs: a thre
     default=None,
     help="An engine whose max batch size covers the largest batch (default: the tiny model, built).",
 )
+@click.option("--baseline", default=None, help="A commit whose code runs every measurement too, alternating.")
 @click.option("--output", default="served_path", show_default=True, help="Report name under benchmarks/results/.")
 def main(
-    batches: str, device_ms: str, steps: int, modes: str, rounds: int, engine_dir: Path | None, output: str
+    batches: str,
+    device_ms: str,
+    steps: int,
+    modes: str,
+    rounds: int,
+    engine_dir: Path | None,
+    baseline: str | None,
+    output: str,
 ) -> None:
     sizes, devices = [int(b) for b in batches.split(",")], [float(d) for d in device_ms.split(",")]
     order = [m.strip() for m in modes.split(",")]
@@ -250,23 +265,43 @@ def main(
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         engine_dir = engine_dir or engine_with_batch(max(sizes), Path(tmp))
+        from benchmarks.host_step_ab import export_commit  # (here: a baseline's worker imports its own benchmarks)
+
+        trees = {"baseline": export_commit(baseline, Path(tmp) / "baseline"), "current": HERE} if baseline else {}
+        runs = [(code, mode) for mode in order for code in trees] or [(None, mode) for mode in order]
         for batch in sizes:
             for device in devices:
                 for round_ in range(rounds):
-                    for mode in order if round_ % 2 == 0 else order[::-1]:
-                        rows.append({**measure(engine_dir, batch, device, steps, MODES[mode]), "round": round_ + 1})
+                    for code, mode in runs if round_ % 2 == 0 else runs[::-1]:
+                        if code is None:
+                            row = measure(engine_dir, batch, device, steps, MODES[mode])
+                        else:
+                            row = {**_measure_in(trees[code], engine_dir, batch, device, steps, mode), "code": code}
+                        rows.append({**row, "round": round_ + 1})
                         r = rows[-1]
                         click.echo(
-                            f"batch {batch:4d}, device {device} ms, core in a {mode}: {r['step_ms']} ms a step, "
+                            f"batch {batch:4d}, device {device} ms, core in a {mode}{f' ({code})' if code else ''}: "
+                            f"{r['step_ms']} ms a step, "
                             f"device busy {r['device_busy']:.0%}; host µs a step: core {r['engine_core_us']}, text "
                             f"{r['output_thread_us']}, event loop {r['event_loop_us']}; CPU µs a step by thread "
                             f"{r['cpu_us']}"
                         )
     command = (
         f"python -m benchmarks.served_path --batches {batches} --device-ms {device_ms} --steps {steps} "
-        f"--modes {modes} --rounds {rounds}"
+        f"--modes {modes} --rounds {rounds}" + (f" --baseline {baseline}" if baseline else "")
     )
     write_report(output, {"command": command, "engine": str(engine_dir), "rows": rows}, render)
+
+
+HERE = Path(__file__).resolve().parent.parent
+
+
+def _measure_in(tree: Path, engine_dir: Path, batch: int, device_ms: float, steps: int, mode: str) -> dict:
+    """`measure` in a process of its own, over the code of `tree` (this file's harness, `tree`'s packages)."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    worker = [sys.executable, "-P", __file__, "worker", str(engine_dir.resolve()), str(batch), str(device_ms)]
+    out = subprocess.run([*worker, str(steps), mode], cwd=tree, env=env, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def render(payload: dict) -> str:
@@ -300,7 +335,8 @@ def render(payload: dict) -> str:
 
 
 def _mode(row: dict) -> str:
-    return "process" if row.get("engine_process") else "thread"  # (reports before the column: a thread)
+    mode = "process" if row.get("engine_process") else "thread"  # (reports before the column: a thread)
+    return f"{mode}, {row['code']}" if "code" in row else mode
 
 
 def _cpu(row: dict) -> str:
@@ -309,4 +345,8 @@ def _cpu(row: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["worker"]:  # _measure_in's: engine_dir batch device_ms steps mode
+        engine, size, device, count, mode = sys.argv[2:]
+        print(json.dumps(measure(Path(engine), int(size), float(device), int(count), MODES[mode])))
+    else:
+        main()
