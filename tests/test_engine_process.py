@@ -26,7 +26,9 @@ from runtime import AsyncLLM, EngineArgs, InvalidRequest, SamplingParams
 from runtime.delta_streams import DeltaStream
 from runtime.engine.core_outbox import CREDITS, Outbox
 from runtime.engine.core_wire import pack_outputs, rebuild_error, unpack_outputs
+from runtime.engine.output_processor import OutputProcessor
 from runtime.engine.outputs import RequestOutput, TokenOutput, merge_steps
+from runtime.engine.tokenizer import load_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SLOW_BLOCKS = 256
@@ -142,6 +144,29 @@ def test_a_recompute_handle_continues_after_the_first_token(here, apart):
     rest = asyncio.run(main())
     assert [expected[0], *answer(rest)[0]] == expected and apart.disagg.stats().recomputes == 1
     assert rest[-1].num_output_tokens == GREEDY.max_tokens  # the handle's first token counted, as in the core
+
+
+def test_an_id_reused_at_once_gets_its_own_stream_not_the_late_outputs_of_the_request_before(llama_engine):
+    """A caller leaves while the core runs on (a step's outputs on their way, the abort's final after them) and
+    reuses the id at once: the new stream carries only its own tokens (the core knows each by an id of its own)."""
+    llm = slow_core(llama_engine)
+    short = dataclasses.replace(LONG, max_tokens=5)
+
+    async def main():
+        for _ in range(3):
+            first = llm.generate([9, 9, 9], LONG, "same")
+            await first.__anext__()
+            await first.aclose()  # aborted in the core; its outputs since are late
+            again = await collect(llm, [8, 8, 8], short, "same")
+            assert [d.num_output_tokens for d in again][-1] == 5 and again[-1].finish_reason == "length"
+            assert sum(len(d.token_ids) for d in again) == 5
+
+    try:
+        asyncio.run(main())
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+    assert stats.finished["abort"] == 3 and stats.finished["length"] == 3 and stats.kv_usage == 0
 
 
 def test_a_build_error_is_raised_here_with_its_class_and_words_and_no_process_is_left(llama_engine):
@@ -282,6 +307,25 @@ def test_the_outbox_merges_steps_while_the_front_end_has_not_answered():
     outbox.put([TokenOutput("r", [9], None, 5, 6, finish_reason="abort")], steps=CREDITS + 4, unfinished=0)
     outbox.close()  # what is left goes, credits or not
     assert unpack_outputs(sent[-1][3])[0].finish_reason == "abort" and len(sent) == CREDITS + 2
+
+
+def test_a_stop_string_finish_is_observed_once_with_the_stats_of_the_cores_final_output(llama_engine):
+    tokenizer = load_tokenizer(llama_engine)
+    token = next(
+        t for t in range(100, 1000) if len(tokenizer.decode([t]).strip()) > 1 and tokenizer.decode([t]).isalpha()
+    )
+    params = SamplingParams(max_tokens=8, stop=(tokenizer.decode([token]).strip(),))
+    observed: list[RequestOutput] = []
+    outputs = OutputProcessor(tokenizer, lambda request_id: None, observed.append)  # the core finishes it later
+    for request_id in ("a", "b"):
+        outputs.add(request_id, [3, 4, 5], params)
+        [final] = outputs.process([TokenOutput(request_id, [token, token], None, 3, 2)])
+        assert final.finished and final.finish_reason == "stop" and final.stats is None and observed == []
+    stats = {"ttft_s": 0.5, "e2e_s": 1.0}
+    outputs.process([TokenOutput("a", [token, 7], None, 3, 2, finish_reason="abort", stats=stats)])  # type: ignore[typeddict-item]
+    assert [(o.request_id, o.finish_reason, o.stats) for o in observed] == [("a", "stop", stats)]
+    outputs.add("b", [3, 4, 5], params)  # "b" names a new request: the one before is observed without its stats
+    assert [(o.request_id, o.stats) for o in observed[1:]] == [("b", None)]
 
 
 def test_errors_cross_as_their_class_with_their_attributes():

@@ -46,7 +46,7 @@ class _Text:
 class OutputProcessor:
     def __init__(self, tokenizer: Any, stop_request: StopRequest, on_finished: OnFinished | None = None) -> None:
         self.tokenizer, self.stop_request, self.on_finished = tokenizer, stop_request, on_finished
-        # Finished here by a stop string (process's thread only): final outputs waiting for the core's stats.
+        # Finished here by a stop string: final outputs waiting for the core's stats (under the lock).
         self._stats_due: dict[str, RequestOutput] = {}
         self._decode = decoder(tokenizer)
         self.detokenizers = Detokenizers(tokenizer)
@@ -60,6 +60,10 @@ class OutputProcessor:
         scored = prompt_ids if params.prompt_logprobs is not None else ()
         with self._lock:
             self._texts[request_id] = _Text(stream, list(prompt_ids[-LOGPROB_CONTEXT_TOKENS:]), prompt_ids=scored)
+            # The id named another request, stopped here, whose final output (its stats) will not come now.
+            unobserved = self._stats_due.pop(request_id, None)
+        if unobserved is not None:
+            self._finished(unobserved)
 
     def process(self, outputs: Sequence[TokenOutput]) -> list[RequestOutput]:
         with self._lock:
@@ -67,8 +71,11 @@ class OutputProcessor:
         done = []
         for out, text in zip(outputs, texts, strict=True):
             if text is None:  # finished here already (a stop string), or never registered
-                if out.finish_reason is not None and (final := self._stats_due.pop(out.request_id, None)):
-                    self._finished(replace(final, stats=out.stats))
+                if out.finish_reason is not None:
+                    with self._lock:
+                        final = self._stats_due.pop(out.request_id, None)
+                    if final is not None:
+                        self._finished(replace(final, stats=out.stats))
                 continue
             token_ids = out.token_ids
             one_token = len(token_ids) == 1 and out.finish_reason is None and out.logprobs is None
@@ -137,7 +144,8 @@ class OutputProcessor:
         if final is not None:
             self._finished(delta)
         elif self.on_finished is not None:  # the core's final output brings the stats
-            self._stats_due[out.request_id] = delta
+            with self._lock:
+                self._stats_due[out.request_id] = delta
         return delta
 
     def _finished(self, final: RequestOutput) -> None:
