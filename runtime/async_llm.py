@@ -193,10 +193,17 @@ class AsyncLLM:
         for token in (*resume_token_ids, *self._disagg.first_tokens(request_id)):
             self.outputs.replay(request_id, token)
         try:
-            added = self._core.add(request_id, prompt, prompt_ids, params, resume_token_ids)
+            core_id, added = self._core.add(request_id, prompt, prompt_ids, params, resume_token_ids)
             await asyncio.shield(asyncio.wrap_future(added))
         except asyncio.CancelledError:  # the caller left while the core was adding it: abort it once added
-            added.add_done_callback(lambda f: f.exception() is None and self.abort(request_id))
+            core = self._core
+
+            def abort_added(done: concurrent.futures.Future[None]) -> None:  # (by core id: by then the caller
+                if done.exception() is None:  # may have reused its id)
+                    with contextlib.suppress(EngineCoreDied):
+                        core.abort(request_id, core_id=core_id)
+
+            added.add_done_callback(abort_added)
             raise
         except BaseException as exc:
             self.outputs.forget(request_id)

@@ -108,8 +108,9 @@ class EngineCoreClient:
         prompt_ids: list[int],
         params: SamplingParams | None,
         resume_token_ids: Sequence[int],
-    ) -> concurrent.futures.Future[None]:
-        """Queue a request in the core: the future fails with its admission error (InvalidRequest, Overloaded)."""
+    ) -> tuple[str, concurrent.futures.Future[None]]:
+        """Queue a request in the core: its core id, and a future that fails with its admission error
+        (InvalidRequest, Overloaded)."""
         with self._ids_lock:
             reserved = self._core_ids.get(request_id)
             if reserved is not None and reserved in self._reserved:
@@ -125,13 +126,14 @@ class EngineCoreClient:
 
         future.add_done_callback(refused)
         self._send(("add", call_id, core_id, prompt, prompt_ids, params, list(resume_token_ids)))
-        return future
+        return core_id, future
 
-    def abort(self, request_id: str, reason: str = "abort") -> None:
-        """Finish the caller's latest request `request_id` in the core (its KV blocks freed); its final output
-        arrives with the steps'."""
-        with self._ids_lock:
-            core_id = self._core_ids.get(request_id)
+    def abort(self, request_id: str, reason: str = "abort", core_id: str | None = None) -> None:
+        """Finish the caller's latest request `request_id` (or the one `core_id` names) in the core, its KV blocks
+        freed; its final output arrives with the steps'."""
+        if core_id is None:
+            with self._ids_lock:
+                core_id = self._core_ids.get(request_id)
         if core_id is not None:
             self._send(("abort", core_id, reason))
 
