@@ -18,9 +18,9 @@ occupies one device stream for D ms, and its tokens are read once it has finishe
 - each thread's CPU time per step (its POSIX CPU clock: work done, whatever the GIL made it wait for, which
   the wall-time parts above include): the engine thread, the output thread and the event loop's thread.
 
-With the core in its own process, its sends block once the socket is full: a front end that cannot keep up
-slows the core's steps, so the device's busy share counts the front end's pace too (with the core on a thread,
-the engine runs ahead of an unbounded queue, and the window measures it alone).
+With the core in its own process, its steps never wait for the front end: one that falls behind receives the
+steps since its last message merged (runtime/engine/core_outbox.py), so the text and event-loop parts per step
+shrink as it falls behind. With the core on a thread, the engine runs ahead of an unbounded queue.
 
     python -m benchmarks.served_path [--batches 1,64,256] [--device-ms 1.5,2] [--steps 64]
                                      [--modes thread,process] [--rounds 3] [--baseline COMMIT]
@@ -62,6 +62,7 @@ from runtime.engine.engine_args import EngineArgs
 from runtime.engine.heap import freeze_startup_heap
 from runtime.triton_model.responses import output_arrays
 
+HERE = Path(__file__).resolve().parent.parent  # this code's tree (`--baseline` runs another's beside it)
 WANTED = ("text_output", "finish_reason", "prompt_tokens", "completion_tokens")  # what a Triton client asks
 
 
@@ -291,9 +292,6 @@ def main(
         f"--modes {modes} --rounds {rounds}" + (f" --baseline {baseline}" if baseline else "")
     )
     write_report(output, {"command": command, "engine": str(engine_dir), "rows": rows}, render)
-
-
-HERE = Path(__file__).resolve().parent.parent
 
 
 def _measure_in(tree: Path, engine_dir: Path, batch: int, device_ms: float, steps: int, mode: str) -> dict:

@@ -5,7 +5,7 @@
 order with the steps'), and `receive` hands the front end's output thread each step's outputs, answering the
 futures on the way. If the core dies, every pending future fails and `receive` says why.
 
-The core knows each request by an id of its own (`core_id`: the caller's, numbered). A caller may reuse an id
+The core knows each request by an id of its own (the caller's, numbered: `reserve_id`, `add`). A caller may reuse an id
 once its stream ended, and a stream can end before the core has sent the request's last outputs (a stop
 string found here, a caller that left): those outputs are dropped here, not taken for the new request's.
 """
@@ -73,7 +73,7 @@ class EngineCoreClient:
         self._ids_lock = threading.Lock()
         self._core_ids: dict[str, str] = {}  # caller's id -> the core's id of its latest request
         self._callers: dict[str, str] = {}  # core's id -> caller's id, until the request's final output
-        self._reserved: set[str] = set()  # core ids given out by `core_id` before their request is added
+        self._reserved: set[str] = set()  # core ids given out by `reserve_id` before their request is added
         self._numbers = itertools.count()
         self.problem: str | None = None  # why the core stopped, once it has
         self._final: dict[str, Any] = {}  # FINAL_CALLS' answers, once the core has closed
@@ -93,7 +93,7 @@ class EngineCoreClient:
 
     # ---- to the core -------------------------------------------------------------------------
 
-    def core_id(self, request_id: str) -> str:
+    def reserve_id(self, request_id: str) -> str:
         """The id the core will know the caller's next request `request_id` by, given out before it is added
         (the disaggregation door registers its KV handle first); `add` takes it."""
         with self._ids_lock:
@@ -215,7 +215,7 @@ class EngineCoreClient:
         return mine
 
     def unreserve(self, core_id: str) -> None:
-        """Give back an id from `core_id` if no request took it (the caller never added one)."""
+        """Give back an id from `reserve_id` if no request took it (the caller never added one)."""
         with self._ids_lock:
             if core_id in self._reserved:
                 self._forget_id_locked(core_id)
@@ -286,7 +286,7 @@ class CoreProcessDisagg:
         raise InvalidRequest("prefill_only", "this worker's role is 'both'; start it with --role prefill")
 
     def expect(self, request_id: str, handle_text: str, cache_salt: str | None, lora: str | None = None) -> Import:
-        core_id = self.client.core_id(request_id)  # the request added next under this id takes it
+        core_id = self.client.reserve_id(request_id)  # the request added next under this id takes it
         imp = self.client.call("disagg.expect", core_id, handle_text, cache_salt, lora).result()
         self._expected[request_id] = (core_id, imp.handle.first_token)
         return imp
