@@ -21,6 +21,9 @@ Where the core runs (EngineArgs.engine_process):
   engine thread runs the core's steps and the output thread turns them into text, so the next step starts
   without waiting for the text of the last one, but both hold this process's GIL in turn. Every output of a
   request, an abort's final one included, goes through the output thread's one queue, in order.
+
+Either way the engine knows each request by an id of its own (runtime/request_ids.py): a caller may reuse its
+id once its stream ended, and the request before it is still told apart.
 """
 
 from __future__ import annotations
@@ -43,13 +46,13 @@ from executors.sampling import SamplingParams
 from runtime.delta_streams import DeltaStream, send_step
 from runtime.engine.admission import Admission, Prompt
 from runtime.engine.core_client import BackendFactory, CoreProcessDisagg, EngineCoreClient, EngineCoreDied
-from runtime.engine.disagg import Disagg
 from runtime.engine.errors import InvalidRequest
 from runtime.engine.llm_engine import EngineArgs, LLMEngine
 from runtime.engine.output_processor import OutputProcessor
 from runtime.engine.outputs import RequestOutput, TokenOutput
 from runtime.engine.stats import EngineProgress, EngineStats, StepRecord
 from runtime.engine.tokenizer import load_tokenizer
+from runtime.request_ids import DisaggDoor, RequestIds, caller_id
 
 log = logging.getLogger(__name__)
 # A shut down core's time past its drain to abort the rest, write its KV tiers and close, before it is killed.
@@ -70,7 +73,9 @@ class AsyncLLM:
         args = args or EngineArgs()
         self.on_finished = on_finished  # e.g. metrics: called on the output thread
         self.stream_interval = args.stream_interval
-        self._streams: dict[str, DeltaStream] = {}
+        self._ids = RequestIds()  # the engine knows each request by an id of its own (runtime/request_ids.py)
+        self._live: dict[str, str] = {}  # caller's id -> its request's engine id, while its stream is open
+        self._streams: dict[str, DeltaStream] = {}  # by engine id
         self._outputs: queue.SimpleQueue[list[TokenOutput] | None] = queue.SimpleQueue()  # None: stop
         self._wake = threading.Event()
         self._stopping = False
@@ -97,6 +102,7 @@ class AsyncLLM:
         self._engine = engine = built.result()  # a failed build raises here, on the caller's thread
         self.admission, self.outputs = engine.admission, engine.outputs
         self.outputs.on_finished = self._observe_finished
+        self._door = DisaggDoor(self._ids, engine.disagg)
         self._output_thread = threading.Thread(target=self._process_outputs, name="trtserve-outputs", daemon=True)
         self._output_thread.start()
 
@@ -115,6 +121,7 @@ class AsyncLLM:
         self.admission = Admission(tokenizer, config.model.vocab_size, config.max_seq_len, info.capacity_tokens)
         self.outputs = OutputProcessor(tokenizer, self._stop_in_core, self._observe_finished)
         self._disagg = CoreProcessDisagg(core)
+        self._door = DisaggDoor(self._ids, self._disagg)
         # One thread: the core's steps in, text out (the core's own threads step it).
         self._thread = self._output_thread = threading.Thread(
             target=self._receive, name="trtserve-outputs", daemon=True
@@ -142,71 +149,72 @@ class AsyncLLM:
         if self._stopping:
             raise RuntimeError("engine is shutting down")
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:  # checked before touching the live request's queue
+        if request_id in self._live:  # checked before touching the live request's queue
             raise InvalidRequest("request_id", f"{request_id!r} is already in use")
         loop = asyncio.get_running_loop()
         prompt_ids = await self.tokenize(prompt)
         if self._core is None:
             await self.engine.grammars.prepare(params)  # structured output (hook): compiled off this loop
-        if request_id in self._streams:  # taken while this one was tokenized
+        if request_id in self._live:  # taken while this one was tokenized
             raise InvalidRequest("request_id", f"{request_id!r} is already in use")
         interval = max(self.stream_interval, (params and params.stream_interval) or 1)
+        engine_id = self._live[request_id] = self._ids.take(request_id)
         # A core in its own process runs ahead of this loop: a stream behind takes what came meanwhile as one delta.
-        stream = self._streams[request_id] = DeltaStream(loop, interval, coalesce=self._core is not None)
+        stream = self._streams[engine_id] = DeltaStream(loop, interval, coalesce=self._core is not None)
         try:
             if self._core is not None:
-                await self._add_in_core(prompt, params, request_id, prompt_ids, resume_token_ids)
+                await self._add_in_core(prompt, params, engine_id, prompt_ids, resume_token_ids)
             else:
-                self.engine.add_request(prompt, params, request_id, prompt_ids, resume_token_ids)
+                self.engine.add_request(prompt, params, engine_id, prompt_ids, resume_token_ids)
                 if not self._thread.is_alive():  # the loop ended (shutdown or error) meanwhile
-                    self.engine.abort(request_id)
+                    self.engine.abort(engine_id)
                     raise RuntimeError(f"engine is not running: {self._error!r}")
                 self._wake.set()
         except BaseException:
-            self._streams.pop(request_id, None)
+            self._streams.pop(engine_id, None)
+            self._live.pop(request_id, None)
             raise
         finished = False
         try:
             while not finished:
                 delta = await stream.get()
-                finished = delta.finished
+                finished, delta.request_id = delta.finished, request_id
                 yield delta
         finally:
-            self._streams.pop(request_id, None)
+            self._streams.pop(engine_id, None)
+            self._live.pop(request_id, None)
             if not finished:
-                self.abort(request_id)
+                self._abort(engine_id)
 
     async def _add_in_core(
         self,
         prompt: Prompt,
         params: SamplingParams | None,
-        request_id: str,
+        engine_id: str,
         prompt_ids: list[int],
         resume_token_ids: Sequence[int],
     ) -> None:
         """add_request across the process boundary: the text's state here first (the core's first token may
         arrive before its answer), the core's admission errors raised here."""
         assert self._core is not None
-        self.outputs.add(request_id, prompt_ids, params or SamplingParams())
+        self.outputs.add(engine_id, prompt_ids, params or SamplingParams())
         # The answer so far went out before (a resumed stream's, a KV handle's first token): the detokenizer's
         # context, in the order the core takes them (add_request: resumed, then adopted).
-        for token in (*resume_token_ids, *self._disagg.first_tokens(request_id)):
-            self.outputs.replay(request_id, token)
+        for token in (*resume_token_ids, *self._disagg.first_tokens(engine_id)):
+            self.outputs.replay(engine_id, token)
         try:
-            core_id, added = self._core.add(request_id, prompt, prompt_ids, params, resume_token_ids)
+            added = self._core.add(engine_id, prompt, prompt_ids, params, resume_token_ids)
             await asyncio.shield(asyncio.wrap_future(added))
         except asyncio.CancelledError:  # the caller left while the core was adding it: abort it once added
-            core = self._core
 
-            def abort_added(done: concurrent.futures.Future[None]) -> None:  # (by core id: by then the caller
-                if done.exception() is None:  # may have reused its id)
-                    with contextlib.suppress(EngineCoreDied):
-                        core.abort(request_id, core_id=core_id)
+            def abort_added(done: concurrent.futures.Future[None]) -> None:
+                if done.exception() is None:
+                    self._abort(engine_id)
 
             added.add_done_callback(abort_added)
             raise
         except BaseException as exc:
-            self.outputs.forget(request_id)
+            self.outputs.forget(engine_id)
             if isinstance(exc, EngineCoreDied):
                 raise RuntimeError(f"engine is not running: {exc}") from None
             raise
@@ -248,22 +256,26 @@ class AsyncLLM:
         return self._core.call("list_loras").result() if self._core is not None else self.engine.list_loras()
 
     def abort(self, request_id: str) -> bool:
-        """Abort a live request now (frees its KV blocks); its stream ends with 'abort'."""
+        """Abort the caller's live request `request_id` now (frees its KV blocks); its stream ends with 'abort'."""
+        engine_id = self._live.get(request_id)
+        return engine_id is not None and self._abort(engine_id)
+
+    def _abort(self, engine_id: str) -> bool:
         if self._core is not None:  # the core answers with the final output, in order with its steps
             with contextlib.suppress(EngineCoreDied):
-                self._core.abort(request_id)
+                self._core.abort(engine_id)
             return True
-        out = self.engine.abort_tokens(request_id)
+        out = self.engine.abort_tokens(engine_id)
         if out is not None:
             self._outputs.put([out])
         return out is not None
 
-    def _stop_in_core(self, request_id: str) -> None:
+    def _stop_in_core(self, engine_id: str) -> None:
         """The output processor found a stop string: finish the request in the core (its final output, which
-        this process has already sent, is dropped when it comes)."""
+        this process has already sent, brings only its stats)."""
         assert self._core is not None
         with contextlib.suppress(EngineCoreDied):
-            self._core.abort(request_id, "stop")
+            self._core.abort(engine_id, "stop")
 
     @property
     def context_tokens(self) -> int:
@@ -293,9 +305,10 @@ class AsyncLLM:
         return self.engine.grammars.take_compile_seconds()
 
     @property
-    def disagg(self) -> Disagg | CoreProcessDisagg:
-        """Prefill/decode disaggregation: this worker's role and the doors' calls (export, expect, pull, forget)."""
-        return self._disagg if self._core is not None else self.engine.disagg
+    def disagg(self) -> DisaggDoor:
+        """Prefill/decode disaggregation: this worker's role and the doors' calls (export, expect, pull, forget),
+        under the caller's request ids."""
+        return self._door
 
     def progress(self) -> EngineProgress:
         """Steps run, requests unfinished, and why the engine loop stopped (None while it runs); cheap,
@@ -320,8 +333,8 @@ class AsyncLLM:
             return
         self._wake.set()
         self._thread.join(drain_timeout_s)
-        for request_id in list(self.engine.requests):  # past the timeout: abort the rest
-            self.abort(request_id)
+        for engine_id in list(self.engine.requests):  # past the timeout: abort the rest
+            self._abort(engine_id)
         self._thread.join()
         self._outputs.put(None)
         self._output_thread.join()
@@ -389,10 +402,10 @@ class AsyncLLM:
                 stream.send(ready)
 
     def _observe_finished(self, final: RequestOutput) -> None:
-        """The output processor's: each finished request once, with the core's stats."""
+        """The output processor's: each finished request once, with the core's stats, under the caller's id."""
         if self.on_finished is not None:
-            try:
-                self.on_finished(final)
+            try:  # (a copy: `final` is also the stream's last delta, found by its engine id)
+                self.on_finished(dataclasses.replace(final, request_id=caller_id(final.request_id)))
             except Exception:  # an observer must not take the output thread down
                 log.exception("on_finished callback failed")
 

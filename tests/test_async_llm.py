@@ -16,6 +16,7 @@ import threading
 import pytest
 
 from runtime import AsyncLLM, EngineArgs, InvalidRequest, SamplingParams
+from runtime.request_ids import caller_id
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -46,7 +47,7 @@ def hold_after(engine: AsyncLLM, request_id: str, num_tokens: int):
             parked.set()
             release.wait(timeout=60)  # bounded: a failing test must not hang the engine thread
         outputs = real_step()
-        if any(o.request_id == request_id and o.num_output_tokens >= num_tokens for o in outputs):
+        if any(caller_id(o.request_id) == request_id and o.num_output_tokens >= num_tokens for o in outputs):
             reached.set()
         return outputs
 

@@ -19,6 +19,7 @@ import time
 import pytest
 
 from benchmarks.overlap import SimulatedDevice
+from engine_format import EngineConfig
 from engine_format.kv_handle import KVHandle, KVLayout
 from executors.lora import AdapterError
 from executors.sampling import TokenLogprobs
@@ -49,10 +50,14 @@ def apart(llama_engine):
     llm.shutdown()
 
 
-def slow_core(engine_dir) -> AsyncLLM:
-    """A core over a simulated device of 10 ms a step (its tokens: the null backend's, always 7)."""
+def slow_core(engine_dir, engine_process: bool = True) -> AsyncLLM:
+    """A core over a simulated device of 10 ms a step (its tokens: the null backend's, always 7), in its own process
+    or on a thread of this one."""
+    args = EngineArgs(num_kv_blocks=SLOW_BLOCKS, engine_process=engine_process)
+    if not engine_process:
+        return AsyncLLM(engine_dir, args, backend=SimulatedDevice(EngineConfig.load(engine_dir), SLOW_BLOCKS, 0.01))
     device = functools.partial(SimulatedDevice, num_blocks=SLOW_BLOCKS, device_s=0.01)
-    return AsyncLLM(engine_dir, EngineArgs(num_kv_blocks=SLOW_BLOCKS), backend_factory=device)
+    return AsyncLLM(engine_dir, args, backend_factory=device)
 
 
 async def collect(llm: AsyncLLM, prompt, params=GREEDY, request_id=None) -> list[RequestOutput]:
@@ -146,10 +151,13 @@ def test_a_recompute_handle_continues_after_the_first_token(here, apart):
     assert rest[-1].num_output_tokens == GREEDY.max_tokens  # the handle's first token counted, as in the core
 
 
-def test_an_id_reused_at_once_gets_its_own_stream_not_the_late_outputs_of_the_request_before(llama_engine):
+@pytest.mark.parametrize("engine_process", [True, False], ids=["process", "thread"])
+def test_an_id_reused_at_once_gets_its_own_stream_not_the_late_outputs_of_the_request_before(
+    llama_engine, engine_process
+):
     """A caller leaves while the core runs on (a step's outputs on their way, the abort's final after them) and
     reuses the id at once: the new stream carries only its own tokens (the core knows each by an id of its own)."""
-    llm = slow_core(llama_engine)
+    llm = slow_core(llama_engine, engine_process)
     short = dataclasses.replace(LONG, max_tokens=5)
 
     async def main():
@@ -167,6 +175,30 @@ def test_an_id_reused_at_once_gets_its_own_stream_not_the_late_outputs_of_the_re
     finally:
         llm.shutdown()
     assert stats.finished["abort"] == 3 and stats.finished["length"] == 3 and stats.kv_usage == 0
+
+
+def test_a_stop_string_request_whose_id_is_reused_at_once_reaches_the_metrics_with_its_stats(llama_engine):
+    """Its stream ends here a step before the core's final output (its stats) comes; by then the caller has
+    reused the id. The metrics get both requests, the stopped one with its timing. (Token 7, the simulated
+    device's every token, reads "%".)"""
+    llm = slow_core(llama_engine)
+    observed: list[RequestOutput] = []
+    finished = threading.Semaphore(0)
+    llm.on_finished = lambda final: (observed.append(final), finished.release())
+
+    async def main():
+        stopped = await collect(llm, [9, 9, 9], dataclasses.replace(LONG, stop=("%%",)), "same")
+        return stopped, await collect(llm, [8, 8, 8], dataclasses.replace(LONG, max_tokens=3), "same")
+
+    try:
+        stopped, again = asyncio.run(main())
+        assert finished.acquire(timeout=30) and finished.acquire(timeout=30)
+    finally:
+        llm.shutdown()
+    assert answer(stopped)[2] == "stop" and answer(again)[2] == "length"
+    by_reason = {final.finish_reason: final for final in observed}
+    assert sorted(by_reason) == ["length", "stop"] and {final.request_id for final in observed} == {"same"}
+    assert by_reason["stop"].stats is not None and by_reason["stop"].stats["e2e_s"] is not None
 
 
 def test_a_build_error_is_raised_here_with_its_class_and_words_and_no_process_is_left(llama_engine):

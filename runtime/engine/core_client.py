@@ -5,9 +5,7 @@
 order with the steps'), and `receive` hands the front end's output thread each step's outputs, answering the
 futures on the way. If the core dies, every pending future fails and `receive` says why.
 
-The core knows each request by an id of its own (the caller's, numbered: `reserve_id`, `add`). A caller may reuse an id
-once its stream ended, and a stream can end before the core has sent the request's last outputs (a stop
-string found here, a caller that left): those outputs are dropped here, not taken for the new request's.
+Requests are named by the front end's engine ids (runtime/request_ids.py).
 """
 
 from __future__ import annotations
@@ -70,11 +68,6 @@ class EngineCoreClient:
         self.steps = 0  # as of the last step received
         self.unfinished = 0
         self._unacknowledged = False  # the outputs `receive` returned last are not yet acknowledged
-        self._ids_lock = threading.Lock()
-        self._core_ids: dict[str, str] = {}  # caller's id -> the core's id of its latest request
-        self._callers: dict[str, str] = {}  # core's id -> caller's id, until the request's final output
-        self._reserved: set[str] = set()  # core ids given out by `reserve_id` before their request is added
-        self._numbers = itertools.count()
         self.problem: str | None = None  # why the core stopped, once it has
         self._final: dict[str, Any] = {}  # FINAL_CALLS' answers, once the core has closed
         self._send(("start", str(engine_dir), args, backend_factory))
@@ -93,14 +86,6 @@ class EngineCoreClient:
 
     # ---- to the core -------------------------------------------------------------------------
 
-    def reserve_id(self, request_id: str) -> str:
-        """The id the core will know the caller's next request `request_id` by, given out before it is added
-        (the disaggregation door registers its KV handle first); `add` takes it."""
-        with self._ids_lock:
-            core_id = self._new_id(request_id)
-            self._reserved.add(core_id)
-        return core_id
-
     def add(
         self,
         request_id: str,
@@ -108,34 +93,15 @@ class EngineCoreClient:
         prompt_ids: list[int],
         params: SamplingParams | None,
         resume_token_ids: Sequence[int],
-    ) -> tuple[str, concurrent.futures.Future[None]]:
-        """Queue a request in the core: its core id, and a future that fails with its admission error
-        (InvalidRequest, Overloaded)."""
-        with self._ids_lock:
-            reserved = self._core_ids.get(request_id)
-            if reserved is not None and reserved in self._reserved:
-                self._reserved.discard(reserved)
-                core_id = reserved
-            else:
-                core_id = self._new_id(request_id)
+    ) -> concurrent.futures.Future[None]:
+        """Queue a request in the core: a future that fails with its admission error (InvalidRequest, Overloaded)."""
         call_id, future = self._future()
+        self._send(("add", call_id, request_id, prompt, prompt_ids, params, list(resume_token_ids)))
+        return future
 
-        def refused(done: concurrent.futures.Future[None]) -> None:  # the core never held it
-            if done.exception() is not None:
-                self._forget_id(core_id)
-
-        future.add_done_callback(refused)
-        self._send(("add", call_id, core_id, prompt, prompt_ids, params, list(resume_token_ids)))
-        return core_id, future
-
-    def abort(self, request_id: str, reason: str = "abort", core_id: str | None = None) -> None:
-        """Finish the caller's latest request `request_id` (or the one `core_id` names) in the core, its KV blocks
-        freed; its final output arrives with the steps'."""
-        if core_id is None:
-            with self._ids_lock:
-                core_id = self._core_ids.get(request_id)
-        if core_id is not None:
-            self._send(("abort", core_id, reason))
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Finish the request in the core, its KV blocks freed; its final output arrives with the steps'."""
+        self._send(("abort", request_id, reason))
 
     def call(self, name: str, *args: Any) -> concurrent.futures.Future[Any]:
         """One of core_wire.CALLS, run in the core: the future holds its value or its error. Once the core has
@@ -174,7 +140,7 @@ class EngineCoreClient:
             if kind == "out":
                 _, self.steps, self.unfinished, packed = message
                 self._unacknowledged = True
-                return self._to_callers(unpack_outputs(packed))
+                return unpack_outputs(packed)
             if kind == "reply":
                 _, call_id, error, value = message
                 with self._futures_lock:
@@ -198,43 +164,6 @@ class EngineCoreClient:
             self.process.kill()
             self.process.wait()
         self._conn.close()
-
-    def _to_callers(self, outputs: list[TokenOutput]) -> list[TokenOutput]:
-        """The outputs of each caller's latest requests, under the caller's ids; an earlier request's (its stream
-        ended, its id reused) dropped."""
-        mine = []
-        with self._ids_lock:
-            for out in outputs:
-                core_id = out.request_id
-                caller = self._callers.get(core_id)
-                if caller is not None and self._core_ids.get(caller) == core_id:
-                    out.request_id = caller
-                    mine.append(out)
-                if out.finish_reason is not None:  # the core is done with it
-                    self._forget_id_locked(core_id)
-        return mine
-
-    def unreserve(self, core_id: str) -> None:
-        """Give back an id from `reserve_id` if no request took it (the caller never added one)."""
-        with self._ids_lock:
-            if core_id in self._reserved:
-                self._forget_id_locked(core_id)
-
-    def _forget_id(self, core_id: str) -> None:
-        with self._ids_lock:
-            self._forget_id_locked(core_id)
-
-    def _new_id(self, request_id: str) -> str:
-        core_id = f"{request_id}#{next(self._numbers)}"
-        self._core_ids[request_id] = core_id
-        self._callers[core_id] = request_id
-        return core_id
-
-    def _forget_id_locked(self, core_id: str) -> None:
-        caller = self._callers.pop(core_id, None)
-        self._reserved.discard(core_id)
-        if caller is not None and self._core_ids.get(caller) == core_id:
-            del self._core_ids[caller]
 
     # ---- the wire ----------------------------------------------------------------------------
 
@@ -279,31 +208,27 @@ class CoreProcessDisagg:
 
     def __init__(self, client: EngineCoreClient) -> None:
         self.client = client
-        # request id -> (the core's id for it, its handle's first token), while the core holds the handle
-        self._expected: dict[str, tuple[str, int]] = {}
+        self._first_tokens: dict[str, int] = {}  # request id -> its handle's first token, while the core holds it
 
     def export(self, request_id: str) -> None:
         raise InvalidRequest("prefill_only", "this worker's role is 'both'; start it with --role prefill")
 
     def expect(self, request_id: str, handle_text: str, cache_salt: str | None, lora: str | None = None) -> Import:
-        core_id = self.client.reserve_id(request_id)  # the request added next under this id takes it
-        imp = self.client.call("disagg.expect", core_id, handle_text, cache_salt, lora).result()
-        self._expected[request_id] = (core_id, imp.handle.first_token)
+        imp = self.client.call("disagg.expect", request_id, handle_text, cache_salt, lora).result()
+        self._first_tokens[request_id] = imp.handle.first_token
         return imp
 
     def first_tokens(self, request_id: str) -> list[int]:
         """The token the core takes from the request's handle as already answered (its text went out from the
         prefill worker): the front end's detokenizer needs it as context, as the core's adoption resumes it."""
-        return [self._expected[request_id][1]] if request_id in self._expected else []
+        return [self._first_tokens[request_id]] if request_id in self._first_tokens else []
 
     async def pull(self, imp: Import) -> None:
         assert imp.handle.recompute, "a `both` worker's expect() refuses handles to read"
 
     def forget(self, request_id: str) -> None:
-        expected = self._expected.pop(request_id, None)
-        if expected is not None:  # (every request ends here: the core is asked only about its own)
-            self.client.call("disagg.forget", expected[0])
-            self.client.unreserve(expected[0])
+        if self._first_tokens.pop(request_id, None) is not None:  # (every request ends here: the core is asked
+            self.client.call("disagg.forget", request_id)  # only about its own)
 
     def stats(self) -> DisaggStats:
         return self.client.call("disagg.stats").result()

@@ -144,8 +144,8 @@ class OutputProcessor:
         if final is not None:
             self._finished(delta)
         elif self.on_finished is not None:  # the core's final output brings the stats
-            with self._lock:
-                self._stats_due[out.request_id] = delta
+            with self._lock:  # (a copy: the delta itself is the caller's)
+                self._stats_due[out.request_id] = replace(delta)
         return delta
 
     def _finished(self, final: RequestOutput) -> None:
