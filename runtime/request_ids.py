@@ -88,5 +88,5 @@ class DisaggDoor:
         return self.disagg.take_pull_records()
 
     def _hold(self, request_id: str) -> str:
-        engine_id = self._held[request_id] = self.ids.reserve(request_id)
-        return engine_id
+        self._held[request_id] = self.ids.reserve(request_id)
+        return self._held[request_id]
