@@ -307,7 +307,7 @@ class AsyncLLM:
     @property
     def disagg(self) -> DisaggDoor:
         """Prefill/decode disaggregation: this worker's role and the doors' calls (export, expect, pull, forget),
-        under the caller's request ids."""
+        under the caller's request ids (`forget`: the engine id that export or expect gave)."""
         return self._door
 
     def progress(self) -> EngineProgress:

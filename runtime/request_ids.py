@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from runtime.engine.core_client import CoreProcessDisagg
 from runtime.engine.disagg import Disagg, DisaggStats
 from runtime.engine.kv_import import Import, PullRecord
 
 SEPARATOR = "#"
+T = TypeVar("T")
 
 
 class RequestIds:
@@ -55,31 +58,34 @@ def caller_id(engine_id: str) -> str:
 
 
 class DisaggDoor:
-    """The disaggregation door's calls (runtime/triton_model/kv_door.py) under the caller's request ids, made
-    before the request is added and after it ended: each is passed on under the engine id the request takes."""
+    """The disaggregation door's calls (runtime/triton_model/kv_door.py), made before the request is added: each
+    takes the caller's request id and is passed on under the engine id the request will take, which it returns
+    (`export`; `expect`'s Import carries it). `forget` takes that engine id back once the request ended, so a
+    request under the same caller's id, started meanwhile, keeps its own reservation."""
 
     def __init__(self, ids: RequestIds, disagg: Disagg | CoreProcessDisagg) -> None:
         self.ids, self.disagg = ids, disagg
-        self._held: dict[str, str] = {}  # caller's id -> its engine id, from the first call until `forget`
 
     @property
     def role(self) -> str:
         return self.disagg.role
 
-    def export(self, request_id: str) -> None:
-        self.disagg.export(self._hold(request_id))
+    def export(self, request_id: str) -> str:
+        engine_id = self.ids.reserve(request_id)
+        self._or_unreserve(request_id, engine_id, self.disagg.export, engine_id)
+        return engine_id
 
     def expect(self, request_id: str, handle_text: str, cache_salt: str | None, lora: str | None = None) -> Import:
-        return self.disagg.expect(self._hold(request_id), handle_text, cache_salt, lora)
+        engine_id = self.ids.reserve(request_id)
+        return self._or_unreserve(request_id, engine_id, self.disagg.expect, engine_id, handle_text, cache_salt, lora)
 
     async def pull(self, imp: Import) -> None:
         await self.disagg.pull(imp)
 
-    def forget(self, request_id: str) -> None:
-        engine_id = self._held.pop(request_id, None)
-        if engine_id is not None:
-            self.disagg.forget(engine_id)
-            self.ids.unreserve(request_id, engine_id)
+    def forget(self, engine_id: str) -> None:
+        """The request given `engine_id` (by export, or expect's Import) ended or never started."""
+        self.disagg.forget(engine_id)
+        self.ids.unreserve(caller_id(engine_id), engine_id)
 
     def stats(self) -> DisaggStats:
         return self.disagg.stats()
@@ -87,6 +93,10 @@ class DisaggDoor:
     def take_pull_records(self) -> list[PullRecord]:
         return self.disagg.take_pull_records()
 
-    def _hold(self, request_id: str) -> str:
-        self._held[request_id] = self.ids.reserve(request_id)
-        return self._held[request_id]
+    def _or_unreserve(self, request_id: str, engine_id: str, call: Callable[..., T], *args: Any) -> T:
+        """`call(*args)`; if it refuses (InvalidRequest, a dead core), the reservation goes with it."""
+        try:
+            return call(*args)
+        except BaseException:
+            self.ids.unreserve(request_id, engine_id)
+            raise

@@ -141,11 +141,12 @@ def test_a_recompute_handle_continues_after_the_first_token(here, apart):
     )
 
     async def main():
-        await apart.disagg.pull(apart.disagg.expect("rc", handle.to_json(), None))
+        imp = apart.disagg.expect("rc", handle.to_json(), None)
+        await apart.disagg.pull(imp)
         try:
             return await collect(apart, prompt, GREEDY, "rc")
         finally:
-            apart.disagg.forget("rc")
+            apart.disagg.forget(imp.request_id)
 
     rest = asyncio.run(main())
     assert [expected[0], *answer(rest)[0]] == expected and apart.disagg.stats().recomputes == 1

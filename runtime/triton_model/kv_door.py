@@ -24,14 +24,18 @@ __all__ = ["KV_TRANSFER_FAILED", "KVTransferError", "disaggregated", "transfer_f
 async def disaggregated(engine: AsyncLLM, parsed: ParsedRequest, request_id: str) -> AsyncIterator[None]:
     """Around a request's generation: its KV read (kv_handle) or its prefill-only mark, and their cleanup."""
     disagg = engine.disagg
+    engine_id = None  # the engine's id for the request, once a door call reserved one (runtime/request_ids.py)
     try:
         if parsed.kv_handle is not None:
-            await disagg.pull(disagg.expect(request_id, parsed.kv_handle, parsed.params.cache_salt, parsed.params.lora))
+            imp = disagg.expect(request_id, parsed.kv_handle, parsed.params.cache_salt, parsed.params.lora)
+            engine_id = imp.request_id
+            await disagg.pull(imp)
         elif parsed.prefill_only:
-            disagg.export(request_id)
+            engine_id = disagg.export(request_id)
         yield
     finally:
-        disagg.forget(request_id)
+        if engine_id is not None:  # its own: a request under the same id started meanwhile keeps its reservation
+            disagg.forget(engine_id)
 
 
 def transfer_failure(exc: KVTransferError) -> str:
