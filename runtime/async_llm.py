@@ -12,12 +12,13 @@ long prompt must not stall the other requests' streams). A delta carries up to t
 delta are passed on at once.
 
 Where the core runs (EngineArgs.engine_process):
-- in a process of its own, the default for role 'both' (runtime/engine/core_process.py, vLLM's EngineCoreProc):
+- in a process of its own, the default (runtime/engine/core_process.py, vLLM's EngineCoreProc):
   its steps never wait for this process's GIL (the text, the event loop, the Triton model). This process keeps
   the tokenizer, the text and the streams; one thread receives the core's steps and turns them into text
   (detokenization, stop strings), and a stop string found here aborts the request in the core, a step late
-  at most. A stream whose caller falls behind takes what came meanwhile as one delta.
-- on a thread of this process (the transfer roles, whose KV doors reach into the core, or when asked): the
+  at most. A stream whose caller falls behind takes what came meanwhile as one delta. The disaggregation
+  doors' calls cross to the core too; a KV read runs there (runtime/engine/core_pulls.py).
+- on a thread of this process (EngineArgs(engine_process=False), or a `backend` object given): the
   engine thread runs the core's steps and the output thread turns them into text, so the next step starts
   without waiting for the text of the last one, but both hold this process's GIL in turn. Every output of a
   request, an abort's final one included, goes through the output thread's one queue, in order.
@@ -83,11 +84,9 @@ class AsyncLLM:
         self._engine: LLMEngine | None = None
         self._core: EngineCoreClient | None = None
         self._rejected_here = 0  # core in its own process: prompts refused here (it never saw them)
-        if args.engine_process and backend is not None:
-            raise ValueError("a backend object cannot cross to the engine core's process: pass backend_factory")
-        if backend_factory is not None and not args.core_process:
+        if backend_factory is not None and not args.engine_process:
             raise ValueError("backend_factory builds the backend in the engine core's process, which is off")
-        if args.core_process and backend is None:  # (a backend given: this process's, as asked)
+        if args.engine_process and backend is None:  # (a backend given: this process's, as asked)
             self._start_core_process(engine_dir, args, backend_factory)
             return
         # The engine is built on the thread that steps it: OpenMP (the CPU kernel, torch) keeps a pool of
@@ -120,7 +119,7 @@ class AsyncLLM:
             raise
         self.admission = Admission(tokenizer, config.model.vocab_size, config.max_seq_len, info.capacity_tokens)
         self.outputs = OutputProcessor(tokenizer, self._stop_in_core, self._observe_finished)
-        self._disagg = CoreProcessDisagg(core)
+        self._disagg = CoreProcessDisagg(core, args.role)
         self._door = DisaggDoor(self._ids, self._disagg)
         # One thread: the core's steps in, text out (the core's own threads step it).
         self._thread = self._output_thread = threading.Thread(

@@ -24,10 +24,8 @@ from engine_format import EngineConfig
 from engine_format.kv_handle import KVHandle, with_recompute
 from engine_format.kv_identity import kv_layout
 from executors.kv_transfer import KVTransferError, PeerMismatch, kv_memory
-from runtime import AsyncLLM, EngineArgs, InvalidRequest, LLMEngine, SamplingParams
+from runtime import EngineArgs, InvalidRequest, LLMEngine, SamplingParams
 from runtime.engine.disagg import HANDOFF
-from runtime.triton_model import kv_door
-from runtime.triton_model.inputs import ParsedRequest
 from tests.helpers import random_prompts
 
 pytest.importorskip("nixl_cu12", reason="NIXL is the extra trtserve[disagg]")
@@ -272,29 +270,3 @@ def test_smollm2_prefill_then_decode_equals_one_worker(smollm2_engine):
     finally:
         prefill.disagg.close()
         decode.disagg.close()
-
-
-def test_a_late_cleanup_keeps_the_mark_of_a_request_started_under_the_same_id(llama_engine):
-    """A client may reuse its request id once its stream ended, before the door's cleanup of the request before
-    ran (the Triton model's `disaggregated`): that cleanup forgets the engine id its own request was given, and
-    the new request under the id stays prefill-only."""
-    llm = AsyncLLM(llama_engine, EngineArgs(role="prefill", kv_pin_timeout_s=60))
-    prompt = random_prompts(EngineConfig.load(llama_engine).model.vocab_size, [9], seed=14)[0]
-    parsed = ParsedRequest(prompt, GREEDY, stream=True, prefill_only=True)
-
-    async def main():
-        first_door, second_door = kv_door.disaggregated(llm, parsed, "x"), kv_door.disaggregated(llm, parsed, "x")
-        await first_door.__aenter__()
-        before = [o async for o in llm.generate(prompt, GREEDY, request_id="x")]
-        await second_door.__aenter__()  # the same caller's id again, the first request's door not yet closed
-        await first_door.__aexit__(None, None, None)
-        after = [o async for o in llm.generate(prompt, GREEDY, request_id="x")]
-        await second_door.__aexit__(None, None, None)
-        return before, after
-
-    try:
-        before, after = asyncio.run(main())
-    finally:
-        llm.shutdown()
-    assert before[-1].finish_reason == after[-1].finish_reason == HANDOFF
-    assert after[-1].kv_handle is not None and llm.disagg.stats().handoffs == 2

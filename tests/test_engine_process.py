@@ -125,8 +125,6 @@ def test_a_both_workers_doors_refuse_what_needs_a_kv_transfer_naming_the_field(a
     assert caught.value.field == "kv_handle"
     with pytest.raises(InvalidRequest, match="prefill_only"):
         apart.disagg.export("r")
-    with pytest.raises(ValueError, match="engine_process needs role 'both'"):
-        EngineArgs(engine_process=True, role="prefill")
 
 
 def test_a_recompute_handle_continues_after_the_first_token(here, apart):

@@ -10,6 +10,7 @@ Requests are named by the front end's engine ids (runtime/request_ids.py).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import itertools
@@ -32,7 +33,6 @@ from runtime.engine.admission import Prompt
 from runtime.engine.core_wire import EngineInfo, rebuild_error, unpack_outputs
 from runtime.engine.disagg import DisaggStats
 from runtime.engine.engine_args import EngineArgs
-from runtime.engine.errors import InvalidRequest
 from runtime.engine.kv_import import Import, PullRecord
 from runtime.engine.outputs import TokenOutput
 
@@ -145,10 +145,12 @@ class EngineCoreClient:
                 _, call_id, error, value = message
                 with self._futures_lock:
                     future = self._futures.pop(call_id)
-                if error is None:
-                    future.set_result(value)
-                else:
-                    future.set_exception(rebuild_error(error))
+                # (cancelled, its caller gone: a KV read's, which asyncio.wrap_future cancels with its awaiter)
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    if error is None:
+                        future.set_result(value)
+                    else:
+                        future.set_exception(rebuild_error(error))
             elif kind == "died":
                 self._die(message[1])
             elif kind == "closed":
@@ -200,18 +202,16 @@ class EngineCoreClient:
 
 
 class CoreProcessDisagg:
-    """The disaggregation doors of a front end whose core runs in its own process, for a `both` worker (EngineArgs
-    refuses other roles there): it reads no KV, marks nothing prefill-only, and takes the handles a gateway marks
-    `recompute` (a decode worker's fallback) by registering them in the core."""
+    """The disaggregation doors of a front end whose core runs in its own process: each call crosses to the
+    core's Disagg (a KV read runs there on a loop of its own, core_pulls.py, and its reply comes when it ends).
+    The front end keeps the first token of each request's handle, which its detokenizer needs."""
 
-    role = "both"
-
-    def __init__(self, client: EngineCoreClient) -> None:
-        self.client = client
+    def __init__(self, client: EngineCoreClient, role: str) -> None:
+        self.client, self.role = client, role
         self._first_tokens: dict[str, int] = {}  # request id -> its handle's first token, while the core holds it
 
     def export(self, request_id: str) -> None:
-        raise InvalidRequest("prefill_only", "this worker's role is 'both'; start it with --role prefill")
+        self.client.call("disagg.export", request_id).result()
 
     def expect(self, request_id: str, handle_text: str, cache_salt: str | None, lora: str | None = None) -> Import:
         imp = self.client.call("disagg.expect", request_id, handle_text, cache_salt, lora).result()
@@ -224,11 +224,14 @@ class CoreProcessDisagg:
         return [self._first_tokens[request_id]] if request_id in self._first_tokens else []
 
     async def pull(self, imp: Import) -> None:
-        assert imp.handle.recompute, "a `both` worker's expect() refuses handles to read"
+        """The core reads the KV (nothing to read for a `recompute` handle). Cancelled here (the caller left),
+        the read goes on in the core until `forget`, which the door calls as the request ends."""
+        if not imp.handle.recompute:
+            await asyncio.wrap_future(self.client.call("disagg.pull", imp.request_id))
 
     def forget(self, request_id: str) -> None:
-        if self._first_tokens.pop(request_id, None) is not None:  # (every request ends here: the core is asked
-            self.client.call("disagg.forget", request_id)  # only about its own)
+        self._first_tokens.pop(request_id, None)
+        self.client.call("disagg.forget", request_id)  # answered in the core's order; nobody waits for it
 
     def stats(self) -> DisaggStats:
         return self.client.call("disagg.stats").result()

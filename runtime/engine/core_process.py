@@ -23,12 +23,13 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
 from engine_format import EngineConfig
 from runtime.engine.core_outbox import Outbox
+from runtime.engine.core_pulls import CorePulls
 from runtime.engine.core_wire import CALLS, FINAL_CALLS, EngineInfo, error_state
 from runtime.engine.heap import freeze_startup_heap
 from runtime.engine.llm_engine import LLMEngine
@@ -44,6 +45,7 @@ class EngineCoreProcess:
         self._wake = threading.Event()
         self._calls = ThreadPoolExecutor(2, thread_name_prefix="trtserve-core-call")
         self.outbox = Outbox(self.send)
+        self.pulls = CorePulls(engine.disagg)  # a decode worker's KV reads, on a loop of their own
         self._drain_until: float | None = None  # set by a shutdown: stop once idle, or at this time
 
     def send(self, message: tuple) -> None:
@@ -76,6 +78,7 @@ class EngineCoreProcess:
             self._abort(request_id, "abort")
         self.outbox.close()  # every output before "closed"
         self._calls.shutdown(wait=True, cancel_futures=True)
+        self.pulls.close()  # reads still running cancelled, before the connector closes
         engine.close()  # the KV tiers write to disk
         self._send_quietly(("closed", {name: self._resolve(name)() for name in FINAL_CALLS}))
 
@@ -139,17 +142,32 @@ class EngineCoreProcess:
             self.send_outputs([out])
 
     def _call(self, call_id: int, name: str, args: tuple) -> None:
+        """Run a call and reply with its value or error; a call that returns a future (a KV read) is answered
+        when the future is done."""
         try:
             value = self._resolve(name)(*args)
         except Exception as exc:
             self._send_quietly(("reply", call_id, error_state(exc), None))
             return
+        if isinstance(value, Future):
+            value.add_done_callback(lambda done: self._reply_when_done(call_id, done))
+            return
         self._send_quietly(("reply", call_id, None, value))
 
+    def _reply_when_done(self, call_id: int, done: Future) -> None:
+        error = None if done.cancelled() else done.exception()
+        if done.cancelled() or error is not None:
+            self._send_quietly(("reply", call_id, error_state(error or RuntimeError("cancelled in the core")), None))
+        else:
+            self._send_quietly(("reply", call_id, None, done.result()))
+
     def _resolve(self, name: str) -> Any:
-        """The engine's method `name` (dotted: of one of its parts), if it is one of CALLS."""
+        """The engine's method `name` (dotted: of one of its parts), if it is one of CALLS; a KV read and its
+        cleanup are the core's own (core_pulls.py)."""
         if name not in CALLS:
             raise ValueError(f"{name!r} is not an engine call ({', '.join(sorted(CALLS))})")
+        if name in ("disagg.pull", "disagg.forget"):
+            return getattr(self.pulls, name.partition(".")[2])
         target: Any = self.engine
         for part in name.split("."):
             target = getattr(target, part)

@@ -14,7 +14,7 @@ Core -> front end:
     ("ready", EngineInfo) or ("failed", error)          after "start"
     ("out", steps, unfinished, packed outputs)          every step's and abort's outputs (merged while the
                                                         front end has CREDITS messages unanswered)
-    ("reply", call_id, error or None, value)
+    ("reply", call_id, error or None, value)          (a KV read's when it has ended: core_pulls.py)
     ("died", message)                                   the step loop failed; the core exits
     ("closed", final)                                   after "shutdown": drained, KV tiers written; `final`:
                                                         FINAL_CALLS' answers then (a model's last metrics)
@@ -41,7 +41,9 @@ CALLS = frozenset(
         "add_lora",
         "remove_lora",
         "list_loras",
+        "disagg.export",
         "disagg.expect",
+        "disagg.pull",
         "disagg.forget",
         "disagg.stats",
         "disagg.take_pull_records",

@@ -141,11 +141,10 @@ class EngineArgs:
                                        "(backends that sample on their device; steps run one by one while a "
                                        "request uses penalties, logprobs or speculation).",
                                        flag="--overlap-scheduling/--no-overlap-scheduling")  # fmt: skip
-    engine_process: bool | None = setting(
-        None,
-        "AsyncLLM and the served model: run the engine core (scheduler, KV cache, backend) in a process of its "
-        "own, so that its steps never wait for the text and the streams of the serving one (default: yes for "
-        "role 'both'; the transfer roles' KV doors need the core in the serving process).",
+    engine_process: bool = setting(
+        True,
+        "AsyncLLM and the served model: run the engine core (scheduler, KV cache, backend, KV transfers) in a "
+        "process of its own, so that its steps never wait for the text and the streams of the serving one.",
         flag="--engine-process/--no-engine-process",
     )
     role: str = setting("both", "Prefill/decode disaggregation: 'prefill' runs prompts and hands their KV on (pinned "
@@ -226,11 +225,6 @@ class EngineArgs:
         return adapters
 
     @property
-    def core_process(self) -> bool:
-        """Whether AsyncLLM runs the engine core in a process of its own (engine_process, or its default)."""
-        return self.role == "both" if self.engine_process is None else self.engine_process
-
-    @property
     def disable_batch_size(self) -> int:
         """speculative_disable_batch_size, or the speculative method's default."""
         if self.speculative_disable_batch_size is not None:
@@ -269,13 +263,8 @@ class EngineArgs:
                 raise ValueError(f"EngineArgs.{name} must be one of {choices} (got {getattr(self, name)!r})")
         if self.role not in ROLES:
             raise ValueError(f"EngineArgs.role must be one of {', '.join(ROLES)} (got {self.role!r})")
-        if self.engine_process not in (None, True, False):
-            raise ValueError(f"EngineArgs.engine_process must be a bool or None (got {self.engine_process!r})")
-        if self.engine_process and self.role != "both":
-            raise ValueError(
-                f"EngineArgs.engine_process needs role 'both' (got {self.role!r}): KV transfers read and write the "
-                "pool of an engine in this process"
-            )
+        if self.engine_process not in (True, False):
+            raise ValueError(f"EngineArgs.engine_process must be a bool (got {self.engine_process!r})")
         pin = self.kv_pin_timeout_s
         if not isinstance(pin, int | float) or isinstance(pin, bool) or not 0 < pin < math.inf:
             raise ValueError(f"EngineArgs.kv_pin_timeout_s must be a positive number of seconds (got {pin!r})")

@@ -205,6 +205,11 @@ class KVImports:
             raise InvalidRequest("lora", f"adapter {lora!r}: this server serves no LoRA adapters")
         return self.scheduler.loras.digest(lora)
 
+    def get(self, request_id: str) -> Import | None:
+        """The request's registered handle, until adopted, discarded or expired."""
+        with self.lock:
+            return self._imports.get(request_id)
+
     def discard(self, request_id: str) -> None:
         """Forget a request's handle and free what it staged (a no-op once adopted); thread-safe."""
         with self.lock:
