@@ -1,10 +1,12 @@
 """`python -m benchmarks.disaggregation`: prefill/decode disaggregation -> results/disaggregation.{json,md}.
 
-Two systems behind the same gateway, the same traffic for each, one after the other:
+Systems behind the same gateway, the same traffic for each, one after the other (`--systems`):
 - "both": one `both` worker (tritonserver + the trtserve model) on the machine's 2 cores;
 - "disaggregated": a prefill worker pinned to core 0 and a decode worker pinned to core 1 (each engine then
   runs one thread: the backends size their threads by the process' affinity), KV moved by NIXL (UCX over
-  shared memory: host DRAM to host DRAM).
+  shared memory: host DRAM to host DRAM);
+- "disaggregated-thread": the same with each worker's engine core on a thread of its model's process
+  (`--no-engine-process`) instead of a process of its own.
 The gateway and the load generator float over both cores in both runs (the gateway at nice 10, as `trtserve
 serve` starts it).
 
@@ -50,7 +52,7 @@ from runtime.gateway.process import GatewayProcess
 from runtime.serve.launcher import ServerConfig, TritonServer, free_port
 
 GOODPUT_SLO = SLO(ttft_s=5.0, tpot_s=0.2)
-SYSTEMS = ("both", "disaggregated")
+SYSTEMS = ("both", "disaggregated", "disaggregated-thread")
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,8 @@ def pinned(cores: set[int] | None) -> Iterator[None]:
 def system(cfg: Config, kind: str) -> Iterator[tuple[Endpoint, dict[str, TritonServer]]]:
     """The gateway's endpoint and the workers of `kind`, started and stopped."""
     params = {"max_num_seqs": str(cfg.max_num_seqs), "max_waiting": "4096"}
+    if kind == "disaggregated-thread":
+        params["engine_process"] = "false"
     roles: dict[str | None, set[int] | None] = {None: None} if kind == "both" else {"prefill": {0}, "decode": {1}}
     servers: dict[str, TritonServer] = {}
     try:
@@ -253,8 +257,10 @@ def on_paper() -> dict:
 @click.option("--streams", type=int, default=6, show_default=True)
 @click.option("--long-tokens", type=int, default=1024, show_default=True)
 @click.option("--long-rate", type=float, default=0.15, show_default=True)
+@click.option("--systems", default="both,disaggregated", show_default=True, help=f"of {', '.join(SYSTEMS)}")
 @click.option("--name", default="disaggregation", show_default=True)
-def main(engine: Path, duration_s: float, streams: int, long_tokens: int, long_rate: float, name: str) -> None:
+def main(engine: Path, duration_s: float, streams: int, long_tokens: int, long_rate: float, systems: str,
+         name: str) -> None:  # fmt: skip
     if len(os.sched_getaffinity(0)) < 2:
         raise click.ClickException("needs 2 cores: one per worker")
     cfg = Config(engine.resolve(), duration_s, streams, long_tokens=long_tokens, long_rate=long_rate)
@@ -265,9 +271,12 @@ def main(engine: Path, duration_s: float, streams: int, long_tokens: int, long_r
     def log(message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
-    runs = [measure(cfg, kind, stream, long, warm, log) for kind in SYSTEMS]
+    kinds = [k.strip() for k in systems.split(",") if k.strip()]
+    if not kinds or set(kinds) - set(SYSTEMS):
+        raise click.BadParameter(f"must name some of {', '.join(SYSTEMS)} (got {systems!r})", param_hint="--systems")
+    runs = [measure(cfg, kind, stream, long, warm, log) for kind in kinds]
     command = (f"python -m benchmarks.disaggregation --engine {engine} --duration {duration_s:g} --streams {streams} "
-               f"--long-tokens {long_tokens} --long-rate {long_rate:g}")  # fmt: skip
+               f"--long-tokens {long_tokens} --long-rate {long_rate:g} --systems {','.join(kinds)}")  # fmt: skip
     results = {"config": {**asdict(cfg), "engine": str(cfg.engine)}, "runs": runs, "memory_copy": memory_copy(cfg),
                "on_paper": on_paper(), "command": command}  # fmt: skip
     md, _ = write_report(name, results, render)

@@ -20,7 +20,8 @@ def render(p: dict) -> str:
         f"Traffic for {cfg['duration_s']:g} s: {cfg['streams']} steady streams ({cfg['stream_prompt_tokens']}-token "
         f"prompts, {cfg['stream_output_tokens']} tokens out, back to back) and {cfg['long_tokens']}-token prompts "
         f"({cfg['long_output_tokens']} tokens out) arriving at {cfg['long_rate']:g}/s (Poisson). `both`: one worker "
-        "on both cores; `disaggregated`: a prefill worker on core 0 and a decode worker on core 1, KV moved by NIXL. "
+        "on both cores; `disaggregated`: a prefill worker on core 0 and a decode worker on core 1, KV moved by NIXL "
+        "(`-thread`: each worker's engine core on a thread of its model's process, not a process of its own). "
         "The gateway and the client float over both cores in both. Goodput: requests/s with TTFT <= 5 s and "
         "TPOT <= 200 ms.",
         "",
