@@ -10,7 +10,8 @@ parallel work, llm_engine.py), handing each step's outputs to the outbox's threa
 ever making a step wait for the front end (core_outbox.py); the third reads the front end's messages (adds,
 aborts, calls, acknowledgements). Adds and aborts run on that reader in arrival order; calls that may take
 long (an adapter read from disk, a grammar compiled) run on a small pool so that aborts never wait behind
-them. The front end closing its end (it exited) stops the core as a shutdown without drain does.
+them. A decode worker's KV reads run on an event loop thread of their own, answered when they end
+(core_pulls.py). The front end closing its end (it exited) stops the core as a shutdown without drain does.
 """
 
 from __future__ import annotations
@@ -155,9 +156,9 @@ class EngineCoreProcess:
         self._send_quietly(("reply", call_id, None, value))
 
     def _reply_when_done(self, call_id: int, done: Future) -> None:
-        error = None if done.cancelled() else done.exception()
-        if done.cancelled() or error is not None:
-            self._send_quietly(("reply", call_id, error_state(error or RuntimeError("cancelled in the core")), None))
+        error = RuntimeError("cancelled in the engine core") if done.cancelled() else done.exception()
+        if error is not None:
+            self._send_quietly(("reply", call_id, error_state(error), None))
         else:
             self._send_quietly(("reply", call_id, None, done.result()))
 
