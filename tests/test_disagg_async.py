@@ -34,7 +34,7 @@ async def answer(llm: AsyncLLM, parsed: ParsedRequest, request_id: str) -> list:
         return [o async for o in llm.generate(parsed.prompt, parsed.params, request_id=request_id)]
 
 
-def wait_until(condition, rounds: int = 500) -> None:
+def wait_until(condition, rounds: int = 3000) -> None:
     """Polls work the core does after its reply (a bounded number of rounds: no wall-clock deadline)."""
     for _ in range(rounds):
         if condition():
