@@ -8,7 +8,6 @@ Real NIXL agents (UCX over host memory), the tiny Llama.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -18,6 +17,7 @@ from runtime.engine.disagg import HANDOFF
 from runtime.triton_model import kv_door
 from runtime.triton_model.inputs import ParsedRequest
 from tests.helpers import random_prompts
+from tests.triton_helpers import wait_for
 
 pytest.importorskip("nixl_cu12", reason="NIXL is the extra trtserve[disagg]")
 
@@ -32,15 +32,6 @@ def prompt_of(engine_dir, length: int, seed: int) -> list[int]:
 async def answer(llm: AsyncLLM, parsed: ParsedRequest, request_id: str) -> list:
     async with kv_door.disaggregated(llm, parsed, request_id):
         return [o async for o in llm.generate(parsed.prompt, parsed.params, request_id=request_id)]
-
-
-def wait_until(condition, rounds: int = 3000) -> None:
-    """Polls work the core does after its reply (a bounded number of rounds: no wall-clock deadline)."""
-    for _ in range(rounds):
-        if condition():
-            return
-        time.sleep(0.01)
-    assert condition()
 
 
 @MODES
@@ -66,7 +57,7 @@ def test_prefill_then_decode_answers_as_one_worker(llama_engine, engine_process)
             assert [t for o in split for t in o.token_ids] == [t for o in one for t in o.token_ids]
             assert "".join(o.text for o in split) == "".join(o.text for o in one)
         assert prefill.disagg.stats().handoffs == decode.disagg.stats().pulls == len(prompts)
-        wait_until(lambda: prefill.disagg.stats().pinned_blocks == 0)  # read: the prefill worker unpins
+        assert wait_for(lambda: prefill.disagg.stats().pinned_blocks == 0, 30, 0.01)  # read: unpinned
         assert decode.disagg.stats().staged_blocks == 0
     finally:
         for llm in (prefill, decode, both):
@@ -90,7 +81,7 @@ def test_a_read_whose_caller_left_is_cancelled_and_the_worker_serves_on(llama_en
         reading.cancel()
         with pytest.raises(asyncio.CancelledError):
             await reading
-        wait_until(lambda: decode.disagg.stats().pull_failures == 1)
+        assert wait_for(lambda: decode.disagg.stats().pull_failures == 1, 30, 0.01)  # (work after the reply)
         return await answer(decode, ParsedRequest(short_prompt, GREEDY, stream=True), "small")
 
     try:
