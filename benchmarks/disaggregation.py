@@ -259,8 +259,9 @@ def on_paper() -> dict:
 @click.option("--long-rate", type=float, default=0.15, show_default=True)
 @click.option("--systems", default="both,disaggregated", show_default=True, help=f"of {', '.join(SYSTEMS)}")
 @click.option("--name", default="disaggregation", show_default=True)
-def main(engine: Path, duration_s: float, streams: int, long_tokens: int, long_rate: float, systems: str,
-         name: str) -> None:  # fmt: skip
+def main(
+    engine: Path, duration_s: float, streams: int, long_tokens: int, long_rate: float, systems: str, name: str
+) -> None:
     if len(os.sched_getaffinity(0)) < 2:
         raise click.ClickException("needs 2 cores: one per worker")
     cfg = Config(engine.resolve(), duration_s, streams, long_tokens=long_tokens, long_rate=long_rate)
