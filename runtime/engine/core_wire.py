@@ -14,7 +14,7 @@ Core -> front end:
     ("ready", EngineInfo) or ("failed", error)          after "start"
     ("out", steps, unfinished, packed outputs)          every step's and abort's outputs (merged while the
                                                         front end has CREDITS messages unanswered)
-    ("reply", call_id, error or None, value)          (a KV read's when it has ended: core_pulls.py)
+    ("reply", call_id, error or None, value)            a call's answer (a KV read's once it has ended: core_pulls.py)
     ("died", message)                                   the step loop failed; the core exits
     ("closed", final)                                   after "shutdown": drained, KV tiers written; `final`:
                                                         FINAL_CALLS' answers then (a model's last metrics)
